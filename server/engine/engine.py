@@ -1,0 +1,524 @@
+"""The engine: one thread owns the llama context and runs continuous-batching steps.
+
+Each step (DESIGN §3): admit waiting tasks to idle slots, build one batch holding the next
+token of every generating slot plus prompt chunks of prefilling slots (<= n_batch tokens),
+decode it once, sample where logits were requested, emit text to the tasks' sinks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .checkpoints import CheckpointPolicy
+from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
+from .slot import Checkpoint, Slot, SlotState
+from .stats import EngineStats
+from .types import (
+    FinishReason,
+    SamplingParams,
+    StateBuf,
+    Task,
+    TaskError,
+    TaskResult,
+    TextChunk,
+    Timings,
+    TokenLogprob,
+)
+
+log = logging.getLogger("server.engine")
+
+
+class Batch(Protocol):
+    n: int
+
+    def clear(self) -> None: ...
+    def add_span(self, tokens: list[int], pos0: int, seq: int, logits_last: bool) -> int: ...
+
+
+class Backend(Protocol):
+    """What the engine needs from llama.cpp (server.llama.backend.LlamaBackend, or a fake)."""
+
+    n_ctx: int
+    n_ctx_slot: int
+    n_batch: int
+    n_ubatch: int
+    n_seq: int
+    n_swa: int
+    n_vocab: int
+    kv_unified: bool
+    is_recurrent: bool
+    batch: Batch
+
+    def decode(self, start: int, count: int) -> int: ...
+    def new_sampler(self, p: SamplingParams, history: list[int]) -> Any: ...
+    def sample(self, sampler: Any, idx: int) -> int: ...
+    def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob: ...
+    def token_to_piece(self, token: int, special: bool = False) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool: ...
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
+    def seq_pos_min(self, seq: int) -> int: ...
+    def seq_pos_max(self, seq: int) -> int: ...
+    def seq_clear(self, seq: int) -> None: ...
+    def state_get(self, seq: int, partial: bool = False) -> StateBuf: ...
+    def state_set(self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None) -> int: ...
+
+
+@dataclass
+class EngineOptions:
+    n_parallel: int = 4
+    slot_prompt_similarity: float = 0.10
+    n_predict: int = -1  # server-wide cap on generated tokens (-1: none)
+    ctx_checkpoints: int = 32
+    checkpoint_min_step: int = 8192
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, backend: Backend, opts: EngineOptions) -> None:
+        self.b = backend
+        self.opts = opts
+        self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
+        self.waiting: collections.deque[Task] = collections.deque()
+        self.stats = EngineStats()
+        self.ckpt = CheckpointPolicy(
+            enabled=opts.ctx_checkpoints > 0 and (backend.n_swa > 0 or backend.is_recurrent),
+            max_per_slot=opts.ctx_checkpoints,
+            min_step=opts.checkpoint_min_step,
+            n_ubatch=backend.n_ubatch,
+        )
+        self._inbox: queue.SimpleQueue[Task | _Op | None] = queue.SimpleQueue()
+        self._ops: list[_Op] = []
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.listeners: list[Callable[[Slot, TaskResult], None]] = []
+
+    # ---- public, thread-safe ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._inbox.put(None)
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def submit(self, task: Task) -> None:
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        self._inbox.put(task)
+        self._wake.set()
+
+    def call(self, fn: Callable[[Engine], Any], slot: int = -1) -> Future:
+        """Run ``fn(engine)`` on the engine thread between steps, once ``slot`` (if given) is idle."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        op = _Op(fn, slot, Future())
+        self._inbox.put(op)
+        self._wake.set()
+        return op.future
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- loop ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not self._has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                self.step()
+        except BaseException as e:  # the engine must never die silently
+            log.exception("engine thread died")
+            self.error = e
+            self._fail_everything(f"engine failure: {e}")
+
+    def _has_work(self) -> bool:
+        return bool(self.waiting or self._ops) or any(not s.idle for s in self.slots)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            if isinstance(item, _Op):
+                self._ops.append(item)
+            else:
+                self.waiting.append(item)
+
+    def _run_ops(self) -> None:
+        if not self._ops:
+            return
+        keep: list[_Op] = []
+        for op in self._ops:
+            if op.slot >= 0 and not self.slots[op.slot].idle:
+                keep.append(op)  # waits until the slot is idle; never touches a running task
+                continue
+            if op.future.set_running_or_notify_cancel():
+                try:
+                    op.future.set_result(op.fn(self))
+                except BaseException as e:
+                    op.future.set_exception(e)
+        self._ops = keep
+
+    def step(self) -> None:
+        """One scheduling + decode step. Called only from the engine thread (or tests)."""
+        self._drain_inbox()
+        self._run_ops()
+        self._reap_cancelled()
+        self._admit()
+        self._decode_step()
+
+    # ---- admission ----------------------------------------------------------------
+
+    def _reap_cancelled(self) -> None:
+        if any(t.cancelled for t in self.waiting):
+            self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
+        for s in self.slots:
+            if s.task is not None and s.task.cancelled:
+                self._finish(s, FinishReason.CANCELLED)
+
+    def _admit(self) -> None:
+        if not self.waiting:
+            return
+        deferred: collections.deque[Task] = collections.deque()
+        while self.waiting:
+            task = self.waiting.popleft()
+            views = [SlotView(s.id, s.idle, s.tokens, s.last_used) for s in self.slots]
+            choice = choose_slot(views, task.prompt, task.id_slot, self.opts.slot_prompt_similarity)
+            if choice is None:
+                deferred.append(task)
+                if task.id_slot < 0:
+                    break  # no idle slot at all: keep FIFO order for the rest
+                continue
+            try:
+                self._launch(self.slots[choice.slot], task, choice.lcp, choice.save_first)
+            except Exception as e:  # a failure here fails this task only
+                log.exception("failed to start task %d", task.id)
+                self.slots[choice.slot].release()
+                task.emit(TaskError(500, f"failed to start the task: {e}"))
+        deferred.extend(self.waiting)
+        self.waiting = deferred
+        self.stats.requests_deferred = len(self.waiting)
+
+    def _launch(self, slot: Slot, task: Task, n_lcp: int, save_first: bool) -> None:
+        """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest."""
+        pos_min = self.b.seq_pos_min(slot.id) if slot.tokens else -1
+        plan = plan_reuse(
+            slot.tokens,
+            task.prompt,
+            cache_prompt=task.cache_prompt,
+            pos_min=pos_min,
+            n_swa=self.b.n_swa,
+            checkpoints=[CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints],
+            n_lcp=n_lcp,
+        )
+        n_past = plan.n_past
+        if plan.checkpoint >= 0:
+            c = slot.checkpoints[plan.checkpoint]
+            if self.b.state_set(slot.id, c.data, partial=True) == 0:
+                log.warning("slot %d: checkpoint restore failed; reprocessing", slot.id)
+                n_past = 0
+            else:
+                self.stats.checkpoints_restored += 1
+        n_past = self._cut(slot, n_past)
+        slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
+        slot.start(task, n_past)
+        slot.sampler = self.b.new_sampler(task.sampling, task.prompt)
+        t_wait = (slot.t_start - task.t_enqueued) * 1e3
+        self.stats.on_launch(t_wait)
+        log.debug(
+            "slot %d: task %d, prompt %d, reuse %d (%s), queued %.1f ms",
+            slot.id, task.id, len(task.prompt), n_past, plan.reason, t_wait,
+        )
+
+    def _cut(self, slot: Slot, n_past: int) -> int:
+        """Drop everything after ``n_past`` from the slot's sequence; returns what was kept.
+
+        With SWA or recurrent memory a removal can fail or empty the sequence; then the slot
+        is cleared and nothing is kept (never count tokens that are not in memory).
+        """
+        if n_past < len(slot.tokens) or n_past == 0:
+            ok = self.b.seq_rm(slot.id, n_past, -1)
+            if n_past > 0 and (not ok or self.b.seq_pos_max(slot.id) != n_past - 1):
+                log.debug("slot %d: partial removal at %d failed; clearing", slot.id, n_past)
+                self.b.seq_clear(slot.id)
+                n_past = 0
+        del slot.tokens[n_past:]
+        if n_past == 0:
+            slot.checkpoints.clear()
+        return n_past
+
+    # ---- decode step --------------------------------------------------------------
+
+    def _decode_step(self) -> None:
+        active = [s for s in self.slots if s.state is not SlotState.IDLE]
+        if not active:
+            return
+        budget = self.b.n_batch
+        while True:
+            n = self._build_batch(active, budget)
+            if n == 0:
+                return
+            t0 = time.perf_counter()
+            ret = self.b.decode(0, n)
+            dt = time.perf_counter() - t0
+            if ret == 0:
+                break
+            self._rollback(active)
+            if ret == 1 and self._free_idle_kv():
+                continue
+            if ret == 1 and budget > 1:
+                budget = max(1, budget // 2)
+                log.warning("llama_decode found no KV room; retrying with n_batch=%d", budget)
+                continue
+            victim = max(active, key=lambda s: len(s.tokens))
+            log.error("llama_decode failed (%d); ending task on slot %d", ret, victim.id)
+            self._finish(victim, FinishReason.LENGTH if ret == 1 else FinishReason.ERROR,
+                         error="" if ret == 1 else f"llama_decode failed ({ret})")
+            active = [s for s in active if s is not victim]
+            if not active:
+                return
+        self.stats.on_decode(n, sum(1 for s in active if s.pending), dt)
+        self._after_decode(active)
+
+    def _build_batch(self, active: list[Slot], budget: int) -> int:
+        batch = self.b.batch
+        batch.clear()
+        gen = [s for s in active if s.state is SlotState.GENERATE]
+        pre = sorted((s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
+        # Generating slots first: a long prefill never starves them of their next token.
+        for s in gen:
+            if batch.n >= budget:
+                s.pending, s.i_batch = [], -1
+                continue
+            s.pending = [s.next_token]
+            s.i_batch = batch.add_span(s.pending, len(s.tokens), s.id, True)
+        for s in pre:
+            room = budget - batch.n
+            s.pending, s.i_batch = [], -1
+            if room <= 0:
+                continue
+            cur = len(s.tokens)
+            prompt = s.task.prompt
+            end = min(len(prompt), cur + room)
+            if self.ckpt.enabled:
+                end = min(end, self.ckpt.chunk_end(cur, len(prompt), s.task.user_start))
+                if self.ckpt.wants(cur, len(prompt), s.task.user_start, s.checkpoints):
+                    self._take_checkpoint(s)
+            s.pending = prompt[cur:end]
+            last = end == len(prompt)
+            i = batch.add_span(s.pending, cur, s.id, last)
+            s.i_batch = i if last else -1
+        return batch.n
+
+    def _take_checkpoint(self, s: Slot) -> None:
+        n_tokens = len(s.tokens)
+        data = self.b.state_get(s.id, partial=True)
+        c = Checkpoint(n_tokens, self.b.seq_pos_min(s.id), self.b.seq_pos_max(s.id), data)
+        self.ckpt.insert(s.checkpoints, c)
+        self.stats.checkpoints_created += 1
+        log.debug("slot %d: checkpoint at %d tokens (%d bytes)", s.id, n_tokens, len(data))
+
+    def _rollback(self, active: list[Slot]) -> None:
+        # A failed decode may leave some ubatches in memory: cut back to the committed tokens.
+        for s in active:
+            if s.pending:
+                self.b.seq_rm(s.id, len(s.tokens), -1)
+            s.pending, s.i_batch = [], -1
+
+    def _free_idle_kv(self) -> bool:
+        """Clear idle slots' sequences to make KV room (unified mode). True if any was freed."""
+        freed = False
+        for s in sorted(self.slots, key=lambda v: v.last_used):
+            if s.idle and s.tokens:
+                self.on_evict_idle(s)
+                self.b.seq_clear(s.id)
+                s.tokens.clear()
+                s.checkpoints.clear()
+                freed = True
+        return freed
+
+    def on_evict_idle(self, slot: Slot) -> None:
+        """Hook: an idle slot is about to lose its KV (the RAM cache saves it)."""
+
+    def _after_decode(self, active: list[Slot]) -> None:
+        now = time.perf_counter()
+        for s in active:
+            if not s.pending:
+                continue
+            s.tokens.extend(s.pending)
+            if s.state is SlotState.PREFILL:
+                s.n_processed += len(s.pending)
+            s.pending = []
+            if s.i_batch < 0:
+                continue
+            if s.state is SlotState.PREFILL:
+                s.state = SlotState.GENERATE
+                s.t_first = now
+                self.stats.on_first_token((now - s.task.t_enqueued) * 1e3)
+            self._sample(s, s.i_batch)
+            s.i_batch = -1
+
+    def _sample(self, s: Slot, idx: int) -> None:
+        task = s.task
+        assert task is not None
+        try:
+            tok = self.b.sample(s.sampler, idx)
+        except Exception as e:
+            log.exception("sampling failed on slot %d", s.id)
+            self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
+            return
+        s.n_decoded += 1
+        gen = task.gen
+        lp: TokenLogprob | None = None
+        if gen.logprobs or gen.n_probs > 0:
+            lp = self.b.top_logprobs(idx, tok, gen.n_probs)
+        if self.b.is_eog(tok) and not gen.ignore_eos:
+            self._finish(s, FinishReason.STOP)
+            return
+        s.generated.append(tok)
+        rel = s.stream.push(self.b.token_to_piece(tok))
+        if lp is not None:
+            s.logprobs.append(lp)
+        if rel.text or rel.stop:
+            self._emit_text(s, rel.text)
+        if rel.stop:
+            self._finish(s, FinishReason.STOP, stop_word=rel.stop)
+            return
+        limit = gen.max_tokens
+        if self.opts.n_predict >= 0 and (limit < 0 or self.opts.n_predict < limit):
+            limit = self.opts.n_predict
+        if (limit >= 0 and s.n_decoded >= limit) or len(s.tokens) + 1 >= s.n_ctx:
+            self._finish(s, FinishReason.LENGTH)
+            return
+        s.next_token = tok
+
+    def _emit_text(self, s: Slot, text: str) -> None:
+        task = s.task
+        if task.stream:
+            task.emit(TextChunk(text, s.generated[-1:], s.logprobs[-1:] if s.logprobs else []))
+        s.out_text.append(text)
+
+    def _finish(
+        self, s: Slot, reason: FinishReason, *, stop_word: str = "", error: str = ""
+    ) -> None:
+        task = s.task
+        assert task is not None
+        now = time.perf_counter()
+        if reason is not FinishReason.STOP or not stop_word:
+            rest = s.stream.flush() if s.stream else ""
+            if rest and reason is not FinishReason.CANCELLED:
+                self._emit_text(s, rest)
+        t_first = s.t_first or now
+        timings = Timings(
+            cache_n=s.n_cached,
+            prompt_n=s.n_processed,
+            prompt_ms=(t_first - s.t_start) * 1e3,
+            predicted_n=s.n_decoded,
+            predicted_ms=(now - t_first) * 1e3 if s.t_first else 0.0,
+        )
+        result = TaskResult(
+            id_slot=s.id,
+            finish=reason,
+            text="".join(s.out_text),
+            tokens=list(s.generated),
+            n_prompt=s.n_prompt,
+            timings=timings,
+            stop_word=stop_word,
+            error=error,
+            t_queue_ms=(s.t_start - task.t_enqueued) * 1e3,
+            logprobs=s.logprobs,
+        )
+        if s.sampler is not None:
+            free = getattr(s.sampler, "free", None)
+            if free:
+                free()
+            s.sampler = None
+        self.stats.on_finish(result, (now - task.t_enqueued) * 1e3)
+        for fn in self.listeners:
+            try:
+                fn(s, result)
+            except Exception:
+                log.exception("listener failed")
+        if reason is FinishReason.ERROR:
+            task.emit(TaskError(500, error or "generation failed"))
+        else:
+            task.emit(result)
+        log.info(
+            "slot %d task %d: %s cache_n=%d prompt_n=%d predicted_n=%d prompt_ms=%.1f predicted_ms=%.1f",
+            s.id, task.id, reason.value, timings.cache_n, timings.prompt_n, timings.predicted_n,
+            timings.prompt_ms, timings.predicted_ms,
+        )
+        s.release()
+
+    def _fail_everything(self, message: str) -> None:
+        for s in self.slots:
+            if s.task is not None:
+                s.task.emit(TaskError(500, message))
+                s.task = None
+        while self.waiting:
+            self.waiting.popleft().emit(TaskError(503, message))
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Task):
+                item.emit(TaskError(503, message))
+            elif isinstance(item, _Op):
+                item.future.set_exception(EngineDead(message))
+        for op in self._ops:
+            if not op.future.done():
+                op.future.set_exception(EngineDead(message))
+
+    # ---- integrity ----------------------------------------------------------------
+
+    def check_integrity(self) -> list[str]:
+        """Every slot's token count matches its KV positions; returns problems found."""
+        problems = []
+        for s in self.slots:
+            if s.pending:
+                continue
+            pmax = self.b.seq_pos_max(s.id)
+            if pmax != len(s.tokens) - 1:
+                problems.append(f"slot {s.id}: {len(s.tokens)} tokens but pos_max {pmax}")
+            for c in s.checkpoints:
+                if c.n_tokens > len(s.tokens):
+                    problems.append(f"slot {s.id}: checkpoint at {c.n_tokens} beyond its tokens")
+        return problems
+
+
+@dataclass
+class _Op:
+    fn: Callable[[Engine], Any]
+    slot: int
+    future: Future

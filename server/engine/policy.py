@@ -1,0 +1,137 @@
+"""Pure decisions: which slot a task goes to and how much of a slot's KV it may keep.
+
+Nothing here touches llama.cpp; the engine gathers the inputs and carries out the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix, compared in 64-token slices at C speed."""
+    n = min(len(a), len(b))
+    i = 0
+    step = 64
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SlotView(NamedTuple):
+    id: int
+    idle: bool
+    tokens: Sequence[int]
+    last_used: float
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    slot: int
+    lcp: int
+    by: str  # "id_slot" | "similarity" | "lru"
+    # The slot is about to lose most of what it holds: keep it in the RAM cache first.
+    save_first: bool
+
+
+def choose_slot(
+    slots: Sequence[SlotView], prompt: Sequence[int], id_slot: int, similarity: float
+) -> SlotChoice | None:
+    """DESIGN §5. Returns None when the task must wait (no idle slot, or its slot is busy)."""
+    if id_slot >= 0:
+        s = slots[id_slot]
+        if not s.idle:
+            return None
+        n = lcp(s.tokens, prompt)
+        return SlotChoice(s.id, n, "id_slot", _loses_most(n, s.tokens))
+    idle = [s for s in slots if s.idle]
+    if not idle:
+        return None
+    if similarity > 0 and prompt:
+        best: SlotChoice | None = None
+        best_sim = -1.0
+        for s in idle:
+            if not s.tokens:
+                continue
+            n = lcp(s.tokens, prompt)
+            sim = n / len(prompt)
+            if sim > similarity and sim > best_sim:
+                best_sim = sim
+                best = SlotChoice(s.id, n, "similarity", _loses_most(n, s.tokens))
+        if best is not None:
+            return best
+    # Least recently used; an empty slot counts as the least recently used of all.
+    s = min(idle, key=lambda v: (bool(v.tokens), v.last_used))
+    n = lcp(s.tokens, prompt)
+    return SlotChoice(s.id, n, "lru", bool(s.tokens) and n < len(s.tokens))
+
+
+def _loses_most(n_lcp: int, tokens: Sequence[int]) -> bool:
+    return bool(tokens) and n_lcp / len(tokens) < 0.5
+
+
+class CheckpointView(NamedTuple):
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    """How much of a slot's KV a new prompt keeps.
+
+    ``n_past`` tokens stay; everything after is removed. When ``checkpoint`` >= 0 that
+    checkpoint is restored first (its n_tokens == n_past).
+    """
+
+    n_past: int
+    checkpoint: int = -1
+    reason: str = "lcp"
+
+
+def window_intact(pos_min: int, n_past: int, n_swa: int) -> bool:
+    """True when the sequence still holds every position a token at ``n_past`` attends to.
+
+    With a sliding window of ``n_swa`` the token at position p sees keys in (p - n_swa, p];
+    cells below ``pos_min`` are gone, so the cut is usable iff pos_min <= max(0, n_past - n_swa).
+    """
+    if n_swa <= 0:
+        return True
+    return pos_min <= max(0, n_past - n_swa)
+
+
+def plan_reuse(
+    slot_tokens: Sequence[int],
+    prompt: Sequence[int],
+    *,
+    cache_prompt: bool,
+    pos_min: int,
+    n_swa: int,
+    checkpoints: Sequence[CheckpointView] = (),
+    n_lcp: int | None = None,
+) -> ReusePlan:
+    """DESIGN §4: LCP reuse, the last prompt token always re-evaluated, SWA guarded.
+
+    ``pos_min`` is the sequence's lowest position still in memory (-1 when empty).
+    """
+    if not cache_prompt or not slot_tokens or not prompt:
+        return ReusePlan(0, reason="off" if not cache_prompt else "empty")
+    n = lcp(slot_tokens, prompt) if n_lcp is None else n_lcp
+    if n >= len(prompt):
+        n = len(prompt) - 1  # logits are needed for the last prompt token
+    if n <= 0:
+        return ReusePlan(0, reason="no-match")
+    if pos_min < 0:
+        return ReusePlan(0, reason="empty-seq")
+    if window_intact(pos_min, n, n_swa):
+        return ReusePlan(n)
+    # The window behind the cut is gone: fall back to the newest usable checkpoint.
+    for i in range(len(checkpoints) - 1, -1, -1):
+        c = checkpoints[i]
+        if 0 < c.n_tokens <= n and window_intact(c.pos_min, c.n_tokens, n_swa):
+            return ReusePlan(c.n_tokens, checkpoint=i, reason="checkpoint")
+    return ReusePlan(0, reason="swa-reset")

@@ -1,0 +1,57 @@
+"""Engine-side counters. Written only by the engine thread; read (without locks) by metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .types import FinishReason, TaskResult
+
+
+@dataclass
+class EngineStats:
+    n_decode_total: int = 0
+    n_busy_slots_total: int = 0  # sum over decodes of slots in the batch
+    n_tokens_max: int = 0
+    requests_deferred: int = 0
+    checkpoints_created: int = 0
+    checkpoints_restored: int = 0
+    decode_seconds_total: float = 0.0
+    # prompt/predicted accounting, identical to what responses report
+    prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_total: int = 0
+    tokens_predicted_seconds_total: float = 0.0
+    # Observers (metrics) called on the engine thread; must be cheap and never raise.
+    observers: list[Callable[[str, float], None]] = field(default_factory=list)
+
+    def _observe(self, what: str, value: float) -> None:
+        for fn in self.observers:
+            fn(what, value)
+
+    def on_decode(self, n_tokens: int, n_busy: int, seconds: float) -> None:
+        self.n_decode_total += 1
+        self.n_busy_slots_total += n_busy
+        self.decode_seconds_total += seconds
+
+    def on_launch(self, queue_ms: float) -> None:
+        self._observe("queue_ms", queue_ms)
+
+    def on_first_token(self, ttft_ms: float) -> None:
+        self._observe("ttft_ms", ttft_ms)
+
+    def on_finish(self, r: TaskResult, e2e_ms: float) -> None:
+        # Cancelled tasks still did the work they did: count what was decoded, once.
+        t = r.timings
+        self.prompt_tokens_total += t.prompt_n
+        self.prompt_tokens_cached_total += t.cache_n
+        self.prompt_seconds_total += t.prompt_ms / 1e3
+        self.tokens_predicted_total += t.predicted_n
+        self.tokens_predicted_seconds_total += t.predicted_ms / 1e3
+        self.n_tokens_max = max(self.n_tokens_max, t.cache_n + t.prompt_n + t.predicted_n)
+        self._observe("e2e_ms", e2e_ms)
+        self._observe("predicted_n", t.predicted_n)
+        self._observe("finish:" + r.finish.value, 1)
+        if r.finish is FinishReason.CANCELLED:
+            self._observe("cancelled", 1)

@@ -1,0 +1,138 @@
+"""Typed values that flow between routes, the engine and the backend."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+# Sequence state bytes live in one buffer (a ctypes array or a bytearray), never a list.
+StateBuf = ctypes.Array | bytearray
+
+_task_ids = itertools.count(1)
+
+
+@dataclass
+class SamplingParams:
+    """Sampler settings; defaults are llama-server's."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class GenParams:
+    max_tokens: int = -1  # -1: until EOG or the end of the slot's context
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    n_probs: int = 0  # top log-probabilities per token (0: off)
+    logprobs: bool = False  # report the sampled token's log-probability
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOG token or stop string
+    LENGTH = "length"  # max_tokens or the context is full
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class TokenLogprob(NamedTuple):
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Timings:
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        pps = self.prompt_n / self.prompt_ms * 1e3 if self.prompt_ms > 0 else 0.0
+        dps = self.predicted_n / self.predicted_ms * 1e3 if self.predicted_ms > 0 else 0.0
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
+            "prompt_per_second": round(pps, 3),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3)
+            if self.predicted_n
+            else 0.0,
+            "predicted_per_second": round(dps, 3),
+        }
+
+
+@dataclass
+class TextChunk:
+    """Newly released text of a running task (stop-string prefixes are held back)."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class TaskResult:
+    """The end of a task: what a response's final chunk and ``usage`` are made from."""
+
+    id_slot: int
+    finish: FinishReason
+    text: str  # whole generated text (empty when streaming already released it)
+    tokens: list[int]
+    n_prompt: int
+    timings: Timings
+    stop_word: str = ""
+    error: str = ""
+    t_queue_ms: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class TaskError:
+    status: int
+    message: str
+    type: str = "server_error"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Event = TextChunk | TaskResult | TaskError
+
+
+@dataclass
+class Task:
+    """One completion request for one slot. ``emit`` is thread-safe and never blocks."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    gen: GenParams
+    emit: Callable[[Event], None]
+    id_slot: int = -1
+    cache_prompt: bool = True
+    stream: bool = True
+    # Token index where the last user message starts (chat), a good checkpoint position.
+    user_start: int = -1
+    id: int = field(default_factory=lambda: next(_task_ids))
+    t_enqueued: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Safe from any thread: the engine drops the task at its next step."""
+        self.cancelled = True

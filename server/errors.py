@@ -1,0 +1,70 @@
+"""OpenAI-shaped errors: {"error": {"code", "message", "type"}} with the matching HTTP status."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("server.errors")
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or TYPES.get(status, "server_error")
+        self.extra = extra
+
+
+def error_body(status: int, message: str, type: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"error": {"code": status, "message": message, "type": type or TYPES.get(status, "server_error"), **extra}}
+
+
+def error_response(status: int, message: str, type: str | None = None, headers: dict | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse(error_body(status, message, type, **extra), status_code=status, headers=headers)
+
+
+def _describe(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "json_invalid":
+            return "malformed JSON in request body"
+        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, **exc.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _describe(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}")

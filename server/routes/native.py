@@ -1,0 +1,174 @@
+"""llama-server's native endpoints: /health, /props, /completion, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..engine.types import FinishReason, GenParams, TaskError, TaskResult, TextChunk
+from ..errors import error_response
+from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
+from .openai import SSE_HEADERS, sse, state_of
+
+router = APIRouter()
+
+
+@router.get("/health")
+@router.get("/v1/health")
+async def health(request: Request):
+    st = state_of(request)
+    if st.loading:
+        return error_response(503, "Loading model", "unavailable_error")
+    if st.engine is None or not st.engine.alive:
+        return error_response(503, "the engine is not running: " + (st.load_error or "it stopped"),
+                              "unavailable_error")
+    return {"status": "ok"}
+
+
+def generation_settings(st: Any) -> dict[str, Any]:
+    from ..engine.types import SamplingParams
+
+    p = SamplingParams()
+    return {
+        "n_ctx": st.backend.n_ctx_slot,
+        "n_predict": st.settings.n_predict,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_penalty": p.repeat_penalty,
+        "repeat_last_n": p.repeat_last_n,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "seed": st.settings.seed,
+    }
+
+
+@router.get("/props")
+async def props(request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    engine = st.require_engine()
+    b = st.backend
+    return {
+        "default_generation_settings": {**generation_settings(st), "params": generation_settings(st)},
+        "total_slots": len(engine.slots),
+        "n_ctx": b.n_ctx,
+        "n_ctx_slot": b.n_ctx_slot,
+        "n_swa": b.n_swa,
+        "kv_unified": b.kv_unified,
+        "model_path": st.model_path,
+        "model_alias": st.model_name,
+        "chat_template": st.template.source if st.template else "",
+        "chat_template_name": st.template.name if st.template else "",
+        "bos_token": b.bos_text,
+        "eos_token": b.eos_text,
+        "build_info": f"llama-cpp-python {_llama_version()}",
+        "ctx_checkpoints": engine.opts.ctx_checkpoints if engine.ckpt.enabled else 0,
+    }
+
+
+def _llama_version() -> str:
+    try:
+        import importlib.metadata as md
+
+        return md.version("llama_cpp_python")
+    except Exception:
+        return "unknown"
+
+
+def _stop_type(r: TaskResult) -> str:
+    if r.finish is FinishReason.STOP:
+        return "word" if r.stop_word else "eos"
+    if r.finish is FinishReason.LENGTH:
+        return "limit"
+    return "none"
+
+
+def _final(st: Any, r: TaskResult, content: str, prompt: Any) -> dict[str, Any]:
+    return {
+        "content": content,
+        "id_slot": r.id_slot,
+        "stop": True,
+        "model": st.model_name,
+        "tokens_predicted": r.timings.predicted_n,
+        "tokens_evaluated": r.n_prompt,
+        "tokens_cached": r.timings.cache_n,
+        "generation_settings": generation_settings(st),
+        "prompt": prompt,
+        "has_new_line": "\n" in content,
+        "truncated": False,
+        "stop_type": _stop_type(r),
+        "stopping_word": r.stop_word,
+        "timings": r.timings.as_dict(),
+    }
+
+
+@router.post("/completion")
+async def completion(body: NativeCompletionRequest, request: Request):
+    st = state_of(request)
+    engine = st.require_engine()
+    b = st.backend
+    if isinstance(body.prompt, str):
+        prompt = b.tokenize(body.prompt, add_special=True, parse_special=True)
+    else:
+        prompt = list(body.prompt)
+        check_tokens(prompt, b)
+    check_fits(prompt, b)
+    gen = GenParams(
+        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
+        stop=stops_from(body),
+        ignore_eos=body.ignore_eos,
+        n_probs=body.n_probs,
+        logprobs=body.n_probs > 0,
+    )
+    group = TaskGroup(engine)
+    group.add(prompt, sampling_from(body, b), gen, id_slot=body.id_slot,
+              cache_prompt=body.cache_prompt, stream=body.stream)
+    group.submit()
+    prompt_echo = body.prompt if isinstance(body.prompt, str) else ""
+
+    if not body.stream:
+        (r,) = await group.results(request)
+        return JSONResponse(_final(st, r, r.text, prompt_echo))
+
+    async def gen_events() -> AsyncIterator[str]:
+        async for _, ev in group.events():
+            if isinstance(ev, TextChunk):
+                yield sse({"content": ev.text, "stop": False, "id_slot": -1, "tokens": ev.tokens})
+            elif isinstance(ev, TaskResult):
+                yield sse(_final(st, ev, "", prompt_echo))
+            elif isinstance(ev, TaskError):
+                yield sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
+
+    return StreamingResponse(gen_events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    st.require_engine()
+    b = st.backend
+    toks = b.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": toks}
+    out = []
+    for t in toks:
+        raw = b.token_to_piece(t, special=True)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": t, "piece": piece})
+    return {"tokens": out}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    st.require_engine()
+    check_tokens(body.tokens, st.backend)
+    return {"content": st.backend.detokenize(body.tokens)}

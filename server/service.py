@@ -1,0 +1,230 @@
+"""Glue between HTTP handlers and the engine: state, task submission, event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chat import ChatTemplate
+from .config import Settings
+from .engine.engine import Engine, EngineDead
+from .engine.types import (
+    Event,
+    FinishReason,
+    GenParams,
+    SamplingParams,
+    Task,
+    TaskError,
+    TaskResult,
+    TextChunk,
+    Timings,
+)
+from .errors import APIError
+from .schemas import SamplingFields
+
+log = logging.getLogger("server.service")
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    backend: Any = None
+    engine: Engine | None = None
+    template: ChatTemplate | None = None
+    model_name: str = ""
+    model_path: str = ""
+    loading: bool = True
+    load_error: str = ""
+    started: float = field(default_factory=time.time)
+
+    def require_engine(self) -> Engine:
+        if self.loading:
+            raise APIError(503, "Loading model", "unavailable_error")
+        if self.engine is None or not self.engine.alive:
+            raise APIError(503, "the engine is not running: " + (self.load_error or "it stopped"), "unavailable_error")
+        return self.engine
+
+
+def sampling_from(req: SamplingFields, backend: Any) -> SamplingParams:
+    p = SamplingParams()
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_penalty",
+                 "repeat_last_n", "presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None:
+            setattr(p, name, v)
+    if p.top_k > backend.n_vocab:
+        raise APIError(400, f"top_k must be at most the vocabulary size ({backend.n_vocab})")
+    if req.logit_bias:
+        p.logit_bias = _logit_bias(req.logit_bias, backend)
+    return p
+
+
+def _logit_bias(raw: dict[str, float] | list[list[Any]], backend: Any) -> dict[int, float]:
+    items = raw.items() if isinstance(raw, dict) else [(x[0], x[1]) for x in raw if len(x) == 2]
+    out: dict[int, float] = {}
+    for k, v in items:
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise APIError(400, f"logit_bias key {k!r} is not a token id") from None
+        if not 0 <= tok < backend.n_vocab:
+            raise APIError(400, f"logit_bias token {tok} is outside the vocabulary (0..{backend.n_vocab - 1})")
+        if v is False:
+            v = float("-inf")
+        try:
+            fv = float(v)
+        except (TypeError, ValueError):
+            raise APIError(400, f"logit_bias value for {tok} is not a number") from None
+        if fv != fv or (abs(fv) > 100 and fv != float("-inf")):
+            raise APIError(400, f"logit_bias value for {tok} must be within [-100, 100]")
+        out[tok] = fv
+    return out
+
+
+def stops_from(req: SamplingFields) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def check_tokens(tokens: list[int], backend: Any) -> None:
+    n = backend.n_vocab
+    for t in tokens:
+        if not 0 <= t < n:
+            raise APIError(400, f"token id {t} is outside the vocabulary (0..{n - 1})")
+
+
+def check_fits(prompt: list[int], backend: Any) -> None:
+    if not prompt:
+        raise APIError(400, "the prompt is empty")
+    if len(prompt) >= backend.n_ctx_slot:
+        raise APIError(
+            400,
+            f"the request ({len(prompt)} prompt tokens) exceeds the available context size "
+            f"({backend.n_ctx_slot} tokens), try increasing it",
+            "exceed_context_size_error",
+            n_prompt_tokens=len(prompt),
+            n_ctx=backend.n_ctx_slot,
+        )
+
+
+class TaskGroup:
+    """Runs tasks on the engine and yields ``(index, event)`` as they come.
+
+    Leaving the iteration early (client gone) cancels every task still running.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.tasks: list[Task] = []
+
+    def _emitter(self, index: int):
+        loop, q = self.loop, self.queue
+
+        def emit(ev: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, (index, ev))
+            except RuntimeError:  # loop closed: the client is long gone
+                pass
+
+        return emit
+
+    def add(self, prompt: list[int], sampling: SamplingParams, gen: GenParams, *, id_slot: int = -1,
+            cache_prompt: bool = True, stream: bool = True, user_start: int = -1) -> Task:
+        task = Task(prompt=prompt, sampling=sampling, gen=gen, emit=self._emitter(len(self.tasks)),
+                    id_slot=id_slot, cache_prompt=cache_prompt, stream=stream, user_start=user_start)
+        self.tasks.append(task)
+        return task
+
+    def submit(self) -> None:
+        if any(t.id_slot >= len(self.engine.slots) for t in self.tasks):
+            raise APIError(400, f"id_slot must be below the number of slots ({len(self.engine.slots)})")
+        try:
+            for t in self.tasks:
+                self.engine.submit(t)
+        except EngineDead as e:
+            self.cancel()
+            raise APIError(503, str(e), "unavailable_error") from e
+
+    def cancel(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        remaining = len(self.tasks)
+        try:
+            while remaining:
+                try:
+                    index, ev = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if not self.engine.alive:
+                        raise APIError(500, "the engine stopped", "server_error") from None
+                    continue
+                if isinstance(ev, TaskResult | TaskError):
+                    remaining -= 1
+                yield index, ev
+        finally:
+            if remaining:
+                self.cancel()
+
+    async def results(self, request: Any = None) -> list[TaskResult]:
+        """Wait for every task; the first error becomes an APIError.
+
+        With ``request``, a client that disconnects cancels the tasks (within ~0.25 s).
+        """
+        watcher = asyncio.create_task(self._watch(request)) if request is not None else None
+        out: list[TaskResult | None] = [None] * len(self.tasks)
+        try:
+            async for index, ev in self.events():
+                if isinstance(ev, TaskError):
+                    raise APIError(ev.status, ev.message, ev.type, **ev.extra)
+                if isinstance(ev, TaskResult):
+                    out[index] = ev
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        return [r for r in out if r is not None]
+
+    async def _watch(self, request: Any) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if await request.is_disconnected():
+                log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
+                self.cancel()
+                return
+
+
+def merged_timings(results: list[TaskResult]) -> Timings:
+    t = Timings()
+    for r in results:
+        t.cache_n += r.timings.cache_n
+        t.prompt_n += r.timings.prompt_n
+        t.predicted_n += r.timings.predicted_n
+        t.prompt_ms = max(t.prompt_ms, r.timings.prompt_ms)
+        t.predicted_ms = max(t.predicted_ms, r.timings.predicted_ms)
+    return t
+
+
+def usage_of(results: list[TaskResult]) -> dict[str, Any]:
+    prompt = sum(r.n_prompt for r in results)
+    completion = sum(r.timings.predicted_n for r in results)
+    cached = sum(r.timings.cache_n for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def finish_reason(r: TaskResult) -> str:
+    return "length" if r.finish is FinishReason.LENGTH else "stop"
+
+
+__all__ = ["TextChunk", "TaskGroup", "ServerState"]
