@@ -19,8 +19,13 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
     )
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if settings.verbose else "warning",
-                timeout_graceful_shutdown=10)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info" if settings.verbose else "warning",
+        timeout_graceful_shutdown=10,
+    )
 
 
 if __name__ == "__main__":

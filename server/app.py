@@ -14,7 +14,7 @@ from . import errors
 from .chat import pick_template
 from .config import Settings
 from .engine.engine import Engine, EngineOptions
-from .routes import native, openai
+from .routes import native, openai, slots
 from .service import ServerState
 
 log = logging.getLogger("server")
@@ -36,29 +36,55 @@ def load(st: ServerState) -> None:
         path = s.model or default_model_path()
         st.model_path = path
         st.model_name = s.alias or os.path.basename(path)
-        backend = LlamaBackend(ModelOptions(
-            path=path, n_ctx=s.ctx_size, n_parallel=s.parallel, n_batch=s.batch_size,
-            n_ubatch=s.ubatch_size, n_threads=s.threads, n_threads_batch=s.threads_batch,
-            n_gpu_layers=s.n_gpu_layers, kv_unified=s.kv_unified, swa_full=s.swa_full,
-            flash_attn=s.flash_attn, seed=s.seed,
-        ))
+        backend = LlamaBackend(
+            ModelOptions(
+                path=path,
+                n_ctx=s.ctx_size,
+                n_parallel=s.parallel,
+                n_batch=s.batch_size,
+                n_ubatch=s.ubatch_size,
+                n_threads=s.threads,
+                n_threads_batch=s.threads_batch,
+                n_gpu_layers=s.n_gpu_layers,
+                kv_unified=s.kv_unified,
+                swa_full=s.swa_full,
+                flash_attn=s.flash_attn,
+                seed=s.seed,
+            )
+        )
         st.backend = backend
         st.template = pick_template(
-            name=s.chat_template, file=s.chat_template_file, model_template=backend.chat_template,
-            architecture=backend.architecture, bos_token=backend.bos_text, eos_token=backend.eos_text,
+            name=s.chat_template,
+            file=s.chat_template_file,
+            model_template=backend.chat_template,
+            architecture=backend.architecture,
+            bos_token=backend.bos_text,
+            eos_token=backend.eos_text,
         )
-        engine = Engine(backend, EngineOptions(
-            n_parallel=s.parallel, slot_prompt_similarity=s.slot_prompt_similarity,
-            n_predict=s.n_predict, ctx_checkpoints=s.ctx_checkpoints,
-            checkpoint_min_step=s.checkpoint_min_step,
-        ))
+        engine = Engine(
+            backend,
+            EngineOptions(
+                n_parallel=s.parallel,
+                slot_prompt_similarity=s.slot_prompt_similarity,
+                n_predict=s.n_predict,
+                ctx_checkpoints=s.ctx_checkpoints,
+                checkpoint_min_step=s.checkpoint_min_step,
+            ),
+        )
         engine.start()
         st.engine = engine
         log.info(
             "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
             "chat template %s, checkpoints %s",
-            path, backend.n_ctx, backend.n_ctx_slot, s.parallel, backend.n_batch, backend.n_swa,
-            backend.kv_unified, st.template.name, "on" if engine.ckpt.enabled else "off",
+            path,
+            backend.n_ctx,
+            backend.n_ctx_slot,
+            s.parallel,
+            backend.n_batch,
+            backend.n_swa,
+            backend.kv_unified,
+            st.template.name,
+            "on" if engine.ckpt.enabled else "off",
         )
     except Exception as e:
         log.exception("failed to load the model")
@@ -87,4 +113,5 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     errors.install(app)
     app.include_router(native.router)
     app.include_router(openai.router)
+    app.include_router(slots.router)
     return app

@@ -80,13 +80,17 @@ def _raise(msg: str) -> None:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", name: str = "") -> None:
+    def __init__(
+        self, source: str, bos_token: str = "", eos_token: str = "", name: str = ""
+    ) -> None:
         self.source = source
         self.name = name or "custom"
         self.bos_token = bos_token
         self.eos_token = eos_token
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
-        env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(
+            v, ensure_ascii=False, indent=indent
+        )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
@@ -94,7 +98,9 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not parse: {e}") from e
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         try:
             return self._tpl.render(
                 messages=messages,
@@ -127,8 +133,13 @@ class ChatTemplate:
 
 
 def pick_template(
-    *, name: str | None, file: str | None, model_template: str | None, architecture: str,
-    bos_token: str, eos_token: str,
+    *,
+    name: str | None,
+    file: str | None,
+    model_template: str | None,
+    architecture: str,
+    bos_token: str,
+    eos_token: str,
 ) -> ChatTemplate:
     """--chat-template-file, then --chat-template NAME, then the model's own, then by architecture."""
     if file:
@@ -140,7 +151,9 @@ def pick_template(
         # llama-server also accepts a template body here
         if "{%" in name or "{{" in name:
             return ChatTemplate(name, bos_token, eos_token, name="inline")
-        raise ValueError(f"unknown chat template {name!r}; built-ins: {', '.join(BUILTIN_TEMPLATES)}")
+        raise ValueError(
+            f"unknown chat template {name!r}; built-ins: {', '.join(BUILTIN_TEMPLATES)}"
+        )
     if model_template:
         return ChatTemplate(model_template, bos_token, eos_token, name="model")
     builtin = ARCH_TEMPLATES.get(architecture, "chatml")

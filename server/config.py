@@ -48,45 +48,142 @@ class Opt:
 
 
 OPTIONS: list[Opt] = [
-    Opt(("-m", "--model"), "model", "LLAMA_ARG_MODEL",
-        "GGUF model path (default: the embedded Gemma 3 270M package)"),
+    Opt(
+        ("-m", "--model"),
+        "model",
+        "LLAMA_ARG_MODEL",
+        "GGUF model path (default: the embedded Gemma 3 270M package)",
+    ),
     Opt(("--host",), "host", "LLAMA_ARG_HOST", "address to listen on (default: 127.0.0.1)"),
     Opt(("--port",), "port", "LLAMA_ARG_PORT", "port to listen on (default: 8080)", int),
-    Opt(("-c", "--ctx-size"), "ctx_size", "LLAMA_ARG_CTX_SIZE",
-        "total KV context size in tokens (default: 8192; 0 = the model's training context)", int),
-    Opt(("-np", "--parallel"), "parallel", "LLAMA_ARG_N_PARALLEL", "number of slots (default: 4)", int),
-    Opt(("-b", "--batch-size"), "batch_size", "LLAMA_ARG_BATCH",
-        "logical batch: most tokens decoded in one step (default: 2048)", int),
-    Opt(("-ub", "--ubatch-size"), "ubatch_size", "LLAMA_ARG_UBATCH",
-        "physical batch size (default: 512)", int),
-    Opt(("-t", "--threads"), "threads", "LLAMA_ARG_THREADS",
-        "threads for generation (default: all cores)", int),
-    Opt(("-tb", "--threads-batch"), "threads_batch", "LLAMA_ARG_THREADS_BATCH",
-        "threads for prompt processing (default: same as --threads)", int),
-    Opt(("-ngl", "--n-gpu-layers", "--gpu-layers"), "n_gpu_layers", "LLAMA_ARG_N_GPU_LAYERS",
-        "layers to offload to the GPU (default: all)", int),
-    Opt(("-kvu", "--kv-unified"), "kv_unified", "LLAMA_ARG_KV_UNIFIED",
-        "one KV buffer shared by all slots (default: on)", "bool", neg=("--no-kv-unified", "-no-kvu")),
-    Opt(("--swa-full",), "swa_full", "LLAMA_ARG_SWA_FULL",
-        "full-size KV cache for sliding-window layers (default: off)", "bool"),
-    Opt(("-fa", "--flash-attn"), "flash_attn", "LLAMA_ARG_FLASH_ATTN",
-        "flash attention: on, off or auto (default: auto)", str, choices=("on", "off", "auto")),
-    Opt(("-sps", "--slot-prompt-similarity"), "slot_prompt_similarity", "LLAMA_ARG_SLOT_PROMPT_SIMILARITY",
-        "how much of a prompt must match a slot's tokens to pick that slot (default: 0.10, 0 = off)", float),
-    Opt(("-n", "--n-predict"), "n_predict", "LLAMA_ARG_N_PREDICT",
-        "most tokens to generate per request (default: -1, unlimited)", int),
+    Opt(
+        ("-c", "--ctx-size"),
+        "ctx_size",
+        "LLAMA_ARG_CTX_SIZE",
+        "total KV context size in tokens (default: 8192; 0 = the model's training context)",
+        int,
+    ),
+    Opt(
+        ("-np", "--parallel"),
+        "parallel",
+        "LLAMA_ARG_N_PARALLEL",
+        "number of slots (default: 4)",
+        int,
+    ),
+    Opt(
+        ("-b", "--batch-size"),
+        "batch_size",
+        "LLAMA_ARG_BATCH",
+        "logical batch: most tokens decoded in one step (default: 2048)",
+        int,
+    ),
+    Opt(
+        ("-ub", "--ubatch-size"),
+        "ubatch_size",
+        "LLAMA_ARG_UBATCH",
+        "physical batch size (default: 512)",
+        int,
+    ),
+    Opt(
+        ("-t", "--threads"),
+        "threads",
+        "LLAMA_ARG_THREADS",
+        "threads for generation (default: all cores)",
+        int,
+    ),
+    Opt(
+        ("-tb", "--threads-batch"),
+        "threads_batch",
+        "LLAMA_ARG_THREADS_BATCH",
+        "threads for prompt processing (default: same as --threads)",
+        int,
+    ),
+    Opt(
+        ("-ngl", "--n-gpu-layers", "--gpu-layers"),
+        "n_gpu_layers",
+        "LLAMA_ARG_N_GPU_LAYERS",
+        "layers to offload to the GPU (default: all)",
+        int,
+    ),
+    Opt(
+        ("-kvu", "--kv-unified"),
+        "kv_unified",
+        "LLAMA_ARG_KV_UNIFIED",
+        "one KV buffer shared by all slots (default: on)",
+        "bool",
+        neg=("--no-kv-unified", "-no-kvu"),
+    ),
+    Opt(
+        ("--swa-full",),
+        "swa_full",
+        "LLAMA_ARG_SWA_FULL",
+        "full-size KV cache for sliding-window layers (default: off)",
+        "bool",
+    ),
+    Opt(
+        ("-fa", "--flash-attn"),
+        "flash_attn",
+        "LLAMA_ARG_FLASH_ATTN",
+        "flash attention: on, off or auto (default: auto)",
+        str,
+        choices=("on", "off", "auto"),
+    ),
+    Opt(
+        ("-sps", "--slot-prompt-similarity"),
+        "slot_prompt_similarity",
+        "LLAMA_ARG_SLOT_PROMPT_SIMILARITY",
+        "how much of a prompt must match a slot's tokens to pick that slot (default: 0.10, 0 = off)",
+        float,
+    ),
+    Opt(
+        ("-n", "--n-predict"),
+        "n_predict",
+        "LLAMA_ARG_N_PREDICT",
+        "most tokens to generate per request (default: -1, unlimited)",
+        int,
+    ),
     Opt(("-a", "--alias"), "alias", "LLAMA_ARG_ALIAS", "model name reported by the API"),
-    Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",
-        "built-in chat template name (chatml, gemma, llama3, mistral) or a Jinja template"),
-    Opt(("--chat-template-file",), "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE",
-        "file holding a Jinja chat template"),
-    Opt(("-s", "--seed"), "seed", "LLAMA_ARG_SEED", "default sampling seed (default: -1, random)", int),
-    Opt(("--slots",), "slots", "LLAMA_ARG_ENDPOINT_SLOTS",
-        "expose the /slots endpoint (default: on)", "bool", neg=("--no-slots",)),
-    Opt(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), "ctx_checkpoints", "LLAMA_ARG_CTX_CHECKPOINTS",
-        "most context checkpoints per slot for SWA/recurrent models (default: 32, 0 = off)", int),
-    Opt(("-cms", "--checkpoint-min-step"), "checkpoint_min_step", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT",
-        "least spacing in tokens between mid-prompt checkpoints (default: 8192)", int),
+    Opt(
+        ("--chat-template",),
+        "chat_template",
+        "LLAMA_ARG_CHAT_TEMPLATE",
+        "built-in chat template name (chatml, gemma, llama3, mistral) or a Jinja template",
+    ),
+    Opt(
+        ("--chat-template-file",),
+        "chat_template_file",
+        "LLAMA_ARG_CHAT_TEMPLATE_FILE",
+        "file holding a Jinja chat template",
+    ),
+    Opt(
+        ("-s", "--seed"),
+        "seed",
+        "LLAMA_ARG_SEED",
+        "default sampling seed (default: -1, random)",
+        int,
+    ),
+    Opt(
+        ("--slots",),
+        "slots",
+        "LLAMA_ARG_ENDPOINT_SLOTS",
+        "expose the /slots endpoint (default: on)",
+        "bool",
+        neg=("--no-slots",),
+    ),
+    Opt(
+        ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),
+        "ctx_checkpoints",
+        "LLAMA_ARG_CTX_CHECKPOINTS",
+        "most context checkpoints per slot for SWA/recurrent models (default: 32, 0 = off)",
+        int,
+    ),
+    Opt(
+        ("-cms", "--checkpoint-min-step"),
+        "checkpoint_min_step",
+        "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT",
+        "least spacing in tokens between mid-prompt checkpoints (default: 8192)",
+        int,
+    ),
     Opt(("-v", "--verbose"), "verbose", "LLAMA_ARG_VERBOSE", "debug logging", "bool"),
 ]
 
@@ -103,14 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
     for o in OPTIONS:
         if o.kind == "bool":
             g = p.add_mutually_exclusive_group()
-            g.add_argument(*o.flags, dest=o.dest, action="store_true", default=None,
-                           help=f"{o.help} [env {o.env}]")
+            g.add_argument(
+                *o.flags,
+                dest=o.dest,
+                action="store_true",
+                default=None,
+                help=f"{o.help} [env {o.env}]",
+            )
             if o.neg:
-                g.add_argument(*o.neg, dest=o.dest, action="store_false", default=None,
-                               help=f"turn off {o.flags[-1]}")
+                g.add_argument(
+                    *o.neg,
+                    dest=o.dest,
+                    action="store_false",
+                    default=None,
+                    help=f"turn off {o.flags[-1]}",
+                )
         else:
-            p.add_argument(*o.flags, dest=o.dest, type=o.kind, default=None, choices=o.choices,
-                           help=f"{o.help} [env {o.env}]")
+            p.add_argument(
+                *o.flags,
+                dest=o.dest,
+                type=o.kind,
+                default=None,
+                choices=o.choices,
+                help=f"{o.help} [env {o.env}]",
+            )
     return p
 
 

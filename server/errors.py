@@ -34,11 +34,22 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, type: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {"error": {"code": status, "message": message, "type": type or TYPES.get(status, "server_error"), **extra}}
+    return {
+        "error": {
+            "code": status,
+            "message": message,
+            "type": type or TYPES.get(status, "server_error"),
+            **extra,
+        }
+    }
 
 
-def error_response(status: int, message: str, type: str | None = None, headers: dict | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse(error_body(status, message, type, **extra), status_code=status, headers=headers)
+def error_response(
+    status: int, message: str, type: str | None = None, headers: dict | None = None, **extra: Any
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(status, message, type, **extra), status_code=status, headers=headers
+    )
 
 
 def _describe(errors: list[dict[str, Any]]) -> str:

@@ -45,14 +45,27 @@ class ServerState:
         if self.loading:
             raise APIError(503, "Loading model", "unavailable_error")
         if self.engine is None or not self.engine.alive:
-            raise APIError(503, "the engine is not running: " + (self.load_error or "it stopped"), "unavailable_error")
+            raise APIError(
+                503,
+                "the engine is not running: " + (self.load_error or "it stopped"),
+                "unavailable_error",
+            )
         return self.engine
 
 
 def sampling_from(req: SamplingFields, backend: Any) -> SamplingParams:
     p = SamplingParams()
-    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_penalty",
-                 "repeat_last_n", "presence_penalty", "frequency_penalty"):
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "seed",
+        "repeat_penalty",
+        "repeat_last_n",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         v = getattr(req, name)
         if v is not None:
             setattr(p, name, v)
@@ -72,7 +85,9 @@ def _logit_bias(raw: dict[str, float] | list[list[Any]], backend: Any) -> dict[i
         except (TypeError, ValueError):
             raise APIError(400, f"logit_bias key {k!r} is not a token id") from None
         if not 0 <= tok < backend.n_vocab:
-            raise APIError(400, f"logit_bias token {tok} is outside the vocabulary (0..{backend.n_vocab - 1})")
+            raise APIError(
+                400, f"logit_bias token {tok} is outside the vocabulary (0..{backend.n_vocab - 1})"
+            )
         if v is False:
             v = float("-inf")
         try:
@@ -135,16 +150,35 @@ class TaskGroup:
 
         return emit
 
-    def add(self, prompt: list[int], sampling: SamplingParams, gen: GenParams, *, id_slot: int = -1,
-            cache_prompt: bool = True, stream: bool = True, user_start: int = -1) -> Task:
-        task = Task(prompt=prompt, sampling=sampling, gen=gen, emit=self._emitter(len(self.tasks)),
-                    id_slot=id_slot, cache_prompt=cache_prompt, stream=stream, user_start=user_start)
+    def add(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        gen: GenParams,
+        *,
+        id_slot: int = -1,
+        cache_prompt: bool = True,
+        stream: bool = True,
+        user_start: int = -1,
+    ) -> Task:
+        task = Task(
+            prompt=prompt,
+            sampling=sampling,
+            gen=gen,
+            emit=self._emitter(len(self.tasks)),
+            id_slot=id_slot,
+            cache_prompt=cache_prompt,
+            stream=stream,
+            user_start=user_start,
+        )
         self.tasks.append(task)
         return task
 
     def submit(self) -> None:
         if any(t.id_slot >= len(self.engine.slots) for t in self.tasks):
-            raise APIError(400, f"id_slot must be below the number of slots ({len(self.engine.slots)})")
+            raise APIError(
+                400, f"id_slot must be below the number of slots ({len(self.engine.slots)})"
+            )
         try:
             for t in self.tasks:
                 self.engine.submit(t)

@@ -69,7 +69,9 @@ class Backend(Protocol):
     def seq_pos_max(self, seq: int) -> int: ...
     def seq_clear(self, seq: int) -> None: ...
     def state_get(self, seq: int, partial: bool = False) -> StateBuf: ...
-    def state_set(self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None) -> int: ...
+    def state_set(
+        self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
+    ) -> int: ...
 
 
 @dataclass
@@ -238,7 +240,9 @@ class Engine:
             cache_prompt=task.cache_prompt,
             pos_min=pos_min,
             n_swa=self.b.n_swa,
-            checkpoints=[CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints],
+            checkpoints=[
+                CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints
+            ],
             n_lcp=n_lcp,
         )
         n_past = plan.n_past
@@ -257,7 +261,12 @@ class Engine:
         self.stats.on_launch(t_wait)
         log.debug(
             "slot %d: task %d, prompt %d, reuse %d (%s), queued %.1f ms",
-            slot.id, task.id, len(task.prompt), n_past, plan.reason, t_wait,
+            slot.id,
+            task.id,
+            len(task.prompt),
+            n_past,
+            plan.reason,
+            t_wait,
         )
 
     def _cut(self, slot: Slot, n_past: int) -> int:
@@ -302,8 +311,11 @@ class Engine:
                 continue
             victim = max(active, key=lambda s: len(s.tokens))
             log.error("llama_decode failed (%d); ending task on slot %d", ret, victim.id)
-            self._finish(victim, FinishReason.LENGTH if ret == 1 else FinishReason.ERROR,
-                         error="" if ret == 1 else f"llama_decode failed ({ret})")
+            self._finish(
+                victim,
+                FinishReason.LENGTH if ret == 1 else FinishReason.ERROR,
+                error="" if ret == 1 else f"llama_decode failed ({ret})",
+            )
             active = [s for s in active if s is not victim]
             if not active:
                 return
@@ -475,8 +487,14 @@ class Engine:
             task.emit(result)
         log.info(
             "slot %d task %d: %s cache_n=%d prompt_n=%d predicted_n=%d prompt_ms=%.1f predicted_ms=%.1f",
-            s.id, task.id, reason.value, timings.cache_n, timings.prompt_n, timings.predicted_n,
-            timings.prompt_ms, timings.predicted_ms,
+            s.id,
+            task.id,
+            reason.value,
+            timings.cache_n,
+            timings.prompt_n,
+            timings.predicted_n,
+            timings.prompt_ms,
+            timings.predicted_ms,
         )
         s.release()
 

@@ -69,7 +69,9 @@ class Timings:
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3)
+            if self.prompt_n
+            else 0.0,
             "prompt_per_second": round(pps, 3),
             "predicted_n": self.predicted_n,
             "predicted_ms": round(self.predicted_ms, 3),

@@ -98,9 +98,13 @@ class LlamaBatch:
         raw = self.raw
         return L.llama_batch(
             n_tokens=count,
-            token=ctypes.cast(ctypes.addressof(raw.token.contents) + 4 * start, ctypes.POINTER(L.llama_token)),
+            token=ctypes.cast(
+                ctypes.addressof(raw.token.contents) + 4 * start, ctypes.POINTER(L.llama_token)
+            ),
             embd=None,
-            pos=ctypes.cast(ctypes.addressof(raw.pos.contents) + 4 * start, ctypes.POINTER(L.llama_pos)),
+            pos=ctypes.cast(
+                ctypes.addressof(raw.pos.contents) + 4 * start, ctypes.POINTER(L.llama_pos)
+            ),
             n_seq_id=ctypes.cast(
                 ctypes.addressof(raw.n_seq_id.contents) + 4 * start, ctypes.POINTER(ctypes.c_int32)
             ),
@@ -108,7 +112,9 @@ class LlamaBatch:
                 ctypes.addressof(raw.seq_id.contents) + ctypes.sizeof(ctypes.c_void_p) * start,
                 ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)),
             ),
-            logits=ctypes.cast(ctypes.addressof(raw.logits.contents) + start, ctypes.POINTER(ctypes.c_int8)),
+            logits=ctypes.cast(
+                ctypes.addressof(raw.logits.contents) + start, ctypes.POINTER(ctypes.c_int8)
+            ),
         )
 
     def free(self) -> None:
@@ -182,7 +188,11 @@ class LlamaBackend:
         self._eog: dict[int, bool] = {}
         self.bos_id = L.llama_vocab_bos(self.vocab)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
-        self.bos_text = self.token_to_piece(self.bos_id, special=True).decode("utf-8", "replace") if self.bos_id >= 0 else ""
+        self.bos_text = (
+            self.token_to_piece(self.bos_id, special=True).decode("utf-8", "replace")
+            if self.bos_id >= 0
+            else ""
+        )
         self.eos_text = ""
         eos = L.llama_vocab_eos(self.vocab)
         if eos >= 0:
@@ -215,7 +225,9 @@ class LlamaBackend:
 
     # ---- vocabulary (thread-safe: read-only) -------------------------------------
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (L.llama_token * cap)()
@@ -342,7 +354,9 @@ class LlamaBackend:
             raise RuntimeError(f"state_seq_get_data returned {n} of {size} bytes")
         return buf
 
-    def state_set(self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None) -> int:
+    def state_set(
+        self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
+    ) -> int:
         """Restore a sequence from ``data``; returns the bytes consumed, 0 on failure."""
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
         size = len(data) if nbytes is None else nbytes

@@ -24,8 +24,11 @@ async def health(request: Request):
     if st.loading:
         return error_response(503, "Loading model", "unavailable_error")
     if st.engine is None or not st.engine.alive:
-        return error_response(503, "the engine is not running: " + (st.load_error or "it stopped"),
-                              "unavailable_error")
+        return error_response(
+            503,
+            "the engine is not running: " + (st.load_error or "it stopped"),
+            "unavailable_error",
+        )
     return {"status": "ok"}
 
 
@@ -54,7 +57,10 @@ async def props(request: Request) -> dict[str, Any]:
     engine = st.require_engine()
     b = st.backend
     return {
-        "default_generation_settings": {**generation_settings(st), "params": generation_settings(st)},
+        "default_generation_settings": {
+            **generation_settings(st),
+            "params": generation_settings(st),
+        },
         "total_slots": len(engine.slots),
         "n_ctx": b.n_ctx,
         "n_ctx_slot": b.n_ctx_slot,
@@ -126,8 +132,14 @@ async def completion(body: NativeCompletionRequest, request: Request):
         logprobs=body.n_probs > 0,
     )
     group = TaskGroup(engine)
-    group.add(prompt, sampling_from(body, b), gen, id_slot=body.id_slot,
-              cache_prompt=body.cache_prompt, stream=body.stream)
+    group.add(
+        prompt,
+        sampling_from(body, b),
+        gen,
+        id_slot=body.id_slot,
+        cache_prompt=body.cache_prompt,
+        stream=body.stream,
+    )
     group.submit()
     prompt_echo = body.prompt if isinstance(body.prompt, str) else ""
 

@@ -54,7 +54,12 @@ def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0)
         tops.append({_piece(backend, i): v for i, v in lp.top})
         offsets.append(off)
         off += len(t)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_lps,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(backend: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
@@ -80,7 +85,9 @@ def _prompts(st: ServerState, prompt: Any) -> list[list[int]]:
         return [list(prompt)]
     out = []
     for p in prompt:
-        out.append(b.tokenize(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p))
+        out.append(
+            b.tokenize(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
+        )
     return out
 
 
@@ -136,8 +143,14 @@ async def completions(body: CompletionRequest, request: Request):
     group = TaskGroup(engine)
     for p in prompts:
         for _ in range(body.n):
-            group.add(p, sampling, gen, id_slot=body.id_slot, cache_prompt=body.cache_prompt,
-                      stream=body.stream)
+            group.add(
+                p,
+                sampling,
+                gen,
+                id_slot=body.id_slot,
+                cache_prompt=body.cache_prompt,
+                stream=body.stream,
+            )
     rid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
     model = body.model or st.model_name
@@ -147,18 +160,26 @@ async def completions(body: CompletionRequest, request: Request):
         results = await group.results(request)
         choices = []
         for i, r in enumerate(results):
-            choices.append({
-                "index": i,
-                "text": r.text,
-                "logprobs": completion_logprobs(b, r.logprobs) if gen.logprobs else None,
-                "finish_reason": finish_reason(r),
-            })
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": st.model_name,
-            "choices": choices, "usage": usage_of(results),
-            "timings": merged_timings(results).as_dict(),
-        })
+            choices.append(
+                {
+                    "index": i,
+                    "text": r.text,
+                    "logprobs": completion_logprobs(b, r.logprobs) if gen.logprobs else None,
+                    "finish_reason": finish_reason(r),
+                }
+            )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "system_fingerprint": st.model_name,
+                "choices": choices,
+                "usage": usage_of(results),
+                "timings": merged_timings(results).as_dict(),
+            }
+        )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -170,17 +191,43 @@ async def completions(body: CompletionRequest, request: Request):
             if isinstance(ev, TextChunk):
                 lp = completion_logprobs(b, ev.logprobs, offsets[index]) if gen.logprobs else None
                 offsets[index] += len(ev.text)
-                yield sse({**base, "choices": [{"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None}]})
+                yield sse(
+                    {
+                        **base,
+                        "choices": [
+                            {"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None}
+                        ],
+                    }
+                )
             elif isinstance(ev, TaskResult):
                 results.append(ev)
-                yield sse({**base, "choices": [{"index": index, "text": "", "logprobs": None,
-                                                 "finish_reason": finish_reason(ev)}],
-                           "timings": ev.timings.as_dict()})
+                yield sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": index,
+                                "text": "",
+                                "logprobs": None,
+                                "finish_reason": finish_reason(ev),
+                            }
+                        ],
+                        "timings": ev.timings.as_dict(),
+                    }
+                )
             elif isinstance(ev, TaskError):
                 yield sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
         if include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage_of(results)})
+            yield sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage_of(results),
+                }
+            )
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(gen_events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -219,13 +266,13 @@ def render_chat(st: ServerState, req: ChatRequest) -> tuple[list[int], int]:
     # Templates emit BOS themselves; tokenizing with add_special would add a second one.
     has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
     if has_bos:
-        text = text[len(b.bos_text):]
+        text = text[len(b.bos_text) :]
     tokens = b.tokenize(text, add_special=True, parse_special=True)
     user_start = -1
     if rendered.last_user_offset > 0:
         head = rendered.prompt[: rendered.last_user_offset]
         if has_bos:
-            head = head[len(b.bos_text):]
+            head = head[len(b.bos_text) :]
         n_head = len(b.tokenize(head, add_special=True, parse_special=True))
         if tokens[:n_head] == b.tokenize(head, add_special=True, parse_special=True):
             user_start = n_head
@@ -253,8 +300,15 @@ async def chat_completions(body: ChatRequest, request: Request):
     )
     group = TaskGroup(engine)
     for _ in range(body.n):
-        group.add(prompt, sampling, gen, id_slot=body.id_slot, cache_prompt=body.cache_prompt,
-                  stream=body.stream, user_start=user_start)
+        group.add(
+            prompt,
+            sampling,
+            gen,
+            id_slot=body.id_slot,
+            cache_prompt=body.cache_prompt,
+            stream=body.stream,
+            user_start=user_start,
+        )
     rid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     model = body.model or st.model_name
@@ -262,38 +316,85 @@ async def chat_completions(body: ChatRequest, request: Request):
 
     if not body.stream:
         results = await group.results(request)
-        choices = [{
-            "index": i,
-            "message": {"role": "assistant", "content": r.text},
-            "logprobs": chat_logprobs(b, r.logprobs) if gen.logprobs else None,
-            "finish_reason": finish_reason(r),
-        } for i, r in enumerate(results)]
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": st.model_name,
-            "choices": choices, "usage": usage_of(results),
-            "timings": merged_timings(results).as_dict(),
-        })
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(b, r.logprobs) if gen.logprobs else None,
+                "finish_reason": finish_reason(r),
+            }
+            for i, r in enumerate(results)
+        ]
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "system_fingerprint": st.model_name,
+                "choices": choices,
+                "usage": usage_of(results),
+                "timings": merged_timings(results).as_dict(),
+            }
+        )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def gen_events() -> AsyncIterator[str]:
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": st.model_name}
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": st.model_name,
+        }
         for i in range(len(group.tasks)):
-            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+            yield sse(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
         results: list[TaskResult] = []
         async for index, ev in group.events():
             if isinstance(ev, TextChunk):
                 lp = chat_logprobs(b, ev.logprobs) if gen.logprobs else None
-                yield sse({**base, "choices": [{"index": index, "delta": {"content": ev.text},
-                                                 "logprobs": lp, "finish_reason": None}]})
+                yield sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {"content": ev.text},
+                                "logprobs": lp,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
             elif isinstance(ev, TaskResult):
                 results.append(ev)
-                yield sse({**base, "choices": [{"index": index, "delta": {}, "logprobs": None,
-                                                 "finish_reason": finish_reason(ev)}],
-                           "timings": ev.timings.as_dict()})
+                yield sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {},
+                                "logprobs": None,
+                                "finish_reason": finish_reason(ev),
+                            }
+                        ],
+                        "timings": ev.timings.as_dict(),
+                    }
+                )
             elif isinstance(ev, TaskError):
                 yield sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
         if include_usage:

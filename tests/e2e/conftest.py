@@ -1,0 +1,118 @@
+"""End-to-end fixtures: real server processes on the real default model, over real HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"e2e-server-{self.port}.log"
+        self.args = list(args)
+        full_env = {**os.environ, **(env or {})}
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--port", str(self.port), "-t", "2", *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-3000:]}"
+                )
+            try:
+                if self.client.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become ready")
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        r = self.client.post("/tokenize", json={"content": text, "add_special": add_special})
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    def slots(self) -> list[dict]:
+        return self.client.get("/slots").json()
+
+    def wait_idle(self, timeout: float = 30) -> list[dict]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            s = self.slots()
+            if not any(x["is_processing"] for x in s):
+                return s
+            time.sleep(0.05)
+        raise AssertionError(f"slots still busy: {self.slots()}")
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProc]:
+    """The default server: 4 slots, 8192 context, default model."""
+    s = ServerProc()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def make_server():
+    made: list[ServerProc] = []
+
+    def make(*args: str, env: dict[str, str] | None = None) -> ServerProc:
+        s = ServerProc(*args, env=env)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+LOREM = (
+    "The history of the printing press begins in the fifteenth century, when movable type "
+    "changed how books were made across Europe. Workshops spread from city to city, and with "
+    "them came new ideas about science, religion and government. "
+)
+
+
+def long_text(n_words: int, seed: int = 0) -> str:
+    words = (LOREM * (n_words // 20 + 2)).split()
+    words = words[seed % 7 :] + words[: seed % 7]
+    return " ".join(words[:n_words])

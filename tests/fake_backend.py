@@ -1,0 +1,200 @@
+"""A deterministic stand-in for llama.cpp, for unit tests of the scheduler and caches only.
+
+KV memory is simulated per sequence as {position: token}; a sliding window prunes cells like
+llama.cpp's SWA cache; state bytes are a real serialization of the cells (so restores are real
+restores of the simulated memory). The "model" predicts next = f(token, position).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from server.engine.types import SamplingParams, TokenLogprob
+
+EOG = 999
+
+
+@dataclass
+class FakeBatch:
+    capacity: int
+    tokens: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
+    logits: list[bool] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def clear(self) -> None:
+        self.tokens, self.pos, self.seq, self.logits = [], [], [], []
+
+    def add_span(self, tokens: list[int], pos0: int, seq: int, logits_last: bool) -> int:
+        if self.n + len(tokens) > self.capacity:
+            raise ValueError("batch overflow")
+        for i, t in enumerate(tokens):
+            self.tokens.append(t)
+            self.pos.append(pos0 + i)
+            self.seq.append(seq)
+            self.logits.append(logits_last and i == len(tokens) - 1)
+        return self.n - 1
+
+
+class FakeSampler:
+    def __init__(self, p: SamplingParams, script: list[int] | None) -> None:
+        self.p = p
+        self.script = list(script or [])
+        self.freed = False
+
+    def free(self) -> None:
+        self.freed = True
+
+
+def next_token(tok: int, pos: int) -> int:
+    return (tok * 7 + pos * 3 + 1) % 900  # never EOG unless scripted
+
+
+class FakeBackend:
+    def __init__(
+        self,
+        *,
+        n_seq: int = 4,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_ubatch: int = 128,
+        n_swa: int = 0,
+        kv_unified: bool = True,
+        n_vocab: int = 1000,
+    ) -> None:
+        self.n_seq = n_seq
+        self.n_ctx = n_ctx
+        self.kv_unified = kv_unified
+        self.n_ctx_slot = n_ctx if kv_unified else n_ctx // n_seq
+        self.n_batch = n_batch
+        self.n_ubatch = n_ubatch
+        self.n_swa = n_swa
+        self.n_vocab = n_vocab
+        self.is_recurrent = False
+        self.batch = FakeBatch(n_batch)
+        self.kv: dict[int, dict[int, int]] = {s: {} for s in range(n_seq)}
+        self.decodes: list[list[tuple[int, int, int]]] = []  # per call: (seq, pos, token)
+        self.outputs: dict[int, tuple[int, int, int]] = {}
+        self.scripts: dict[int, list[int]] = {}  # prompt length -> scripted tokens (by first task)
+        self.fail_next: list[int] = []  # decode return codes to inject
+        self.samplers: list[FakeSampler] = []
+
+    # ---- tokenizer ----
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        return chr(ord("a") + token % 26).encode()
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOG
+
+    # ---- decode / sample ----
+    def used_cells(self) -> int:
+        if self.kv_unified:
+            cells: set[tuple[int, int]] = set()
+            for m in self.kv.values():
+                cells.update(m.items())
+            return len(cells)
+        return max((len(m) for m in self.kv.values()), default=0)
+
+    def decode(self, start: int, count: int) -> int:
+        if self.fail_next:
+            return self.fail_next.pop(0)
+        b = self.batch
+        rows = list(
+            zip(
+                b.seq[start : start + count],
+                b.pos[start : start + count],
+                b.tokens[start : start + count],
+                strict=True,
+            )
+        )
+        need = sum(1 for s, p, _ in rows if p not in self.kv[s])
+        if self.used_cells() + need > self.n_ctx:
+            return 1
+        for s, p, t in rows:
+            if self.kv[s] and p != max(self.kv[s]) + 1:
+                raise AssertionError(f"seq {s}: position {p} does not follow {max(self.kv[s])}")
+            if not self.kv[s] and p != 0:
+                raise AssertionError(f"seq {s}: first position {p} != 0")
+            self.kv[s][p] = t
+        self.outputs = {i: rows[i - start] for i in range(start, start + count) if b.logits[i]}
+        self.decodes.append(rows)
+        if self.n_swa:
+            for s in {r[0] for r in rows}:
+                top = max(self.kv[s])
+                # like llama.cpp's SWA cache: cells further back than the window are pruned
+                for p in [p for p in self.kv[s] if p <= top - self.n_swa - 16]:
+                    del self.kv[s][p]
+        return 0
+
+    def new_sampler(self, p: SamplingParams, history: list[int]) -> FakeSampler:
+        smp = FakeSampler(p, self.scripts.get(len(history)))
+        self.samplers.append(smp)
+        return smp
+
+    def sample(self, sampler: FakeSampler, idx: int) -> int:
+        seq, pos, tok = self.outputs[idx]
+        if sampler.script:
+            return sampler.script.pop(0)
+        return next_token(tok, pos)
+
+    def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:
+        return TokenLogprob(token, -0.5, [(token, -0.5)][:n])
+
+    # ---- memory ----
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
+        m = self.kv[seq]
+        if p0 < 0:
+            p0 = 0
+        hi = p1 if p1 >= 0 else 1 << 30
+        if self.n_swa and m and p0 > 0 and p0 <= max(m) and min(m) > 0 and p0 < min(m):
+            m.clear()  # like SWA memory: removal behind the window empties the sequence
+            return True
+        for p in [p for p in m if p0 <= p < hi]:
+            del m[p]
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        hi = p1 if p1 >= 0 else 1 << 30
+        for p, t in self.kv[src].items():
+            if p0 <= p < hi:
+                self.kv[dst][p] = t
+
+    def seq_pos_min(self, seq: int) -> int:
+        return min(self.kv[seq]) if self.kv[seq] else -1
+
+    def seq_pos_max(self, seq: int) -> int:
+        return max(self.kv[seq]) if self.kv[seq] else -1
+
+    def seq_clear(self, seq: int) -> None:
+        self.kv[seq].clear()
+
+    # ---- state ----
+    def state_get(self, seq: int, partial: bool = False) -> bytearray:
+        m = self.kv[seq]
+        items = sorted(m.items())
+        if partial and self.n_swa and items:
+            top = items[-1][0]
+            items = [(p, t) for p, t in items if p > top - self.n_swa - 16]
+        out = bytearray(struct.pack("<BI", 1 if partial else 0, len(items)))
+        for p, t in items:
+            out += struct.pack("<ii", p, t)
+        return out
+
+    def state_set(self, seq: int, data, partial: bool = False, nbytes: int | None = None) -> int:
+        raw = bytes(data[: nbytes if nbytes is not None else len(data)])
+        if len(raw) < 5:
+            return 0
+        kind, n = struct.unpack_from("<BI", raw, 0)
+        if kind != (1 if partial else 0) or len(raw) < 5 + 8 * n:
+            return 0
+        cells = dict(struct.unpack_from("<ii", raw, 5 + 8 * i) for i in range(n))
+        if partial:
+            self.kv[seq].update(cells)
+        else:
+            self.kv[seq] = cells
+        return 5 + 8 * n

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+from server.engine.engine import Engine, EngineOptions
+from server.engine.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
+from tests.fake_backend import FakeBackend
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def __call__(self, ev) -> None:
+        self.events.append(ev)
+
+    @property
+    def result(self) -> TaskResult | None:
+        return next((e for e in self.events if isinstance(e, TaskResult)), None)
+
+    @property
+    def error(self) -> TaskError | None:
+        return next((e for e in self.events if isinstance(e, TaskError)), None)
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, TextChunk))
+
+
+def make_engine(**kw) -> tuple[Engine, FakeBackend]:
+    opts = {k: kw.pop(k) for k in list(kw) if k in EngineOptions.__dataclass_fields__}
+    b = FakeBackend(**kw)
+    e = Engine(b, EngineOptions(n_parallel=b.n_seq, **opts))
+    return e, b
+
+
+def task(
+    prompt, max_tokens=4, *, stop=None, id_slot=-1, cache_prompt=True, user_start=-1, temp=0.0
+):
+    c = Collector()
+    t = Task(
+        prompt=list(prompt),
+        sampling=SamplingParams(temperature=temp),
+        gen=GenParams(max_tokens=max_tokens, stop=stop or []),
+        emit=c,
+        id_slot=id_slot,
+        cache_prompt=cache_prompt,
+        user_start=user_start,
+    )
+    return t, c
+
+
+def run(engine: Engine, *tasks, max_steps: int = 1000) -> int:
+    for t in tasks:
+        engine.waiting.append(t)
+    steps = 0
+    while engine._has_work() and steps < max_steps:
+        engine.step()
+        steps += 1
+        assert engine.check_integrity() == []
+    return steps
