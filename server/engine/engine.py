@@ -193,11 +193,13 @@ class Engine:
 
     def step(self) -> None:
         """One scheduling + decode step. Called only from the engine thread (or tests)."""
+        t0 = time.perf_counter()
         self._drain_inbox()
         self._run_ops()
         self._reap_cancelled()
         self._admit()
-        self._decode_step()
+        if self._decode_step():
+            self.stats.on_step(time.perf_counter() - t0)
 
     # ---- admission ----------------------------------------------------------------
 
@@ -288,15 +290,16 @@ class Engine:
 
     # ---- decode step --------------------------------------------------------------
 
-    def _decode_step(self) -> None:
+    def _decode_step(self) -> bool:
+        """Build, decode and sample one batch; False when there was nothing to decode."""
         active = [s for s in self.slots if s.state is not SlotState.IDLE]
         if not active:
-            return
+            return False
         budget = self.b.n_batch
         while True:
             n = self._build_batch(active, budget)
             if n == 0:
-                return
+                return False
             t0 = time.perf_counter()
             ret = self.b.decode(0, n)
             dt = time.perf_counter() - t0
@@ -318,9 +321,10 @@ class Engine:
             )
             active = [s for s in active if s is not victim]
             if not active:
-                return
+                return True
         self.stats.on_decode(n, sum(1 for s in active if s.pending), dt)
         self._after_decode(active)
+        return True
 
     def _build_batch(self, active: list[Slot], budget: int) -> int:
         batch = self.b.batch

@@ -16,7 +16,9 @@ class EngineStats:
     requests_deferred: int = 0
     checkpoints_created: int = 0
     checkpoints_restored: int = 0
-    decode_seconds_total: float = 0.0
+    decode_seconds_total: float = 0.0  # inside llama_decode
+    step_seconds_total: float = 0.0  # whole engine steps that decoded something
+    n_steps: int = 0
     # prompt/predicted accounting, identical to what responses report
     prompt_tokens_total: int = 0
     prompt_tokens_cached_total: int = 0
@@ -34,6 +36,10 @@ class EngineStats:
         self.n_decode_total += 1
         self.n_busy_slots_total += n_busy
         self.decode_seconds_total += seconds
+
+    def on_step(self, seconds: float) -> None:
+        self.n_steps += 1
+        self.step_seconds_total += seconds
 
     def on_launch(self, queue_ms: float) -> None:
         self._observe("queue_ms", queue_ms)

@@ -74,6 +74,13 @@ async def props(request: Request) -> dict[str, Any]:
         "eos_token": b.eos_text,
         "build_info": f"llama-cpp-python {_llama_version()}",
         "ctx_checkpoints": engine.opts.ctx_checkpoints if engine.ckpt.enabled else 0,
+        # Scheduler overhead = step time outside llama_decode (bench workload 6).
+        "engine": {
+            "n_steps": engine.stats.n_steps,
+            "step_seconds_total": engine.stats.step_seconds_total,
+            "decode_seconds_total": engine.stats.decode_seconds_total,
+            "n_decode_total": engine.stats.n_decode_total,
+        },
     }
 
 
