@@ -11,9 +11,11 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from . import errors
+from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
 from .config import Settings
 from .engine.engine import Engine, EngineOptions
+from .routes import cache as cache_routes
 from .routes import native, openai, slots
 from .service import ServerState
 
@@ -61,6 +63,14 @@ def load(st: ServerState) -> None:
             bos_token=backend.bos_text,
             eos_token=backend.eos_text,
         )
+        cache = None
+        if s.cache_ram != 0:
+            cache = PromptCache(
+                limit_bytes=s.cache_ram * MiB if s.cache_ram > 0 else -1,
+                limit_tokens=s.cache_ram_tokens or backend.n_ctx,
+            )
+        elif s.cache_idle_slots:
+            log.warning("--cache-idle-slots needs the RAM cache (--cache-ram 0 turned it off)")
         engine = Engine(
             backend,
             EngineOptions(
@@ -69,13 +79,15 @@ def load(st: ServerState) -> None:
                 n_predict=s.n_predict,
                 ctx_checkpoints=s.ctx_checkpoints,
                 checkpoint_min_step=s.checkpoint_min_step,
+                cache_idle_slots=s.cache_idle_slots and cache is not None,
             ),
+            cache=cache,
         )
         engine.start()
         st.engine = engine
         log.info(
             "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
-            "chat template %s, checkpoints %s",
+            "chat template %s, checkpoints %s, RAM cache %s",
             path,
             backend.n_ctx,
             backend.n_ctx_slot,
@@ -85,6 +97,7 @@ def load(st: ServerState) -> None:
             backend.kv_unified,
             st.template.name,
             "on" if engine.ckpt.enabled else "off",
+            f"{s.cache_ram} MiB" if cache else "off",
         )
     except Exception as e:
         log.exception("failed to load the model")
@@ -114,4 +127,5 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(native.router)
     app.include_router(openai.router)
     app.include_router(slots.router)
+    app.include_router(cache_routes.router)
     return app

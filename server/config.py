@@ -31,6 +31,9 @@ class Settings(BaseModel):
     chat_template_file: str | None = None
     seed: int = -1
     slots: bool = True
+    cache_ram: int = Field(8192, ge=-1)
+    cache_ram_tokens: int = Field(0, ge=0)
+    cache_idle_slots: bool = True
     ctx_checkpoints: int = Field(32, ge=0)
     checkpoint_min_step: int = Field(8192, ge=0)
     verbose: bool = False
@@ -169,6 +172,30 @@ OPTIONS: list[Opt] = [
         "expose the /slots endpoint (default: on)",
         "bool",
         neg=("--no-slots",),
+    ),
+    Opt(
+        ("-cram", "--cache-ram"),
+        "cache_ram",
+        "LLAMA_ARG_CACHE_RAM",
+        "RAM prompt cache size in MiB (default: 8192, -1 = no limit, 0 = off)",
+        int,
+    ),
+    Opt(
+        ("--cache-ram-tokens",),
+        "cache_ram_tokens",
+        "LLAMA_ARG_CACHE_RAM_TOKENS",
+        "RAM prompt cache token limit (default: the context size; raised to what the byte "
+        "limit holds)",
+        int,
+    ),
+    Opt(
+        ("--cache-idle-slots",),
+        "cache_idle_slots",
+        "LLAMA_ARG_CACHE_IDLE_SLOTS",
+        "save idle slots to the RAM cache when a task starts, and clear them in unified KV mode "
+        "(default: on; needs --cache-ram)",
+        "bool",
+        neg=("--no-cache-idle-slots",),
     ),
     Opt(
         ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),

@@ -83,6 +83,7 @@ class FakeBackend:
         self.scripts: dict[int, list[int]] = {}  # prompt length -> scripted tokens (by first task)
         self.fail_next: list[int] = []  # decode return codes to inject
         self.samplers: list[FakeSampler] = []
+        self.oom_on_state_get = False
 
     # ---- tokenizer ----
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
@@ -174,7 +175,12 @@ class FakeBackend:
         self.kv[seq].clear()
 
     # ---- state ----
+    def state_size(self, seq: int, partial: bool = False) -> int:
+        return len(self.state_get(seq, partial))
+
     def state_get(self, seq: int, partial: bool = False) -> bytearray:
+        if self.oom_on_state_get:
+            raise MemoryError
         m = self.kv[seq]
         items = sorted(m.items())
         if partial and self.n_swa and items:

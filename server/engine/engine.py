@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..cache.prompt_cache import PromptCache
 from .checkpoints import CheckpointPolicy
 from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
 from .slot import Checkpoint, Slot, SlotState
@@ -68,6 +69,7 @@ class Backend(Protocol):
     def seq_pos_min(self, seq: int) -> int: ...
     def seq_pos_max(self, seq: int) -> int: ...
     def seq_clear(self, seq: int) -> None: ...
+    def state_size(self, seq: int, partial: bool = False) -> int: ...
     def state_get(self, seq: int, partial: bool = False) -> StateBuf: ...
     def state_set(
         self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
@@ -81,6 +83,7 @@ class EngineOptions:
     n_predict: int = -1  # server-wide cap on generated tokens (-1: none)
     ctx_checkpoints: int = 32
     checkpoint_min_step: int = 8192
+    cache_idle_slots: bool = True  # only with a RAM cache
 
 
 class EngineDead(RuntimeError):
@@ -88,9 +91,12 @@ class EngineDead(RuntimeError):
 
 
 class Engine:
-    def __init__(self, backend: Backend, opts: EngineOptions) -> None:
+    def __init__(
+        self, backend: Backend, opts: EngineOptions, cache: PromptCache | None = None
+    ) -> None:
         self.b = backend
         self.opts = opts
+        self.cache = cache
         self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
         self.waiting: collections.deque[Task] = collections.deque()
         self.stats = EngineStats()
@@ -223,17 +229,76 @@ class Engine:
                 if task.id_slot < 0:
                     break  # no idle slot at all: keep FIFO order for the rest
                 continue
+            slot = self.slots[choice.slot]
             try:
-                self._launch(self.slots[choice.slot], task, choice.lcp, choice.save_first)
+                n_lcp: int | None = choice.lcp
+                if self.cache is not None and choice.update_cache:
+                    if choice.save_first:
+                        self.cache_save(slot)
+                    if self._cache_load(slot, task.prompt):
+                        n_lcp = None
+                    self.cache.update()
+                self._launch(slot, task, n_lcp)
             except Exception as e:  # a failure here fails this task only
                 log.exception("failed to start task %d", task.id)
-                self.slots[choice.slot].release()
+                if slot.task is task:
+                    slot.release()
                 task.emit(TaskError(500, f"failed to start the task: {e}"))
+                continue
+            if self.cache is not None and self.opts.cache_idle_slots:
+                self._cache_idle_slots()
         deferred.extend(self.waiting)
         self.waiting = deferred
         self.stats.requests_deferred = len(self.waiting)
 
-    def _launch(self, slot: Slot, task: Task, n_lcp: int, save_first: bool) -> None:
+    # ---- RAM cache ----------------------------------------------------------------
+
+    def cache_save(self, slot: Slot) -> bool:
+        """Copy an idle slot's state into the RAM cache (the slot keeps it too)."""
+        if self.cache is None or not slot.tokens:
+            return False
+        out = self.cache.save(
+            slot.tokens,
+            self.b.state_size(slot.id),
+            lambda: self.b.state_get(slot.id),
+            slot.checkpoints,
+        )
+        return out.saved
+
+    def _cache_load(self, slot: Slot, prompt: list[int]) -> bool:
+        """Restore the best cache entry for ``prompt`` into ``slot``; True when one was loaded."""
+        choice = self.cache.find(slot.tokens, prompt)
+        if choice is None:
+            self.cache.counters.misses += 1
+            return False
+
+        def restore(e) -> bool:
+            return self.b.state_set(slot.id, e.data) == len(e.data)
+
+        entry = self.cache.take(choice, restore)
+        if entry is None:
+            # a failed restore may have left part of the state behind
+            self.b.seq_clear(slot.id)
+            slot.tokens = []
+            slot.checkpoints = []
+            return False
+        slot.tokens = entry.tokens
+        slot.checkpoints = entry.checkpoints
+        return True
+
+    def _cache_idle_slots(self) -> None:
+        """--cache-idle-slots: save every idle slot; in unified KV also clear it (its cells
+        go back to the shared pool)."""
+        for s in self.slots:
+            if s.idle and s.tokens:
+                self.cache_save(s)
+                if self.b.kv_unified:
+                    self.b.seq_clear(s.id)
+                    s.tokens = []
+                    s.checkpoints = []
+        self.cache.update()
+
+    def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest."""
         pos_min = self.b.seq_pos_min(slot.id) if slot.tokens else -1
         plan = plan_reuse(
@@ -384,7 +449,10 @@ class Engine:
         return freed
 
     def on_evict_idle(self, slot: Slot) -> None:
-        """Hook: an idle slot is about to lose its KV (the RAM cache saves it)."""
+        """An idle slot is about to lose its KV: keep it in the RAM cache when there is one."""
+        if self.cache is not None:
+            self.cache_save(slot)
+            self.cache.update()
 
     def _after_decode(self, active: list[Slot]) -> None:
         now = time.perf_counter()

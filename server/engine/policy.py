@@ -37,6 +37,11 @@ class SlotChoice:
     # The slot is about to lose most of what it holds: keep it in the RAM cache first.
     save_first: bool
 
+    @property
+    def update_cache(self) -> bool:
+        """Whether to consult the RAM cache: LRU picks always, others when context is lost."""
+        return self.by == "lru" or self.save_first
+
 
 def choose_slot(
     slots: Sequence[SlotView], prompt: Sequence[int], id_slot: int, similarity: float
@@ -47,7 +52,7 @@ def choose_slot(
         if not s.idle:
             return None
         n = lcp(s.tokens, prompt)
-        return SlotChoice(s.id, n, "id_slot", _loses_most(n, s.tokens))
+        return SlotChoice(s.id, n, "id_slot", _loses_most(n, s.tokens) or not s.tokens)
     idle = [s for s in slots if s.idle]
     if not idle:
         return None

@@ -345,6 +345,10 @@ class LlamaBackend:
 
     # ---- sequence state -----------------------------------------------------------
 
+    def state_size(self, seq: int, partial: bool = False) -> int:
+        flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
+        return int(L.llama_state_seq_get_size_ext(self.ctx, seq, flags))
+
     def state_get(self, seq: int, partial: bool = False) -> StateBuf:
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
         size = L.llama_state_seq_get_size_ext(self.ctx, seq, flags)
