@@ -3,6 +3,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 "$ROOT/scripts/bootstrap.sh" --dev
+"$ROOT/scripts/system-deps.sh"
 cd "$ROOT"
 PY="${VENV:-$ROOT/.venv}/bin/python"
 "$PY" -m ruff check server tests bench

@@ -15,7 +15,10 @@ from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
 from .config import Settings
 from .engine.engine import Engine, EngineOptions
+from .metrics import ServerMetrics
+from .middleware import JsonBody, RequestCounter
 from .routes import cache as cache_routes
+from .routes import metrics as metrics_routes
 from .routes import native, openai, slots
 from .service import ServerState
 
@@ -83,6 +86,7 @@ def load(st: ServerState) -> None:
             ),
             cache=cache,
         )
+        engine.stats.observers.append(st.metrics.observe)
         engine.start()
         st.engine = engine
         log.info(
@@ -108,6 +112,7 @@ def load(st: ServerState) -> None:
 
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
+    st.metrics = ServerMetrics(st)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -128,4 +133,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(openai.router)
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
+    app.include_router(metrics_routes.router)
+    app.add_middleware(JsonBody)
+    app.add_middleware(RequestCounter, metrics=st.metrics)
     return app

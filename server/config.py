@@ -36,6 +36,7 @@ class Settings(BaseModel):
     cache_idle_slots: bool = True
     ctx_checkpoints: int = Field(32, ge=0)
     checkpoint_min_step: int = Field(8192, ge=0)
+    metrics: bool = False
     verbose: bool = False
 
 
@@ -210,6 +211,13 @@ OPTIONS: list[Opt] = [
         "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT",
         "least spacing in tokens between mid-prompt checkpoints (default: 8192)",
         int,
+    ),
+    Opt(
+        ("--metrics",),
+        "metrics",
+        "LLAMA_ARG_ENDPOINT_METRICS",
+        "expose Prometheus metrics at /metrics (default: off)",
+        "bool",
     ),
     Opt(("-v", "--verbose"), "verbose", "LLAMA_ARG_VERBOSE", "debug logging", "bool"),
 ]

@@ -39,6 +39,7 @@ class ServerState:
     model_path: str = ""
     loading: bool = True
     load_error: str = ""
+    metrics: Any = None
     started: float = field(default_factory=time.time)
 
     def require_engine(self) -> Engine:

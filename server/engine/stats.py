@@ -19,12 +19,22 @@ class EngineStats:
     decode_seconds_total: float = 0.0  # inside llama_decode
     step_seconds_total: float = 0.0  # whole engine steps that decoded something
     n_steps: int = 0
-    # prompt/predicted accounting, identical to what responses report
+    # Prompt/predicted accounting of finished requests: exactly the sums of the ``timings``
+    # their responses carried. Cancelled or failed requests (whose clients never see timings)
+    # are counted apart, so nothing is counted twice or against a response that says otherwise.
     prompt_tokens_total: int = 0
     prompt_tokens_cached_total: int = 0
     prompt_seconds_total: float = 0.0
     tokens_predicted_total: int = 0
     tokens_predicted_seconds_total: float = 0.0
+    cancelled_prompt_tokens_total: int = 0
+    cancelled_predicted_tokens_total: int = 0
+    slot_saves: int = 0
+    slot_restores: int = 0
+    slot_file_failures: int = 0
+    slot_bytes_written: int = 0
+    slot_bytes_read: int = 0
+    prefix_shared_tokens: int = 0
     # Observers (metrics) called on the engine thread; must be cheap and never raise.
     observers: list[Callable[[str, float], None]] = field(default_factory=list)
 
@@ -48,8 +58,11 @@ class EngineStats:
         self._observe("ttft_ms", ttft_ms)
 
     def on_finish(self, r: TaskResult, e2e_ms: float) -> None:
-        # Cancelled tasks still did the work they did: count what was decoded, once.
         t = r.timings
+        if r.finish in (FinishReason.CANCELLED, FinishReason.ERROR):
+            self.cancelled_prompt_tokens_total += t.prompt_n
+            self.cancelled_predicted_tokens_total += t.predicted_n
+            return
         self.prompt_tokens_total += t.prompt_n
         self.prompt_tokens_cached_total += t.cache_n
         self.prompt_seconds_total += t.prompt_ms / 1e3
@@ -58,6 +71,3 @@ class EngineStats:
         self.n_tokens_max = max(self.n_tokens_max, t.cache_n + t.prompt_n + t.predicted_n)
         self._observe("e2e_ms", e2e_ms)
         self._observe("predicted_n", t.predicted_n)
-        self._observe("finish:" + r.finish.value, 1)
-        if r.finish is FinishReason.CANCELLED:
-            self._observe("cancelled", 1)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# System packages the end-to-end tests drive for real: Prometheus (and promtool).
+# Installed with apt when missing (needs root, as on CI and the dev machines).
+set -euo pipefail
+need=()
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+if ((${#need[@]})); then
+  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "[system-deps] missing: ${need[*]} (install them with your package manager)" >&2
+    exit 1
+  fi
+  echo "[system-deps] installing ${need[*]}"
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
