@@ -38,6 +38,8 @@ def load(st: ServerState) -> None:
     try:
         from .llama.backend import LlamaBackend, ModelOptions
 
+        if s.slot_save_path:
+            os.makedirs(s.slot_save_path, exist_ok=True)
         path = s.model or default_model_path()
         st.model_path = path
         st.model_name = s.alias or os.path.basename(path)

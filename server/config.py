@@ -37,6 +37,7 @@ class Settings(BaseModel):
     ctx_checkpoints: int = Field(32, ge=0)
     checkpoint_min_step: int = Field(8192, ge=0)
     metrics: bool = False
+    slot_save_path: str | None = None
     verbose: bool = False
 
 
@@ -211,6 +212,12 @@ OPTIONS: list[Opt] = [
         "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT",
         "least spacing in tokens between mid-prompt checkpoints (default: 8192)",
         int,
+    ),
+    Opt(
+        ("--slot-save-path",),
+        "slot_save_path",
+        "LLAMA_ARG_SLOT_SAVE_PATH",
+        "directory for POST /slots/{id}?action=save|restore (default: off)",
     ),
     Opt(
         ("--metrics",),

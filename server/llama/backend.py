@@ -183,6 +183,7 @@ class LlamaBackend:
         self.n_threads = threads
         self.seed = opts.seed
         self.batch = LlamaBatch(self.n_batch)
+        self.state_file_version = L.LLAMA_STATE_SEQ_VERSION
         self._piece_buf = ctypes.create_string_buffer(256)
         self._piece_cache: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}

@@ -1,17 +1,26 @@
-"""/slots: inspect slots (save/restore/erase on disk come with the slot-file module)."""
+"""/slots: inspect slots; save, restore and erase them (DESIGN §8)."""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import json
+import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 
+from ..cache import slot_file
 from ..engine.slot import Slot
 from ..errors import APIError
+from ..schemas import SlotActionBody
 from .native import generation_settings
 from .openai import state_of
 
 router = APIRouter()
+log = logging.getLogger("server.slots")
 
 
 def slot_json(st: Any, s: Slot) -> dict[str, Any]:
@@ -59,3 +68,119 @@ async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[st
     if fail_on_no_slot and all(not s.idle for s in engine.slots):
         raise APIError(503, "no slot available", "unavailable_error")
     return [slot_json(st, s) for s in engine.slots]
+
+
+def _save_op(slot_id: int):
+    def op(engine) -> tuple[list[int], Any, list]:
+        s = engine.slots[slot_id]
+        return list(s.tokens), engine.b.state_get(s.id), list(s.checkpoints)
+
+    return op
+
+
+def _restore_op(slot_id: int, parsed: slot_file.ParsedFile):
+    def op(engine) -> tuple[int, list[str]]:
+        s = engine.slots[slot_id]
+        b = engine.b
+        size = len(parsed.buf) - parsed.state_off
+        region = (ctypes.c_uint8 * size).from_buffer(parsed.buf, parsed.state_off)
+        consumed = b.state_set(s.id, region, nbytes=size)
+        n = len(parsed.tokens)
+        if consumed == 0 or (n > 0 and b.seq_pos_max(s.id) != n - 1):
+            b.seq_clear(s.id)
+            s.tokens, s.checkpoints = [], []
+            raise slot_file.SlotFileError(
+                "the slot file's state does not fit this model or context (another model, "
+                "or a truncated or corrupt file)"
+            )
+        app = slot_file.parse_appendices(parsed.buf, parsed.state_off + consumed, n)
+        s.tokens = list(parsed.tokens)
+        s.checkpoints = app.checkpoints
+        s.last_used = time.perf_counter()  # most recently used: kept by the LRU choice
+        return n, app.warnings
+
+    return op
+
+
+def _erase_op(slot_id: int):
+    def op(engine) -> int:
+        s = engine.slots[slot_id]
+        n = len(s.tokens)
+        engine.b.seq_clear(s.id)
+        s.tokens, s.checkpoints = [], []
+        return n
+
+    return op
+
+
+@router.post("/slots/{id_slot}")
+async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, Any]:
+    st = state_of(request)
+    engine = st.require_engine()
+    try:
+        sid = int(id_slot)
+    except ValueError:
+        raise APIError(400, f"invalid slot id {id_slot!r}") from None
+    if not 0 <= sid < len(engine.slots):
+        raise APIError(400, f"invalid slot id {sid}: this server has {len(engine.slots)} slots")
+    if action not in ("save", "restore", "erase"):
+        raise APIError(400, f"invalid action {action!r}: use save, restore or erase")
+    if action == "erase":
+        n = await asyncio.wrap_future(engine.call(_erase_op(sid), slot=sid))
+        return {"id_slot": sid, "n_erased": n}
+    if not st.settings.slot_save_path:
+        raise APIError(
+            501,
+            "This server does not support slot save/restore. Start it with --slot-save-path",
+            "not_supported_error",
+        )
+    try:
+        body = SlotActionBody.model_validate(json.loads(await request.body() or b"{}"))
+    except (ValueError, ValidationError):
+        raise APIError(400, 'the body must be JSON like {"filename": "name"}') from None
+    stats = engine.stats
+    try:
+        path = slot_file.resolve(st.settings.slot_save_path, body.filename)
+        t0 = time.perf_counter()
+        if action == "save":
+            tokens, state, ckpts = await asyncio.wrap_future(engine.call(_save_op(sid), slot=sid))
+            written = await asyncio.to_thread(
+                slot_file.write_file, path, tokens, state, st.backend.state_file_version, ckpts
+            )
+            stats.slot_saves += 1
+            stats.slot_bytes_written += written
+            return {
+                "id_slot": sid,
+                "filename": body.filename,
+                "n_saved": len(tokens),
+                "n_written": written,
+                "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+            }
+        b = st.backend
+        parsed = await asyncio.to_thread(
+            slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
+        )
+        n, warnings = await asyncio.wrap_future(engine.call(_restore_op(sid, parsed), slot=sid))
+        for w in warnings:
+            log.warning("slot %d restore from %s: %s", sid, body.filename, w)
+        stats.slot_restores += 1
+        stats.slot_bytes_read += parsed.n_read
+        out = {
+            "id_slot": sid,
+            "filename": body.filename,
+            "n_restored": n,
+            "n_read": parsed.n_read,
+            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+        }
+        if warnings:
+            out["warnings"] = warnings
+        return out
+    except slot_file.SlotFileError as e:
+        stats.slot_file_failures += 1
+        raise APIError(e.status, str(e)) from None
+    except MemoryError:
+        stats.slot_file_failures += 1
+        raise APIError(400, "slot file is too large to load") from None
+    except OSError as e:
+        stats.slot_file_failures += 1
+        raise APIError(500, f"slot file I/O failed: {e.strerror or e}") from None

@@ -1,0 +1,253 @@
+"""Slot files (DESIGN §8): llama.cpp's sequence-state file plus our appendices.
+
+Layout, little-endian:
+  body      u32 'ggsq' magic, u32 version, u32 n_tokens, n_tokens x i32, state bytes
+            (exactly what llama_state_seq_save_file writes; the state bytes are those of
+            llama_state_seq_get_data without its 8-byte header)
+  SCKP      u32 magic, u32 version 1, u32 count, per checkpoint: i64 n_tokens, i32 pos_min,
+            i32 pos_max, then data_tgt, data_dft, data_spec as (u64 length, bytes)
+  SDFT      only with a draft model: u32 magic, u32 version 1, two (u64 length, bytes) buffers
+
+Reading never trusts the file: every length is checked against the bytes that are left
+before anything is allocated, and the llama.cpp restore is done from memory with
+llama_state_seq_set_data_ext, which fails softly (llama_state_seq_load_file aborts the
+process on a truncated file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import tempfile
+import unicodedata
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..engine.slot import Checkpoint
+from ..engine.types import StateBuf
+
+log = logging.getLogger("server.slotfile")
+
+GGSQ_MAGIC = 0x67677371  # 'ggsq'
+STATE_HEADER_MAGIC = 0xAF143CD8  # llama_state_seq_get_data's leading u32
+SCKP_MAGIC = 0x504B4353  # 'SCKP'
+SDFT_MAGIC = 0x54464453  # 'SDFT'
+APPENDIX_VERSION = 1
+TOKEN_NULL = -1  # llama-server's packed token list starts with LLAMA_TOKEN_NULL
+PACKED_TOKENS_VERSION = 1
+
+
+class SlotFileError(ValueError):
+    """A file or filename that cannot be used; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def validate_filename(name: str) -> str:
+    """Plain names only: no separators, no '..', no control characters, at most 255 bytes."""
+    if not isinstance(name, str) or not name:
+        raise SlotFileError("filename must be a non-empty string")
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        raise SlotFileError("filename is longer than 255 bytes")
+    if name in (".", "..") or ".." in name:
+        raise SlotFileError("filename must not contain '..'")
+    if "/" in name or "\\" in name:
+        raise SlotFileError("filename must not contain path separators")
+    if any(unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn") for ch in name):
+        raise SlotFileError("filename must not contain control or unassigned characters")
+    if name != name.strip() or name.startswith("."):
+        raise SlotFileError("filename must not start with '.' or begin or end with spaces")
+    return name
+
+
+def resolve(directory: str | Path, name: str) -> Path:
+    """The file's path inside ``directory``; symlinks may not lead outside it."""
+    validate_filename(name)
+    base = Path(directory).resolve()
+    path = (base / name).resolve()
+    if path.parent != base:
+        raise SlotFileError("filename resolves outside the slot save directory")
+    return path
+
+
+@dataclass
+class ParsedFile:
+    """A validated slot file held in one buffer. The target state starts at ``state_off``;
+    the 8 bytes before it have been overwritten with llama_state_seq_set_data's header."""
+
+    tokens: list[int]
+    buf: bytearray
+    state_off: int  # offset of the header + state bytes, for llama_state_seq_set_data_ext
+    n_read: int
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Appendices:
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    draft: tuple[bytes, bytes] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _unpack_tokens(raw: array) -> list[int]:
+    """Plain token list, or llama-server's packed form [NULL, version, n, tokens.., n_media=0]."""
+    if not raw or raw[0] != TOKEN_NULL:
+        return raw.tolist()
+    if len(raw) < 4 or raw[1] != PACKED_TOKENS_VERSION:
+        raise SlotFileError("unsupported packed token list in slot file")
+    n = raw[2]
+    if n < 0 or 3 + n + 1 > len(raw):
+        raise SlotFileError("packed token list is truncated")
+    tokens = raw[3 : 3 + n].tolist()
+    if raw[3 + n] != 0:
+        raise SlotFileError("slot file holds media chunks, which this server cannot restore")
+    return tokens
+
+
+def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> ParsedFile:
+    """Read and bound-check the body header and tokens (not the state: llama.cpp checks it)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise SlotFileError(f"slot file {path.name!r} not found", 404) from None
+    if size < 12:
+        raise SlotFileError("slot file is truncated (no header)")
+    buf = bytearray(size)
+    with open(path, "rb") as f:
+        n_read = f.readinto(buf)
+    if n_read != size:
+        raise SlotFileError("slot file changed while being read")
+    magic, file_version, n_tokens = struct.unpack_from("<III", buf, 0)
+    if magic != GGSQ_MAGIC:
+        raise SlotFileError(f"not a llama.cpp sequence state file (magic {magic:#010x})")
+    if file_version != version:
+        raise SlotFileError(f"slot file version {file_version} is not this llama.cpp's ({version})")
+    if n_tokens > (size - 12) // 4:
+        raise SlotFileError(
+            f"slot file claims {n_tokens} tokens but holds at most {(size - 12) // 4}"
+        )
+    raw = array("i")
+    raw.frombytes(bytes(buf[12 : 12 + 4 * n_tokens]))
+    tokens = _unpack_tokens(raw)
+    if len(tokens) > n_ctx:
+        raise SlotFileError(
+            f"slot file holds {len(tokens)} tokens, more than the slot's context ({n_ctx})"
+        )
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise SlotFileError(
+            f"slot file token {bad} is outside this model's vocabulary (another model?)"
+        )
+    body = 12 + 4 * n_tokens
+    if size - body < 8:
+        raise SlotFileError("slot file has no sequence state")
+    # Rebuild llama_state_seq_get_data's 8-byte header in place of the last token bytes
+    # (already parsed) so the state is restored from this buffer without a copy.
+    state_off = body - 8
+    struct.pack_into("<Ii", buf, state_off, STATE_HEADER_MAGIC, seq)
+    return ParsedFile(tokens, buf, state_off, n_read)
+
+
+def _take(buf: bytes | bytearray | memoryview, pos: int, fmt: str) -> tuple[tuple, int]:
+    n = struct.calcsize(fmt)
+    if pos + n > len(buf):
+        raise SlotFileError("appendix truncated")
+    return struct.unpack_from(fmt, buf, pos), pos + n
+
+
+def _take_buffer(buf, pos: int) -> tuple[bytes, int]:
+    (length,), pos = _take(buf, pos, "<Q")
+    if length > len(buf) - pos:
+        # never allocate a length the file cannot hold
+        raise SlotFileError(f"appendix buffer of {length} bytes exceeds the {len(buf) - pos} left")
+    return bytes(buf[pos : pos + length]), pos + length
+
+
+def parse_appendices(buf: bytearray, pos: int, n_tokens: int) -> Appendices:
+    """Appendices after the state. A bad magic means "none"; a bad version is skipped with a
+    warning; a truncated or oversized appendix is dropped. Never raises."""
+    out = Appendices()
+    view = memoryview(buf)
+    while pos + 8 <= len(buf):
+        magic, version = struct.unpack_from("<II", buf, pos)
+        if magic not in (SCKP_MAGIC, SDFT_MAGIC):
+            break
+        if version != APPENDIX_VERSION:
+            out.warnings.append(f"appendix {magic:#x} has version {version}; ignored")
+            break  # its layout is unknown, so nothing after it can be located either
+        try:
+            if magic == SCKP_MAGIC:
+                (count,), p = _take(view, pos + 8, "<I")
+                ckpts = []
+                for _ in range(count):
+                    (nt, pmin, pmax), p = _take(view, p, "<qii")
+                    tgt, p = _take_buffer(view, p)
+                    dft, p = _take_buffer(view, p)
+                    _spec, p = _take_buffer(view, p)
+                    if 0 < nt <= n_tokens and tgt:
+                        ckpts.append(Checkpoint(nt, pmin, pmax, bytearray(tgt), dft))
+                    else:
+                        out.warnings.append(
+                            f"checkpoint at {nt} tokens does not match the slot; dropped"
+                        )
+                out.checkpoints = ckpts
+            else:
+                tgt, p = _take_buffer(view, pos + 8)
+                dft, p = _take_buffer(view, p)
+                out.draft = (tgt, dft)
+            pos = p
+        except SlotFileError as e:
+            out.warnings.append(f"appendix {magic:#x} dropped: {e}")
+            break
+    return out
+
+
+def encode_checkpoints(checkpoints: list[Checkpoint]) -> bytes:
+    parts = [struct.pack("<III", SCKP_MAGIC, APPENDIX_VERSION, len(checkpoints))]
+    for c in checkpoints:
+        parts.append(struct.pack("<qii", c.n_tokens, c.pos_min, c.pos_max))
+        for data in (c.data, c.data_dft, b""):
+            parts.append(struct.pack("<Q", len(data)))
+            parts.append(bytes(data))
+    return b"".join(parts)
+
+
+def write_file(
+    path: Path, tokens: list[int], state: StateBuf, version: int, checkpoints: list[Checkpoint]
+) -> int:
+    """Write atomically: a temporary file in the same directory, fsync, rename, fsync the
+    directory. A crash or a full disk never leaves a partial file under ``path``.
+
+    ``state`` is llama_state_seq_get_data's buffer (8-byte header + state bytes).
+    """
+    mv = memoryview(state).cast("B")
+    if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != STATE_HEADER_MAGIC:
+        raise SlotFileError("unexpected sequence state layout", 500)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".slot", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<III", GGSQ_MAGIC, version, len(tokens)))
+            f.write(array("i", tokens).tobytes())
+            f.write(mv[8:])
+            f.write(encode_checkpoints(checkpoints))
+            f.flush()
+            os.fdatasync(f.fileno())
+            written = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return written

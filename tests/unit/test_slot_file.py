@@ -1,0 +1,147 @@
+"""Slot file format: filenames, hostile bodies, appendix rules, round trips (no model)."""
+
+from __future__ import annotations
+
+import os
+import struct
+from array import array
+from pathlib import Path
+
+import pytest
+
+from server.cache import slot_file as sf
+from server.engine.slot import Checkpoint
+
+VERSION = 3
+
+
+def state_buf(n: int = 64) -> bytearray:
+    return bytearray(struct.pack("<Ii", sf.STATE_HEADER_MAGIC, 0)) + bytearray(range(n))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../x", "a/b", "..", "", "/etc/passwd", "a\nb", "a\x00b", ".hidden", " x", "x" * 256, "a\\b"],
+)
+def test_bad_filenames_are_rejected(name, tmp_path):
+    with pytest.raises(sf.SlotFileError):
+        sf.resolve(tmp_path, name)
+
+
+def test_plain_names_resolve_inside(tmp_path):
+    assert sf.resolve(tmp_path, "chat-1.bin") == tmp_path.resolve() / "chat-1.bin"
+    assert sf.resolve(tmp_path, "é" * 100).parent == tmp_path.resolve()
+
+
+def test_symlink_pointing_outside_is_rejected(tmp_path):
+    (tmp_path / "out").mkdir()
+    save = tmp_path / "save"
+    save.mkdir()
+    os.symlink(tmp_path / "out" / "target", save / "link")
+    with pytest.raises(sf.SlotFileError, match="outside"):
+        sf.resolve(save, "link")
+
+
+def test_write_then_read_round_trip(tmp_path):
+    ck = Checkpoint(3, 0, 2, bytearray(b"partial-state"), b"")
+    path = tmp_path / "s.bin"
+    n = sf.write_file(path, [5, 6, 7, 8], state_buf(), VERSION, [ck])
+    assert n == path.stat().st_size
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
+    p = sf.read_file(path, n_ctx=100, n_vocab=1000, seq=2, version=VERSION)
+    assert p.tokens == [5, 6, 7, 8]
+    hdr = struct.unpack_from("<Ii", p.buf, p.state_off)
+    assert hdr == (sf.STATE_HEADER_MAGIC, 2)
+    assert bytes(p.buf[p.state_off + 8 : p.state_off + 8 + 64]) == bytes(range(64))
+    app = sf.parse_appendices(p.buf, p.state_off + 8 + 64, 4)
+    assert [(c.n_tokens, bytes(c.data)) for c in app.checkpoints] == [(3, b"partial-state")]
+    assert app.warnings == []
+
+
+def write_raw(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def header(n_tokens: int, tokens=None, magic=sf.GGSQ_MAGIC, version=VERSION) -> bytes:
+    toks = array("i", tokens if tokens is not None else range(n_tokens)).tobytes()
+    return struct.pack("<III", magic, version, n_tokens) + toks
+
+
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        (b"", "truncated"),
+        (os.urandom(5000), "magic"),
+        (header(3, magic=0x12345678) + b"x" * 50, "magic"),
+        (header(3, version=99) + b"x" * 50, "version"),
+        (struct.pack("<III", sf.GGSQ_MAGIC, VERSION, 2**31) + b"x" * 64, "claims"),
+        (header(200) + b"x" * 50, "more than the slot"),
+        (header(3, [1, 2, 5000]) + b"x" * 50, "vocabulary"),
+        (header(3), "no sequence state"),
+    ],
+)
+def test_hostile_bodies_are_rejected(tmp_path, data, match):
+    with pytest.raises(sf.SlotFileError, match=match):
+        sf.read_file(
+            write_raw(tmp_path / "f", data), n_ctx=100, n_vocab=1000, seq=0, version=VERSION
+        )
+
+
+def test_missing_file_is_404(tmp_path):
+    with pytest.raises(sf.SlotFileError) as e:
+        sf.read_file(tmp_path / "nope", 100, 1000, 0, VERSION)
+    assert e.value.status == 404
+
+
+def test_llama_server_packed_token_list_is_read(tmp_path):
+    packed = [-1, 1, 3, 11, 12, 13, 0]
+    data = header(len(packed), packed) + b"s" * 40
+    p = sf.read_file(write_raw(tmp_path / "f", data), 100, 1000, 0, VERSION)
+    assert p.tokens == [11, 12, 13]
+
+
+def test_packed_list_with_media_is_refused(tmp_path):
+    packed = [-1, 1, 1, 11, 1, 0, 0]
+    with pytest.raises(sf.SlotFileError, match="media"):
+        sf.read_file(
+            write_raw(tmp_path / "f", header(len(packed), packed) + b"s" * 40),
+            100,
+            1000,
+            0,
+            VERSION,
+        )
+
+
+def sckp(count: int, body: bytes, version: int = 1) -> bytearray:
+    return bytearray(struct.pack("<III", sf.SCKP_MAGIC, version, count) + body)
+
+
+def test_appendix_bad_magic_means_none():
+    app = sf.parse_appendices(bytearray(b"ZZZZ" + b"\0" * 20), 0, 10)
+    assert app.checkpoints == [] and app.warnings == []
+
+
+def test_appendix_bad_version_is_ignored_with_warning():
+    app = sf.parse_appendices(sckp(0, b"", version=7), 0, 10)
+    assert app.checkpoints == [] and "version 7" in app.warnings[0]
+
+
+def test_appendix_claiming_2_to_60_bytes_is_dropped_without_allocating():
+    body = struct.pack("<qii", 5, 0, 4) + struct.pack("<Q", 2**60) + b"tiny"
+    app = sf.parse_appendices(sckp(1, body), 0, 10)
+    assert app.checkpoints == [] and "exceeds" in app.warnings[0]
+
+
+def test_truncated_appendix_is_dropped():
+    body = struct.pack("<qii", 5, 0, 4)[:6]
+    app = sf.parse_appendices(sckp(1, body), 0, 10)
+    assert app.checkpoints == [] and app.warnings
+
+
+def test_checkpoint_beyond_tokens_is_dropped():
+    good = sf.encode_checkpoints(
+        [Checkpoint(4, 0, 3, bytearray(b"a")), Checkpoint(50, 0, 49, bytearray(b"b"))]
+    )
+    app = sf.parse_appendices(bytearray(good), 0, 10)
+    assert [c.n_tokens for c in app.checkpoints] == [4] and app.warnings
