@@ -1,0 +1,92 @@
+"""Context checkpoints on a sliding-window model, against the fake backend."""
+
+from server.engine.checkpoints import CheckpointPolicy
+from server.engine.slot import Checkpoint
+
+from .helpers import make_engine, run, task
+
+
+def swa_engine(**kw):
+    kw.setdefault("n_swa", 100)
+    kw.setdefault("n_ubatch", 128)
+    kw.setdefault("n_batch", 512)
+    return make_engine(**kw)
+
+
+def test_boundaries_and_chunk_ends():
+    p = CheckpointPolicy(enabled=True, n_ubatch=128)
+    assert p.boundaries(1000, 600) == [600, 868, 996]
+    assert p.chunk_end(0, 1000, 600) == 600
+    assert p.chunk_end(600, 1000, 600) == 868
+    assert p.chunk_end(996, 1000, 600) == 1000
+
+
+def test_checkpoints_land_at_user_start_and_near_the_end():
+    e, b = swa_engine()
+    prompt = list(range(1, 1001))
+    t, c = task(prompt, max_tokens=2, user_start=600)
+    run(e, t)
+    s = e.slots[c.result.id_slot]
+    assert [x.n_tokens for x in s.checkpoints] == [600, 868, 996]
+    assert all(x.pos_max == x.n_tokens - 1 for x in s.checkpoints)
+    assert e.stats.checkpoints_created == 3
+
+
+def test_mid_prompt_checkpoints_respect_min_step():
+    e, b = swa_engine(checkpoint_min_step=300, n_batch=128)
+    t, c = task(list(range(1, 1001)), max_tokens=1)
+    run(e, t)
+    got = [x.n_tokens for x in e.slots[c.result.id_slot].checkpoints]
+    # chunk starts every 128 tokens; one at least 300 after the previous, plus the two near the end
+    assert got == [384, 768, 868, 996]
+
+
+def test_per_slot_limit_drops_oldest():
+    e, b = swa_engine(ctx_checkpoints=2)
+    t, c = task(list(range(1, 1001)), max_tokens=1, user_start=600)
+    run(e, t)
+    assert [x.n_tokens for x in e.slots[c.result.id_slot].checkpoints] == [868, 996]
+
+
+def test_insert_replaces_same_position():
+    p = CheckpointPolicy(enabled=True, max_per_slot=4)
+    have = [Checkpoint(10, 0, 9, bytearray(b"a"))]
+    p.insert(have, Checkpoint(10, 0, 9, bytearray(b"b")))
+    assert [(x.n_tokens, bytes(x.data)) for x in have] == [(10, b"b")]
+
+
+def test_replaced_last_message_restores_the_checkpoint():
+    e, b = swa_engine()
+    head = list(range(1, 601))
+    t1, c1 = task(head + [7] * 400, max_tokens=2, user_start=600)
+    run(e, t1)
+    t2, c2 = task(head + [8] * 300, max_tokens=2, user_start=600)
+    run(e, t2)
+    assert (c2.result.timings.cache_n, c2.result.timings.prompt_n) == (600, 300)
+    assert e.stats.checkpoints_restored == 1
+    # checkpoints past the cut were dropped, new ones taken for the new tail
+    assert [x.n_tokens for x in e.slots[c2.result.id_slot].checkpoints] == [600, 768, 896]
+
+
+def test_without_checkpoints_a_cut_behind_the_window_is_recomputed():
+    e, b = swa_engine(ctx_checkpoints=0)
+    head = list(range(1, 601))
+    run(e, task(head + [7] * 400, max_tokens=2, user_start=600)[0])
+    t2, c2 = task(head + [8] * 300, max_tokens=2, user_start=600)
+    run(e, t2)
+    assert (c2.result.timings.cache_n, c2.result.timings.prompt_n) == (0, 900)
+
+
+def test_cut_inside_the_window_needs_no_checkpoint():
+    e, b = swa_engine(ctx_checkpoints=0)
+    prompt = list(range(1, 1001))
+    run(e, task(prompt, max_tokens=2)[0])
+    t2, c2 = task(prompt[:990] + [5, 5], max_tokens=2)
+    run(e, t2)
+    assert c2.result.timings.cache_n == 990
+
+
+def test_non_swa_model_takes_no_checkpoints():
+    e, b = make_engine(n_swa=0)
+    run(e, task(list(range(1, 1001)), max_tokens=1, user_start=600)[0])
+    assert e.stats.checkpoints_created == 0 and not e.ckpt.enabled
