@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -19,6 +20,9 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
     )
     app = create_app(settings)
+    # uvicorn drains connections on SIGTERM (graceful shutdown), then re-raises the signal it
+    # caught; with this no-op as the handler it restores, the process then exits with 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(
         app,
         host=settings.host,

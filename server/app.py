@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import threading
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from . import errors
 from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
-from .config import Settings
+from .config import Settings, load_api_keys
 from .engine.engine import Engine, EngineOptions
 from .metrics import ServerMetrics
-from .middleware import JsonBody, RequestCounter
+from .middleware import ApiKeyAuth, BodyLimit, JsonBody, RequestCounter
 from .routes import cache as cache_routes
 from .routes import metrics as metrics_routes
 from .routes import native, openai, slots
@@ -40,6 +42,8 @@ def load(st: ServerState) -> None:
 
         if s.slot_save_path:
             os.makedirs(s.slot_save_path, exist_ok=True)
+            for stale in glob.glob(os.path.join(s.slot_save_path, ".tmp-*.slot")):
+                os.unlink(stale)  # a save interrupted by a crash; never under a real name
         path = s.model or default_model_path()
         st.model_path = path
         st.model_name = s.alias or os.path.basename(path)
@@ -112,6 +116,10 @@ def load(st: ServerState) -> None:
         st.loading = False
 
 
+def _csv(v: str) -> list[str]:
+    return [x.strip() for x in v.split(",") if x.strip()]
+
+
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
     st.metrics = ServerMetrics(st)
@@ -136,6 +144,15 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
     app.include_router(metrics_routes.router)
+    # Outermost last: count -> CORS (answers preflights) -> key -> body limit -> JSON body.
     app.add_middleware(JsonBody)
+    app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
+    app.add_middleware(ApiKeyAuth, keys=load_api_keys(settings))
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=_csv(settings.cors_origins),
+        allow_methods=_csv(settings.cors_methods),
+        allow_headers=_csv(settings.cors_headers),
+    )
     app.add_middleware(RequestCounter, metrics=st.metrics)
     return app

@@ -65,7 +65,13 @@ ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 
 
 class TemplateError(ValueError):
-    """A template failed to render (bad template, or it tried to escape the sandbox)."""
+    """A template failed to render. ``client`` when the template itself rejected the messages
+    (raise_exception, e.g. roles that do not alternate); otherwise the template is at fault
+    (bad syntax, or it tried to escape the sandbox)."""
+
+    def __init__(self, message: str, client: bool = False) -> None:
+        super().__init__(message)
+        self.client = client
 
 
 @dataclass
@@ -76,7 +82,7 @@ class Rendered:
 
 
 def _raise(msg: str) -> None:
-    raise TemplateError(str(msg))
+    raise TemplateError(f"chat template rejected the messages: {msg}", client=True)
 
 
 class ChatTemplate:

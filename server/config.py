@@ -37,6 +37,14 @@ class Settings(BaseModel):
     ctx_checkpoints: int = Field(32, ge=0)
     checkpoint_min_step: int = Field(8192, ge=0)
     metrics: bool = False
+    api_key: str | None = None
+    api_key_file: str | None = None
+    cors_origins: str = "*"
+    cors_methods: str = "*"
+    cors_headers: str = "*"
+    max_body_mb: float = Field(16, gt=0)
+    max_queue: int = Field(256, ge=0)
+    timeout: float = Field(600, gt=0)
     slot_save_path: str | None = None
     verbose: bool = False
 
@@ -220,6 +228,57 @@ OPTIONS: list[Opt] = [
         "directory for POST /slots/{id}?action=save|restore (default: off)",
     ),
     Opt(
+        ("--api-key",),
+        "api_key",
+        "LLAMA_API_KEY",
+        "API key(s), comma-separated; every endpoint but /health then needs one (default: none)",
+    ),
+    Opt(
+        ("--api-key-file",),
+        "api_key_file",
+        "LLAMA_ARG_API_KEY_FILE",
+        "file with API keys, one per line",
+    ),
+    Opt(
+        ("--cors-origins",),
+        "cors_origins",
+        "LLAMA_ARG_CORS_ORIGINS",
+        "allowed CORS origins, comma-separated (default: *)",
+    ),
+    Opt(
+        ("--cors-methods",),
+        "cors_methods",
+        "LLAMA_ARG_CORS_METHODS",
+        "allowed CORS methods, comma-separated (default: *)",
+    ),
+    Opt(
+        ("--cors-headers",),
+        "cors_headers",
+        "LLAMA_ARG_CORS_HEADERS",
+        "allowed CORS request headers, comma-separated (default: *)",
+    ),
+    Opt(
+        ("--max-body-mb",),
+        "max_body_mb",
+        "LLAMA_ARG_MAX_BODY_MB",
+        "largest request body in MiB; larger ones get 413 (default: 16)",
+        float,
+    ),
+    Opt(
+        ("--max-queue",),
+        "max_queue",
+        "LLAMA_ARG_MAX_QUEUE",
+        "most requests waiting for a slot; beyond it 503 with Retry-After (default: 256)",
+        int,
+    ),
+    Opt(
+        ("-to", "--timeout"),
+        "timeout",
+        "LLAMA_ARG_TIMEOUT",
+        'seconds a request may run before it is ended (default: 600; per request: "timeout")',
+        float,
+    ),
+    Opt(
         ("--metrics",),
         "metrics",
         "LLAMA_ARG_ENDPOINT_METRICS",
@@ -292,3 +351,11 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
         if cli is not None:
             values[o.dest] = cli
     return Settings(**values)
+
+
+def load_api_keys(s: Settings) -> list[str]:
+    keys = [k.strip() for k in (s.api_key or "").split(",") if k.strip()]
+    if s.api_key_file:
+        with open(s.api_key_file, encoding="utf-8") as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    return keys

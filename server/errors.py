@@ -17,6 +17,7 @@ TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     500: "server_error",
     501: "not_supported_error",
@@ -25,8 +26,16 @@ TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str | None = None, **extra: Any) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        headers: dict | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type or TYPES.get(status, "server_error")
@@ -65,7 +74,7 @@ def _describe(errors: list[dict[str, Any]]) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, **exc.extra)
+        return error_response(exc.status, exc.message, exc.type, headers=exc.headers, **exc.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

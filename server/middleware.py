@@ -2,9 +2,127 @@
 
 from __future__ import annotations
 
+import hmac
+import json
 from typing import Any
 
 from .routes.metrics import KNOWN
+
+PUBLIC_PATHS = {"/health", "/v1/health"}
+
+
+async def send_json(send: Any, status: int, body: dict, headers: list | None = None) -> None:
+    data = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": data})
+
+
+def _header(scope: dict, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", []):
+        if k == name:
+            return v
+    return None
+
+
+class ApiKeyAuth:
+    """Every endpoint but /health needs a key: ``Authorization: Bearer KEY`` or ``X-Api-Key``.
+
+    Keys are compared in constant time, against every configured key (no early exit).
+    CORS preflights (OPTIONS) are answered by the CORS layer outside this one.
+    """
+
+    def __init__(self, app: Any, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys if k]
+
+    def _valid(self, given: bytes) -> bool:
+        ok = False
+        for k in self.keys:
+            ok |= hmac.compare_digest(given, k)
+        return ok
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (
+            scope["type"] != "http"
+            or not self.keys
+            or scope.get("path") in PUBLIC_PATHS
+            or scope.get("method") == "OPTIONS"
+        ):
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        auth = _header(scope, b"authorization")
+        if auth and auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        else:
+            given = (_header(scope, b"x-api-key") or b"").strip()
+        if given and self._valid(given):
+            await self.app(scope, receive, send)
+            return
+        await send_json(
+            send,
+            401,
+            {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},
+            [(b"www-authenticate", b"Bearer")],
+        )
+
+
+class BodyLimit:
+    """Bodies over the limit get 413 before the app sees them (chunked bodies included)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        too_big = {
+            "error": {
+                "code": 413,
+                "message": f"request body exceeds {self.max_bytes} bytes",
+                "type": "invalid_request_error",
+            }
+        }
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await send_json(send, 413, too_big)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await send_json(send, 413, too_big)
+                return
+            chunks.append(body)
+            if not msg.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class JsonBody:

@@ -37,6 +37,7 @@ class SamplingFields(_Req):
     id_slot: Annotated[int, Field(ge=-1, le=1023)] = -1
     cache_prompt: bool = True
     n_probs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] = 0
+    timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None  # seconds
 
     @field_validator("stop")
     @classmethod

@@ -134,8 +134,10 @@ class TaskGroup:
     Leaving the iteration early (client gone) cancels every task still running.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, timeout: float = 600.0, max_queue: int = 256) -> None:
         self.engine = engine
+        self.timeout = timeout
+        self.max_queue = max_queue
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.tasks: list[Task] = []
@@ -180,6 +182,16 @@ class TaskGroup:
             raise APIError(
                 400, f"id_slot must be below the number of slots ({len(self.engine.slots)})"
             )
+        if (
+            self.engine.queue_depth() + len(self.tasks)
+            > self.max_queue + self.engine.n_idle_slots()
+        ):
+            raise APIError(
+                503,
+                f"the server is busy: more than {self.max_queue} requests are waiting",
+                "unavailable_error",
+                headers={"Retry-After": "1"},
+            )
         try:
             for t in self.tasks:
                 self.engine.submit(t)
@@ -192,20 +204,36 @@ class TaskGroup:
             t.cancel()
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        remaining = len(self.tasks)
+        """Events until every task ended. A timeout or a dead engine ends the unfinished tasks
+        with a TaskError each (so streams can still report it)."""
+        open_ = set(range(len(self.tasks)))
+        deadline = time.monotonic() + self.timeout
         try:
-            while remaining:
+            while open_:
+                failure: TaskError | None = None
                 try:
-                    index, ev = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                    wait = max(0.0, min(1.0, deadline - time.monotonic()))
+                    index, ev = await asyncio.wait_for(self.queue.get(), timeout=wait)
                 except asyncio.TimeoutError:
-                    if not self.engine.alive:
-                        raise APIError(500, "the engine stopped", "server_error") from None
-                    continue
+                    if time.monotonic() >= deadline:
+                        failure = TaskError(
+                            408, f"the request timed out after {self.timeout:g} s", "timeout_error"
+                        )
+                    elif not self.engine.alive:
+                        failure = TaskError(500, "the engine stopped", "server_error")
+                    else:
+                        continue
+                if failure is not None:
+                    self.cancel()
+                    for i in sorted(open_):
+                        yield i, failure
+                    open_.clear()
+                    return
                 if isinstance(ev, TaskResult | TaskError):
-                    remaining -= 1
+                    open_.discard(index)
                 yield index, ev
         finally:
-            if remaining:
+            if open_:
                 self.cancel()
 
     async def results(self, request: Any = None) -> list[TaskResult]:

@@ -150,6 +150,13 @@ class Engine:
     def n_waiting(self) -> int:
         return len(self.waiting)
 
+    def queue_depth(self) -> int:
+        """Tasks waiting for a slot, including those not yet picked up (approximate, lock-free)."""
+        return len(self.waiting) + self._inbox.qsize()
+
+    def n_idle_slots(self) -> int:
+        return sum(1 for s in self.slots if s.task is None)
+
     # ---- loop ---------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -165,6 +172,8 @@ class Engine:
             log.exception("engine thread died")
             self.error = e
             self._fail_everything(f"engine failure: {e}")
+            return
+        self._fail_everything("the server is shutting down")
 
     def _has_work(self) -> bool:
         return bool(self.waiting or self._ops) or any(not s.idle for s in self.slots)
@@ -366,7 +375,11 @@ class Engine:
             if n == 0:
                 return False
             t0 = time.perf_counter()
-            ret = self.b.decode(0, n)
+            try:
+                ret = self.b.decode(0, n)
+            except Exception:
+                log.exception("llama_decode raised")
+                ret = -100
             dt = time.perf_counter() - t0
             if ret == 0:
                 break

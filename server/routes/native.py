@@ -138,7 +138,9 @@ async def completion(body: NativeCompletionRequest, request: Request):
         n_probs=body.n_probs,
         logprobs=body.n_probs > 0,
     )
-    group = TaskGroup(engine)
+    group = TaskGroup(
+        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
+    )
     group.add(
         prompt,
         sampling_from(body, b),

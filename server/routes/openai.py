@@ -140,7 +140,9 @@ async def completions(body: CompletionRequest, request: Request):
         n_probs=n_probs,
         logprobs=body.logprobs is not None,
     )
-    group = TaskGroup(engine)
+    group = TaskGroup(
+        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
+    )
     for p in prompts:
         for _ in range(body.n):
             group.add(
@@ -261,7 +263,7 @@ def render_chat(st: ServerState, req: ChatRequest) -> tuple[list[int], int]:
     try:
         rendered = st.template.render_chat(_messages(req))
     except TemplateError as e:
-        raise APIError(500 if "unsafe" not in str(e) else 400, str(e)) from e
+        raise APIError(400 if e.client else 500, str(e)) from e
     text = rendered.prompt
     # Templates emit BOS themselves; tokenizing with add_special would add a second one.
     has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
@@ -298,7 +300,9 @@ async def chat_completions(body: ChatRequest, request: Request):
         n_probs=n_probs,
         logprobs=body.logprobs,
     )
-    group = TaskGroup(engine)
+    group = TaskGroup(
+        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
+    )
     for _ in range(body.n):
         group.add(
             prompt,

@@ -177,3 +177,48 @@ def test_decode_error_fails_only_that_task():
     run(e, t2)
     assert c2.result.finish is FinishReason.LENGTH
     assert e.slots[0].state is SlotState.IDLE
+
+
+def test_decode_exception_fails_one_task_and_engine_keeps_running():
+    e, b = make_engine(n_seq=1)
+    calls = {"n": 0}
+    orig = b.decode
+
+    def flaky(start, count):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return orig(start, count)
+
+    b.decode = flaky
+    t1, c1 = task([1] * 5, max_tokens=2)
+    run(e, t1)
+    assert c1.error.status == 500
+    t2, c2 = task([1] * 5, max_tokens=2)
+    run(e, t2)
+    assert c2.result.finish is FinishReason.LENGTH
+
+
+def test_dead_engine_fails_pending_tasks_and_refuses_new_ones():
+    import time as _time
+
+    import pytest
+
+    from server.engine.engine import EngineDead
+
+    e, b = make_engine(n_seq=1)
+
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    e._admit = broken
+    e.start()
+    t1, c1 = task([1] * 5, max_tokens=2)
+    e.submit(t1)
+    deadline = _time.time() + 5
+    while e.alive and _time.time() < deadline:
+        _time.sleep(0.01)
+    assert not e.alive
+    assert c1.error is not None and c1.error.status in (500, 503)
+    with pytest.raises(EngineDead):
+        e.submit(task([1], max_tokens=1)[0])
