@@ -89,9 +89,13 @@ def load(st: ServerState) -> None:
                 ctx_checkpoints=s.ctx_checkpoints,
                 checkpoint_min_step=s.checkpoint_min_step,
                 cache_idle_slots=s.cache_idle_slots and cache is not None,
+                prefix_share=s.prefix_share,
+                prefix_share_min=s.prefix_share_min,
             ),
             cache=cache,
         )
+        if s.prefix_share and not backend.kv_unified:
+            log.warning("prefix sharing is off: it needs unified KV (--kv-unified)")
         engine.stats.observers.append(st.metrics.observe)
         engine.start()
         st.engine = engine

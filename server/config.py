@@ -37,6 +37,8 @@ class Settings(BaseModel):
     ctx_checkpoints: int = Field(32, ge=0)
     checkpoint_min_step: int = Field(8192, ge=0)
     metrics: bool = False
+    prefix_share: bool = True
+    prefix_share_min: int = Field(128, ge=0)
     api_key: str | None = None
     api_key_file: str | None = None
     cors_origins: str = "*"
@@ -277,6 +279,23 @@ OPTIONS: list[Opt] = [
         "LLAMA_ARG_TIMEOUT",
         'seconds a request may run before it is ended (default: 600; per request: "timeout")',
         float,
+    ),
+    Opt(
+        ("--prefix-share",),
+        "prefix_share",
+        "LLAMA_ARG_PREFIX_SHARE",
+        "share prompt prefixes between slots with seq_cp, also while another request is "
+        "still computing them (default: on; needs unified KV)",
+        "bool",
+        neg=("--no-prefix-share",),
+    ),
+    Opt(
+        ("--prefix-share-min",),
+        "prefix_share_min",
+        "LLAMA_ARG_PREFIX_SHARE_MIN",
+        "least shared prefix (tokens) worth waiting for while another request computes it "
+        "(default: 128; 0 = never wait)",
+        int,
     ),
     Opt(
         ("--metrics",),

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from ..cache.prompt_cache import PromptCache
 from .checkpoints import CheckpointPolicy
 from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
+from .sharing import PrefixSharing
 from .slot import Checkpoint, Slot, SlotState
 from .stats import EngineStats
 from .types import (
@@ -84,6 +85,8 @@ class EngineOptions:
     ctx_checkpoints: int = 32
     checkpoint_min_step: int = 8192
     cache_idle_slots: bool = True  # only with a RAM cache
+    prefix_share: bool = True  # needs unified KV
+    prefix_share_min: int = 128  # least gain worth waiting for an in-flight prefix
 
 
 class EngineDead(RuntimeError):
@@ -105,6 +108,9 @@ class Engine:
             max_per_slot=opts.ctx_checkpoints,
             min_step=opts.checkpoint_min_step,
             n_ubatch=backend.n_ubatch,
+        )
+        self.sharing = PrefixSharing(
+            self, enabled=opts.prefix_share and backend.kv_unified, min_wait=opts.prefix_share_min
         )
         self._inbox: queue.SimpleQueue[Task | _Op | None] = queue.SimpleQueue()
         self._ops: list[_Op] = []
@@ -331,7 +337,15 @@ class Engine:
                 self.stats.checkpoints_restored += 1
         n_past = self._cut(slot, n_past)
         slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
+        wait = None
+        if task.cache_prompt:
+            held = self.sharing.held_source(slot, task.prompt, n_past)
+            if held is not None:
+                n_past = self.sharing.copy(self.slots[held.slot], slot, held.n_tokens)
+            wait = self.sharing.inflight_source(slot, task.prompt, n_past)
         slot.start(task, n_past)
+        if wait is not None:
+            self.sharing.wait_on(slot, wait)
         slot.sampler = self.b.new_sampler(task.sampling, task.prompt)
         t_wait = (slot.t_start - task.t_enqueued) * 1e3
         self.stats.on_launch(t_wait)
@@ -366,7 +380,8 @@ class Engine:
 
     def _decode_step(self) -> bool:
         """Build, decode and sample one batch; False when there was nothing to decode."""
-        active = [s for s in self.slots if s.state is not SlotState.IDLE]
+        self.sharing.resolve_waiters()
+        active = [s for s in self.slots if s.state in (SlotState.PREFILL, SlotState.GENERATE)]
         if not active:
             return False
         budget = self.b.n_batch
@@ -424,6 +439,8 @@ class Engine:
             cur = len(s.tokens)
             prompt = s.task.prompt
             end = min(len(prompt), cur + room)
+            if s.share_marks:
+                end = min(end, min((m for m in s.share_marks if m > cur), default=end))
             if self.ckpt.enabled:
                 end = min(end, self.ckpt.chunk_end(cur, len(prompt), s.task.user_start))
                 if self.ckpt.wants(cur, len(prompt), s.task.user_start, s.checkpoints):

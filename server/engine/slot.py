@@ -12,6 +12,7 @@ from .types import StateBuf, Task, TokenLogprob
 
 class SlotState(enum.Enum):
     IDLE = "idle"
+    WAIT = "wait"  # holds a task; waits for another slot to compute a shared prefix
     PREFILL = "prefill"
     GENERATE = "generate"
 
@@ -60,6 +61,11 @@ class Slot:
     t_start: float = 0.0
     t_first: float = 0.0
     id_task: int = -1
+    # prefix sharing: the slot and task this one waits on, and the prefix length it waits for
+    wait_src: int = -1
+    wait_task: int = -1
+    wait_target: int = 0
+    share_marks: set[int] = field(default_factory=set)  # waiters' targets: end chunks there
 
     @property
     def idle(self) -> bool:
@@ -82,6 +88,10 @@ class Slot:
         self.out_text = []
         self.t_start = time.perf_counter()
         self.t_first = 0.0
+        self.wait_src = -1
+        self.wait_task = -1
+        self.wait_target = 0
+        self.share_marks = set()
 
     def release(self) -> None:
         self.task = None

@@ -1,0 +1,61 @@
+"""Prefix sharing across concurrent requests, end to end."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+from .conftest import long_text
+
+QUESTIONS = [
+    "What changed first?",
+    "Who paid for it?",
+    "Where did it spread?",
+    "Why did it matter?",
+]
+
+
+def metric(s, name: str) -> float:
+    for line in s.client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+def test_concurrent_requests_compute_the_shared_prompt_once(make_server):
+    s = make_server("-np", "4", "-c", "8192", "--metrics")
+    system = "Answer briefly. " + long_text(1250, seed=3)
+    prompts = [f"{system}\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
+    n_system = len(s.tokenize(system))
+    assert n_system > 1400
+    before = metric(s, "llamacpp:prompt_tokens_total")
+    out: dict[int, dict] = {}
+
+    def run(i: int) -> None:
+        r = httpx.post(
+            s.url + "/completion",
+            json={"prompt": prompts[i], "n_predict": 12, "temperature": 0},
+            timeout=300,
+        )
+        r.raise_for_status()
+        out[i] = r.json()
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    processed = metric(s, "llamacpp:prompt_tokens_total") - before
+    assert processed == sum(r["timings"]["prompt_n"] for r in out.values())
+    # about one prompt plus four questions, not four prompts
+    assert processed < n_system + 4 * 40
+    assert metric(s, "llamaslot_prefix_shared_tokens_total") >= 3 * (n_system - 5)
+    assert sum(1 for r in out.values() if r["tokens_cached"] >= n_system - 5) >= 3
+    for i, p in enumerate(prompts):
+        cold = s.client.post(
+            "/completion",
+            json={"prompt": p, "n_predict": 12, "temperature": 0, "cache_prompt": False},
+        ).json()
+        assert cold["tokens_cached"] == 0
+        assert out[i]["content"] == cold["content"], i
