@@ -495,12 +495,15 @@ class Engine:
             s.pending = []
             if s.i_batch < 0:
                 continue
+            s.i_batch, idx = -1, s.i_batch
             if s.state is SlotState.PREFILL:
                 s.state = SlotState.GENERATE
                 s.t_first = now
                 self.stats.on_first_token((now - s.task.t_enqueued) * 1e3)
-            self._sample(s, s.i_batch)
-            s.i_batch = -1
+                if self._token_limit(s.task) == 0:  # prompt only (n_predict 0): nothing sampled
+                    self._finish(s, FinishReason.LENGTH)
+                    continue
+            self._sample(s, idx)
 
     def _sample(self, s: Slot, idx: int) -> None:
         task = s.task
@@ -528,13 +531,18 @@ class Engine:
         if rel.stop:
             self._finish(s, FinishReason.STOP, stop_word=rel.stop)
             return
-        limit = gen.max_tokens
-        if self.opts.n_predict >= 0 and (limit < 0 or self.opts.n_predict < limit):
-            limit = self.opts.n_predict
+        limit = self._token_limit(task)
         if (limit >= 0 and s.n_decoded >= limit) or len(s.tokens) + 1 >= s.n_ctx:
             self._finish(s, FinishReason.LENGTH)
             return
         s.next_token = tok
+
+    def _token_limit(self, task: Task) -> int:
+        """Most tokens to generate: the request's max_tokens capped by --n-predict (-1: none)."""
+        limit = task.gen.max_tokens
+        if self.opts.n_predict >= 0 and (limit < 0 or self.opts.n_predict < limit):
+            limit = self.opts.n_predict
+        return limit
 
     def _emit_text(self, s: Slot, text: str) -> None:
         task = s.task

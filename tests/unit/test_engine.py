@@ -222,3 +222,12 @@ def test_dead_engine_fails_pending_tasks_and_refuses_new_ones():
     assert c1.error is not None and c1.error.status in (500, 503)
     with pytest.raises(EngineDead):
         e.submit(task([1], max_tokens=1)[0])
+
+
+def test_max_tokens_zero_processes_the_prompt_only():
+    e, b = make_engine()
+    t, c = task(range(1, 30), max_tokens=0)
+    run(e, t)
+    r = c.result
+    assert (r.finish, r.timings.prompt_n, r.timings.predicted_n, c.text) == (FinishReason.LENGTH, 29, 0, "")
+    assert e.slots[r.id_slot].tokens == list(range(1, 30))
