@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -153,86 +153,34 @@ async def completions(body: CompletionRequest, request: Request):
                 cache_prompt=body.cache_prompt,
                 stream=body.stream,
             )
-    rid = "cmpl-" + uuid.uuid4().hex
-    created = int(time.time())
-    model = body.model or st.model_name
     group.submit()
+    offsets = [0] * len(group.tasks)
 
-    if not body.stream:
-        results = await group.results(request)
-        choices = []
-        for i, r in enumerate(results):
-            choices.append(
-                {
-                    "index": i,
-                    "text": r.text,
-                    "logprobs": completion_logprobs(b, r.logprobs) if gen.logprobs else None,
-                    "finish_reason": finish_reason(r),
-                }
-            )
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "system_fingerprint": st.model_name,
-                "choices": choices,
-                "usage": usage_of(results),
-                "timings": merged_timings(results).as_dict(),
-            }
-        )
+    def text_choice(index: int, ev: TextChunk) -> dict[str, Any]:
+        lp = completion_logprobs(b, ev.logprobs, offsets[index]) if gen.logprobs else None
+        offsets[index] += len(ev.text)
+        return {"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def final_choice(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
+        lp = completion_logprobs(b, r.logprobs) if whole and gen.logprobs else None
+        return {
+            "index": index,
+            "text": r.text if whole else "",
+            "logprobs": lp,
+            "finish_reason": finish_reason(r),
+        }
 
-    async def gen_events() -> AsyncIterator[str]:
-        results: list[TaskResult] = []
-        offsets = [0] * len(group.tasks)
-        async for index, ev in group.events():
-            base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-            if isinstance(ev, TextChunk):
-                lp = completion_logprobs(b, ev.logprobs, offsets[index]) if gen.logprobs else None
-                offsets[index] += len(ev.text)
-                yield sse(
-                    {
-                        **base,
-                        "choices": [
-                            {"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None}
-                        ],
-                    }
-                )
-            elif isinstance(ev, TaskResult):
-                results.append(ev)
-                yield sse(
-                    {
-                        **base,
-                        "choices": [
-                            {
-                                "index": index,
-                                "text": "",
-                                "logprobs": None,
-                                "finish_reason": finish_reason(ev),
-                            }
-                        ],
-                        "timings": ev.timings.as_dict(),
-                    }
-                )
-            elif isinstance(ev, TaskError):
-                yield sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
-        if include_usage:
-            yield sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage_of(results),
-                }
-            )
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(gen_events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return await respond(
+        request,
+        group,
+        body,
+        "cmpl-",
+        "text_completion",
+        "text_completion",
+        st.model_name,
+        text_choice,
+        final_choice,
+    )
 
 
 def _messages(req: ChatRequest) -> list[dict[str, Any]]:
@@ -313,89 +261,102 @@ async def chat_completions(body: ChatRequest, request: Request):
             stream=body.stream,
             user_start=user_start,
         )
-    rid = "chatcmpl-" + uuid.uuid4().hex
-    created = int(time.time())
-    model = body.model or st.model_name
     group.submit()
 
-    if not body.stream:
-        results = await group.results(request)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(b, r.logprobs) if gen.logprobs else None,
+    def text_choice(index: int, ev: TextChunk) -> dict[str, Any]:
+        lp = chat_logprobs(b, ev.logprobs) if gen.logprobs else None
+        return {
+            "index": index,
+            "delta": {"content": ev.text},
+            "logprobs": lp,
+            "finish_reason": None,
+        }
+
+    def final_choice(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
+        if not whole:
+            return {
+                "index": index,
+                "delta": {},
+                "logprobs": None,
                 "finish_reason": finish_reason(r),
             }
-            for i, r in enumerate(results)
-        ]
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": chat_logprobs(b, r.logprobs) if gen.logprobs else None,
+            "finish_reason": finish_reason(r),
+        }
+
+    opening = [
+        {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for i in range(len(group.tasks))
+    ]
+    return await respond(
+        request,
+        group,
+        body,
+        "chatcmpl-",
+        "chat.completion",
+        "chat.completion.chunk",
+        st.model_name,
+        text_choice,
+        final_choice,
+        opening,
+    )
+
+
+async def respond(
+    request: Request,
+    group: TaskGroup,
+    body: CompletionRequest | ChatRequest,
+    id_prefix: str,
+    obj: str,
+    chunk_obj: str,
+    fingerprint: str,
+    text_choice: Callable[[int, TextChunk], dict[str, Any]],
+    final_choice: Callable[[int, TaskResult, bool], dict[str, Any]],
+    opening: list[dict[str, Any]] = (),
+):
+    """The response of an OpenAI completion or chat request: one JSON body, or an SSE stream
+    (opening chunks, text chunks, a final chunk per choice with ``timings``, usage, [DONE])."""
+    head = {
+        "id": id_prefix + uuid.uuid4().hex,
+        "object": obj,
+        "created": int(time.time()),
+        "model": body.model or fingerprint,
+        "system_fingerprint": fingerprint,
+    }
+    if not body.stream:
+        results = await group.results(request)
         return JSONResponse(
             {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "system_fingerprint": st.model_name,
-                "choices": choices,
+                **head,
+                "choices": [final_choice(i, r, True) for i, r in enumerate(results)],
                 "usage": usage_of(results),
                 "timings": merged_timings(results).as_dict(),
             }
         )
-
+    base = {**head, "object": chunk_obj}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def gen_events() -> AsyncIterator[str]:
-        base = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": st.model_name,
-        }
-        for i in range(len(group.tasks)):
-            yield sse(
-                {
-                    **base,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
-            )
+    async def events() -> AsyncIterator[str]:
+        for choice in opening:
+            yield sse({**base, "choices": [choice]})
         results: list[TaskResult] = []
         async for index, ev in group.events():
             if isinstance(ev, TextChunk):
-                lp = chat_logprobs(b, ev.logprobs) if gen.logprobs else None
-                yield sse(
-                    {
-                        **base,
-                        "choices": [
-                            {
-                                "index": index,
-                                "delta": {"content": ev.text},
-                                "logprobs": lp,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
+                yield sse({**base, "choices": [text_choice(index, ev)]})
             elif isinstance(ev, TaskResult):
                 results.append(ev)
                 yield sse(
                     {
                         **base,
-                        "choices": [
-                            {
-                                "index": index,
-                                "delta": {},
-                                "logprobs": None,
-                                "finish_reason": finish_reason(ev),
-                            }
-                        ],
+                        "choices": [final_choice(index, ev, False)],
                         "timings": ev.timings.as_dict(),
                     }
                 )
@@ -405,4 +366,4 @@ async def chat_completions(body: ChatRequest, request: Request):
             yield sse({**base, "choices": [], "usage": usage_of(results)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(gen_events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -229,5 +229,10 @@ def test_max_tokens_zero_processes_the_prompt_only():
     t, c = task(range(1, 30), max_tokens=0)
     run(e, t)
     r = c.result
-    assert (r.finish, r.timings.prompt_n, r.timings.predicted_n, c.text) == (FinishReason.LENGTH, 29, 0, "")
+    assert (r.finish, r.timings.prompt_n, r.timings.predicted_n, c.text) == (
+        FinishReason.LENGTH,
+        29,
+        0,
+        "",
+    )
     assert e.slots[r.id_slot].tokens == list(range(1, 30))

@@ -1,0 +1,401 @@
+"""The six workloads. Each run returns one Sample per (server, repeat)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .client import (
+    StreamResult,
+    completion_payload,
+    get_json,
+    post_json,
+    run_concurrent,
+    stream_completion,
+)
+from .prompts import PromptBook, short_text
+from .servers import ServerProcess
+
+
+@dataclass(frozen=True)
+class Sizes:
+    w1_prompt: int = 900
+    w1_out: int = 64
+    w2_requests: int = 4
+    w2_prompt_words: int = 12
+    w2_out: int = 128
+    w3_system: int = 1800
+    w3_questions: int = 16
+    w3_concurrency: int = 4
+    w3_out: int = 32
+    w4_convs: int = 6
+    w4_turns: int = 3
+    w4_start: int = 300
+    w4_user_words: int = 30
+    w4_out: int = 48
+    w4_concurrency: int = 4
+    w5_tokens: int = 4000
+    w6_slots: int = 8
+    w6_out: int = 128
+
+
+FULL = Sizes()
+QUICK = Sizes(
+    w1_out=32,
+    w2_out=48,
+    w3_system=900,
+    w3_questions=8,
+    w3_out=16,
+    w4_convs=6,
+    w4_turns=3,
+    w4_out=24,
+    w5_tokens=2000,
+    w6_out=48,
+)
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    chart: bool = True  # shown in the ratio chart
+
+
+@dataclass
+class Sample:
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    ttft_ms: list[float] = field(default_factory=list)  # distribution for the chart
+    info: dict[str, Any] = field(default_factory=dict)
+    na: str | None = None  # why this server cannot run the workload
+
+
+@dataclass
+class Ctx:
+    client: httpx.AsyncClient
+    book: PromptBook
+    sizes: Sizes
+    save_dirs: dict[str, Path]  # server name -> --slot-save-path
+
+
+Runner = Callable[[Ctx, ServerProcess, int], Awaitable[Sample]]
+
+
+@dataclass(frozen=True)
+class Workload:
+    id: int
+    title: str
+    describe: Callable[[Sizes], str]
+    metrics: tuple[Metric, ...]
+    run: Runner
+    ours_only: bool = False
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _ttfts_ms(results: list[StreamResult]) -> list[float]:
+    return [r.ttft_s * 1e3 for r in results if r.ttft_s is not None]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _sum_prompt_n(results: list[StreamResult]) -> float | None:
+    ns = [r.prompt_n for r in results]
+    return None if any(n is None for n in ns) else float(sum(n for n in ns if n is not None))
+
+
+# --- 1: one request, long prompt ----------------------------------------------------------
+
+
+async def w1_single(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    prompt = await ctx.book.text(f"w1-r{rep}", s.w1_prompt)
+    r = await stream_completion(ctx.client, srv.url, completion_payload(prompt, s.w1_out))
+    return Sample(
+        metrics={
+            "ttft_ms": _ms(r.ttft_s),
+            "prompt_tps": r.timing("prompt_per_second"),
+            "decode_tps": r.decode_tps,
+            "decode_tps_server": r.timing("predicted_per_second"),
+        },
+        ttft_ms=_ttfts_ms([r]),
+        info={"prompt_n": r.prompt_n, "predicted_n": r.predicted_n},
+    )
+
+
+W1 = Workload(
+    1,
+    "Single request, long prompt",
+    lambda s: f"one request, ~{s.w1_prompt}-token prompt, {s.w1_out} tokens out (ignore_eos)",
+    (
+        Metric("ttft_ms", "time to first token", "ms", False),
+        Metric("prompt_tps", "prompt processing (server timings)", "tok/s", True),
+        Metric("decode_tps", "decode (client, after first token)", "tok/s", True),
+        Metric("decode_tps_server", "decode (server timings)", "tok/s", True, chart=False),
+    ),
+    w1_single,
+)
+
+
+# --- 2: concurrent generation ---------------------------------------------------------------
+
+
+async def w2_concurrent(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    payloads = [
+        completion_payload(short_text(f"w2-r{rep}-{i}", s.w2_prompt_words), s.w2_out)
+        for i in range(s.w2_requests)
+    ]
+    wall, results = await run_concurrent(ctx.client, srv.url, payloads, s.w2_requests)
+    generated = sum(r.predicted_n for r in results)
+    per_req = [r.decode_tps for r in results if r.decode_tps is not None]
+    return Sample(
+        metrics={
+            "agg_tps": generated / wall,
+            "wall_s": wall,
+            "ttft_p50_ms": _median(_ttfts_ms(results)),
+            "per_request_tps": _median(per_req),
+        },
+        ttft_ms=_ttfts_ms(results),
+        info={"generated": generated},
+    )
+
+
+W2 = Workload(
+    2,
+    "Concurrent generation",
+    lambda s: f"{s.w2_requests} concurrent requests, short prompts, {s.w2_out} tokens each",
+    (
+        Metric("agg_tps", "aggregate generated tokens/s", "tok/s", True),
+        Metric("wall_s", "wall time", "s", False, chart=False),
+        Metric("ttft_p50_ms", "TTFT p50", "ms", False),
+        Metric("per_request_tps", "per-request decode p50 (client)", "tok/s", True, chart=False),
+    ),
+    w2_concurrent,
+)
+
+
+# --- 3: shared system prompt --------------------------------------------------------------
+
+
+async def w3_shared_system(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    system = await ctx.book.text(f"w3-r{rep}-system", s.w3_system)
+    payloads = [
+        completion_payload(
+            f"{system}\n\nQuestion: {short_text(f'w3-r{rep}-q{i}', 10)}\nAnswer:", s.w3_out
+        )
+        for i in range(s.w3_questions)
+    ]
+    wall, results = await run_concurrent(ctx.client, srv.url, payloads, s.w3_concurrency)
+    ttfts = _ttfts_ms(results)
+    return Sample(
+        metrics={
+            "wall_s": wall,
+            "ttft_p50_ms": _median(ttfts),
+            "ttft_max_ms": max(ttfts) if ttfts else None,
+            "prompt_processed": _sum_prompt_n(results),
+        },
+        ttft_ms=ttfts,
+    )
+
+
+W3 = Workload(
+    3,
+    "Shared system prompt",
+    lambda s: (
+        f"~{s.w3_system}-token system prompt + {s.w3_questions} different short questions, "
+        f"{s.w3_concurrency} at a time, {s.w3_out} tokens each"
+    ),
+    (
+        Metric("wall_s", "wall time", "s", False),
+        Metric("ttft_p50_ms", "TTFT p50", "ms", False),
+        Metric("ttft_max_ms", "TTFT max", "ms", False),
+        Metric("prompt_processed", "prompt tokens processed (sum of prompt_n)", "tok", False),
+    ),
+    w3_shared_system,
+)
+
+
+# --- 4: multi-turn conversations ----------------------------------------------------------
+
+
+def _next_turn(key: str, words: int) -> str:
+    return f"\nUser: {short_text(key, words)}\nAssistant:"
+
+
+async def w4_multi_turn(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    prompts = [
+        await ctx.book.text(f"w4-r{rep}-c{i}", s.w4_start)
+        + _next_turn(f"w4-r{rep}-c{i}-t0", s.w4_user_words)
+        for i in range(s.w4_convs)
+    ]
+    first: list[StreamResult] = []
+    later: list[StreamResult] = []
+    wall = 0.0
+    for turn in range(s.w4_turns):
+        payloads = [completion_payload(p, s.w4_out) for p in prompts]
+        dt, results = await run_concurrent(ctx.client, srv.url, payloads, s.w4_concurrency)
+        wall += dt
+        (first if turn == 0 else later).extend(results)
+        prompts = [
+            p + r.text + _next_turn(f"w4-r{rep}-c{i}-t{turn + 1}", s.w4_user_words)
+            for i, (p, r) in enumerate(zip(prompts, results, strict=True))
+        ]
+    later_ttft = _ttfts_ms(later)
+    return Sample(
+        metrics={
+            "wall_s": wall,
+            "ttft_turn1_p50_ms": _median(_ttfts_ms(first)),
+            "ttft_later_p50_ms": _median(later_ttft),
+            "ttft_later_max_ms": max(later_ttft) if later_ttft else None,
+            "prompt_processed_later": _sum_prompt_n(later),
+        },
+        ttft_ms=later_ttft,
+    )
+
+
+W4 = Workload(
+    4,
+    "Multi-turn conversations",
+    lambda s: (
+        f"{s.w4_convs} conversations x {s.w4_turns} turns, round-robin, "
+        f"{s.w4_concurrency} at a time over 4 slots; ~{s.w4_start}-token start, "
+        f"~{s.w4_user_words}-word user turns, {s.w4_out} tokens per answer"
+    ),
+    (
+        Metric("wall_s", "wall time", "s", False),
+        Metric("ttft_turn1_p50_ms", "turn-1 TTFT p50", "ms", False, chart=False),
+        Metric("ttft_later_p50_ms", "turn-2/3 TTFT p50", "ms", False),
+        Metric("ttft_later_max_ms", "turn-2/3 TTFT max", "ms", False, chart=False),
+        Metric("prompt_processed_later", "turn-2/3 prompt tokens processed", "tok", False),
+    ),
+    w4_multi_turn,
+)
+
+
+# --- 5: slot save / restore ---------------------------------------------------------------
+
+
+def _na_reason(action: str, status: int, body: Any) -> str:
+    msg = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(msg, dict):
+        msg = msg.get("message", msg)
+    return f"{action} -> HTTP {status}: {str(msg)[:160]}"
+
+
+async def w5_slot_save_restore(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    prompt = await ctx.book.text("w5-slot", s.w5_tokens)
+    # Fill slot 0 (a prefix-cache hit after the first repeat).
+    fill = completion_payload(prompt, 1, id_slot=0)
+    await stream_completion(ctx.client, srv.url, fill)
+    filename = f"bench-w5-r{rep}.bin"
+    url = f"{srv.url}/slots/0"
+    st, save, save_s = await post_json(ctx.client, url + "?action=save", {"filename": filename})
+    if st != 200:
+        return Sample(na=_na_reason("POST /slots/0?action=save", st, save))
+    st, restore, restore_s = await post_json(
+        ctx.client, url + "?action=restore", {"filename": filename}
+    )
+    if st != 200:
+        return Sample(na=_na_reason("POST /slots/0?action=restore", st, restore))
+    path = ctx.save_dirs.get(srv.name, Path("/nonexistent")) / filename
+    size_mb = path.stat().st_size / 2**20 if path.exists() else None
+    if path.exists():
+        path.unlink()
+    return Sample(
+        metrics={
+            "save_ms": save_s * 1e3,
+            "restore_ms": restore_s * 1e3,
+            "save_ms_server": (save.get("timings") or {}).get("save_ms"),
+            "restore_ms_server": (restore.get("timings") or {}).get("restore_ms"),
+            "file_mib": size_mb,
+        },
+        info={"n_saved": save.get("n_saved"), "n_restored": restore.get("n_restored")},
+    )
+
+
+W5 = Workload(
+    5,
+    "Slot save and restore",
+    lambda s: f"save and restore slot 0 holding a ~{s.w5_tokens}-token prompt (/slots/0?action=…)",
+    (
+        Metric("save_ms", "save (client round trip)", "ms", False),
+        Metric("restore_ms", "restore (client round trip)", "ms", False),
+        Metric("save_ms_server", "save (server timings.save_ms)", "ms", False, chart=False),
+        Metric(
+            "restore_ms_server", "restore (server timings.restore_ms)", "ms", False, chart=False
+        ),
+        Metric("file_mib", "file size", "MiB", False, chart=False),
+    ),
+    w5_slot_save_restore,
+)
+
+
+# --- 6: scheduler overhead (ours only) ----------------------------------------------------
+
+
+async def _engine_counters(ctx: Ctx, srv: ServerProcess) -> dict[str, float] | None:
+    st, props = await get_json(ctx.client, f"{srv.url}/props")
+    eng = props.get("engine") if st == 200 and isinstance(props, dict) else None
+    return eng if isinstance(eng, dict) else None
+
+
+async def w6_scheduler_overhead(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    before = await _engine_counters(ctx, srv)
+    if before is None:
+        return Sample(na="GET /props has no `engine` counters")
+    payloads = [
+        completion_payload(short_text(f"w6-r{rep}-{i}", 12), s.w6_out) for i in range(s.w6_slots)
+    ]
+    wall, results = await run_concurrent(ctx.client, srv.url, payloads, s.w6_slots)
+    after = await _engine_counters(ctx, srv) or before
+    n = after["n_steps"] - before["n_steps"]
+    step = after["step_seconds_total"] - before["step_seconds_total"]
+    dec = after["decode_seconds_total"] - before["decode_seconds_total"]
+    if n <= 0:
+        return Sample(na="engine counters did not move")
+    return Sample(
+        metrics={
+            "overhead_ms": (step - dec) / n * 1e3,
+            "overhead_pct": 100.0 * (step - dec) / step if step > 0 else None,
+            "step_ms": step / n * 1e3,
+            "decode_ms": dec / n * 1e3,
+            "agg_tps": sum(r.predicted_n for r in results) / wall,
+        },
+        info={"n_steps": n},
+    )
+
+
+W6 = Workload(
+    6,
+    "Scheduler overhead (ours only)",
+    lambda s: (
+        f"-np {s.w6_slots}, {s.w6_slots} concurrent generations of {s.w6_out} tokens; "
+        "engine-step time outside llama_decode from GET /props `engine`"
+    ),
+    (
+        Metric("overhead_ms", "step time outside llama_decode, per step", "ms", False),
+        Metric("overhead_pct", "share of step time outside llama_decode", "%", False),
+        Metric("step_ms", "engine step", "ms", False),
+        Metric("decode_ms", "llama_decode per step", "ms", False),
+        Metric("agg_tps", "aggregate generated tokens/s", "tok/s", True),
+    ),
+    w6_scheduler_overhead,
+    ours_only=True,
+)
+
+WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6)}
