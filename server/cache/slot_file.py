@@ -17,6 +17,7 @@ process on a truncated file).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import tempfile
@@ -76,11 +77,12 @@ def resolve(directory: str | Path, name: str) -> Path:
 
 @dataclass
 class ParsedFile:
-    """A validated slot file held in one buffer. The target state starts at ``state_off``;
-    the 8 bytes before it have been overwritten with llama_state_seq_set_data's header."""
+    """A validated slot file, mapped copy-on-write (no read copy). The target state starts at
+    ``state_off``; the 8 bytes before it have been overwritten (in this private mapping only)
+    with llama_state_seq_set_data's header."""
 
     tokens: list[int]
-    buf: bytearray
+    buf: mmap.mmap
     state_off: int  # offset of the header + state bytes, for llama_state_seq_set_data_ext
     n_read: int
     warnings: list[str] = field(default_factory=list)
@@ -116,11 +118,11 @@ def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> P
         raise SlotFileError(f"slot file {path.name!r} not found", 404) from None
     if size < 12:
         raise SlotFileError("slot file is truncated (no header)")
-    buf = bytearray(size)
+    # A private copy-on-write mapping: no read copy, and the header patch below stays ours.
+    # (Only our own saves replace files here, by rename, which never truncates a mapped inode.)
     with open(path, "rb") as f:
-        n_read = f.readinto(buf)
-    if n_read != size:
-        raise SlotFileError("slot file changed while being read")
+        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    n_read = size
     magic, file_version, n_tokens = struct.unpack_from("<III", buf, 0)
     if magic != GGSQ_MAGIC:
         raise SlotFileError(f"not a llama.cpp sequence state file (magic {magic:#010x})")
@@ -131,7 +133,7 @@ def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> P
             f"slot file claims {n_tokens} tokens but holds at most {(size - 12) // 4}"
         )
     raw = array("i")
-    raw.frombytes(bytes(buf[12 : 12 + 4 * n_tokens]))
+    raw.frombytes(buf[12 : 12 + 4 * n_tokens])
     tokens = _unpack_tokens(raw)
     if len(tokens) > n_ctx:
         raise SlotFileError(
@@ -159,15 +161,16 @@ def _take(buf: bytes | bytearray | memoryview, pos: int, fmt: str) -> tuple[tupl
     return struct.unpack_from(fmt, buf, pos), pos + n
 
 
-def _take_buffer(buf, pos: int) -> tuple[bytes, int]:
+def _take_buffer(buf: memoryview, pos: int) -> tuple[memoryview, int]:
+    """A length-prefixed buffer, as a view into the file (no copy, no allocation)."""
     (length,), pos = _take(buf, pos, "<Q")
     if length > len(buf) - pos:
         # never allocate a length the file cannot hold
         raise SlotFileError(f"appendix buffer of {length} bytes exceeds the {len(buf) - pos} left")
-    return bytes(buf[pos : pos + length]), pos + length
+    return buf[pos : pos + length], pos + length
 
 
-def parse_appendices(buf: bytearray, pos: int, n_tokens: int) -> Appendices:
+def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> Appendices:
     """Appendices after the state. A bad magic means "none"; a bad version is skipped with a
     warning; a truncated or oversized appendix is dropped. Never raises."""
     out = Appendices()
@@ -188,8 +191,9 @@ def parse_appendices(buf: bytearray, pos: int, n_tokens: int) -> Appendices:
                     tgt, p = _take_buffer(view, p)
                     dft, p = _take_buffer(view, p)
                     _spec, p = _take_buffer(view, p)
-                    if 0 < nt <= n_tokens and tgt:
-                        ckpts.append(Checkpoint(nt, pmin, pmax, bytearray(tgt), dft))
+                    if 0 < nt <= n_tokens and len(tgt):
+                        # copied out: the slot keeps them after the file mapping is gone
+                        ckpts.append(Checkpoint(nt, pmin, pmax, bytearray(tgt), bytes(dft)))
                     else:
                         out.warnings.append(
                             f"checkpoint at {nt} tokens does not match the slot; dropped"
@@ -198,7 +202,7 @@ def parse_appendices(buf: bytearray, pos: int, n_tokens: int) -> Appendices:
             else:
                 tgt, p = _take_buffer(view, pos + 8)
                 dft, p = _take_buffer(view, p)
-                out.draft = (tgt, dft)
+                out.draft = (bytes(tgt), bytes(dft))
             pos = p
         except SlotFileError as e:
             out.warnings.append(f"appendix {magic:#x} dropped: {e}")
@@ -206,14 +210,22 @@ def parse_appendices(buf: bytearray, pos: int, n_tokens: int) -> Appendices:
     return out
 
 
-def encode_checkpoints(checkpoints: list[Checkpoint]) -> bytes:
-    parts = [struct.pack("<III", SCKP_MAGIC, APPENDIX_VERSION, len(checkpoints))]
+def checkpoint_parts(checkpoints: list[Checkpoint]) -> list[bytes | memoryview]:
+    """The SCKP appendix as pieces to write (the state buffers are not copied)."""
+    parts: list[bytes | memoryview] = [
+        struct.pack("<III", SCKP_MAGIC, APPENDIX_VERSION, len(checkpoints))
+    ]
     for c in checkpoints:
         parts.append(struct.pack("<qii", c.n_tokens, c.pos_min, c.pos_max))
         for data in (c.data, c.data_dft, b""):
-            parts.append(struct.pack("<Q", len(data)))
-            parts.append(bytes(data))
-    return b"".join(parts)
+            view = memoryview(data).cast("B")
+            parts.append(struct.pack("<Q", len(view)))
+            parts.append(view)
+    return parts
+
+
+def encode_checkpoints(checkpoints: list[Checkpoint]) -> bytes:
+    return b"".join(bytes(p) for p in checkpoint_parts(checkpoints))
 
 
 def write_file(
@@ -234,7 +246,8 @@ def write_file(
             f.write(struct.pack("<III", GGSQ_MAGIC, version, len(tokens)))
             f.write(array("i", tokens).tobytes())
             f.write(mv[8:])
-            f.write(encode_checkpoints(checkpoints))
+            for part in checkpoint_parts(checkpoints):
+                f.write(part)
             f.flush()
             os.fdatasync(f.fileno())
             written = f.tell()

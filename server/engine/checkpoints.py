@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .policy import window_intact
 from .slot import Checkpoint
+
+
+def needed_with_state(have: list[Checkpoint], pos_min: int, n_swa: int) -> list[Checkpoint]:
+    """Checkpoints that a snapshot of the whole sequence state does not already serve.
+
+    A state whose lowest position is ``pos_min`` serves any cut at ``c`` with its window
+    intact; a checkpoint there adds nothing to a RAM-cache entry or a slot file.
+    """
+    if n_swa <= 0:
+        return list(have)
+    return [c for c in have if not window_intact(pos_min, c.n_tokens, n_swa)]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..cache.prompt_cache import PromptCache
-from .checkpoints import CheckpointPolicy
+from .checkpoints import CheckpointPolicy, needed_with_state
 from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
 from .sharing import PrefixSharing
 from .slot import Checkpoint, Slot, SlotState
@@ -276,9 +276,13 @@ class Engine:
             slot.tokens,
             self.b.state_size(slot.id),
             lambda: self.b.state_get(slot.id),
-            slot.checkpoints,
+            self.snapshot_checkpoints(slot),
         )
         return out.saved
+
+    def snapshot_checkpoints(self, slot: Slot) -> list[Checkpoint]:
+        """The slot's checkpoints worth keeping beside a snapshot of its whole state."""
+        return needed_with_state(slot.checkpoints, self.b.seq_pos_min(slot.id), self.b.n_swa)
 
     def _cache_load(self, slot: Slot, prompt: list[int]) -> bool:
         """Restore the best cache entry for ``prompt`` into ``slot``; True when one was loaded."""

@@ -73,7 +73,7 @@ async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[st
 def _save_op(slot_id: int):
     def op(engine) -> tuple[list[int], Any, list]:
         s = engine.slots[slot_id]
-        return list(s.tokens), engine.b.state_get(s.id), list(s.checkpoints)
+        return list(s.tokens), engine.b.state_get(s.id), engine.snapshot_checkpoints(s)
 
     return op
 

@@ -90,3 +90,25 @@ def test_non_swa_model_takes_no_checkpoints():
     e, b = make_engine(n_swa=0)
     run(e, task(list(range(1, 1001)), max_tokens=1, user_start=600)[0])
     assert e.stats.checkpoints_created == 0 and not e.ckpt.enabled
+
+
+def test_snapshot_keeps_only_checkpoints_the_state_cannot_serve():
+    from server.engine.checkpoints import needed_with_state
+
+    have = [Checkpoint(n, 0, n - 1, bytearray(b"x")) for n in (300, 600, 900)]
+    # a state holding positions >= 450 with a 100-token window serves cuts at >= 550
+    assert [c.n_tokens for c in needed_with_state(have, 450, 100)] == [300]
+    assert [c.n_tokens for c in needed_with_state(have, 450, 0)] == [300, 600, 900]
+
+
+def test_ram_cache_entry_drops_checkpoints_the_state_serves():
+    from server.cache.prompt_cache import PromptCache
+
+    e, b = swa_engine(n_seq=1)
+    e.cache = PromptCache(-1, 0)
+    e.opts.cache_idle_slots = False
+    t, c = task(list(range(1, 1001)), max_tokens=2, user_start=600)
+    run(e, t)
+    assert [x.n_tokens for x in e.slots[0].checkpoints] == [600, 868, 996]
+    e.cache_save(e.slots[0])
+    assert [x.n_tokens for x in e.cache.entries[0].checkpoints] == [600, 868]
