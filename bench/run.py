@@ -405,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
         if ours_only:
             common = common_flags(model, args.threads, args.ctx_size, sizes.w6_slots)
             spec = ours_spec(common, None, shlex.split(args.ours_args))
-            run_phase([spec], ours_only, args, sizes, save_root, results, meta, " (workload 6)")
+            run_phase([spec], ours_only, args, sizes, save_root, results, meta, " (ours only)")
     merge_earlier(args, results, meta)
     write_outputs(args, results, meta)
     return 0

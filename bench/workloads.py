@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +44,9 @@ class Sizes:
     w5_tokens: int = 4000
     w6_slots: int = 8
     w6_out: int = 128
+    w3_cold_checks: int = 4
+    w7_doc: int = 1500
+    w7_out: int = 16
 
 
 FULL = Sizes()
@@ -56,6 +61,7 @@ QUICK = Sizes(
     w4_out=24,
     w5_tokens=2000,
     w6_out=48,
+    w7_doc=800,
 )
 
 
@@ -199,15 +205,20 @@ async def w3_shared_system(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
     ]
     wall, results = await run_concurrent(ctx.client, srv.url, payloads, s.w3_concurrency)
     ttfts = _ttfts_ms(results)
-    return Sample(
-        metrics={
-            "wall_s": wall,
-            "ttft_p50_ms": _median(ttfts),
-            "ttft_max_ms": max(ttfts) if ttfts else None,
-            "prompt_processed": _sum_prompt_n(results),
-        },
-        ttft_ms=ttfts,
-    )
+    metrics: dict[str, float | None] = {
+        "wall_s": wall,
+        "ttft_p50_ms": _median(ttfts),
+        "ttft_max_ms": max(ttfts) if ttfts else None,
+        "prompt_processed": _sum_prompt_n(results),
+    }
+    if rep == 0:
+        # answers must not depend on sharing: compare the first few with cold runs
+        same = 0
+        for p, r in list(zip(payloads, results, strict=True))[: s.w3_cold_checks]:
+            cold = await stream_completion(ctx.client, srv.url, {**p, "cache_prompt": False})
+            same += cold.text == r.text
+        metrics["cold_identical"] = same / max(1, min(len(payloads), s.w3_cold_checks))
+    return Sample(metrics=metrics, ttft_ms=ttfts)
 
 
 W3 = Workload(
@@ -222,6 +233,9 @@ W3 = Workload(
         Metric("ttft_p50_ms", "TTFT p50", "ms", False),
         Metric("ttft_max_ms", "TTFT max", "ms", False),
         Metric("prompt_processed", "prompt tokens processed (sum of prompt_n)", "tok", False),
+        Metric(
+            "cold_identical", "answers identical to cold runs (first repeat)", "share", True, False
+        ),
     ),
     w3_shared_system,
 )
@@ -398,4 +412,79 @@ W6 = Workload(
     ours_only=True,
 )
 
-WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6)}
+# --- 7: replace a long last user message (context checkpoints) ---------------------------
+
+
+async def _chat_stream(ctx: Ctx, srv: ServerProcess, body: dict[str, Any]) -> tuple[float, str]:
+    """Streamed chat completion: (seconds to the first non-empty delta, whole text)."""
+    t0 = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    async with ctx.client.stream("POST", f"{srv.url}/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for c in chunk.get("choices") or []:
+                text = (c.get("delta") or {}).get("content") or ""
+                if text:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    parts.append(text)
+    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts)
+
+
+async def w7_replace_last_message(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    head = [
+        {"role": "system", "content": "You summarise documents in one sentence."},
+        {"role": "user", "content": "I will paste a document next."},
+        {"role": "assistant", "content": "Please paste it."},
+    ]
+
+    def body(doc: str, **extra: Any) -> dict[str, Any]:
+        msgs = [*head, {"role": "user", "content": doc + "\nSummarise it."}]
+        return {
+            "messages": msgs,
+            "max_tokens": s.w7_out,
+            "temperature": 0.0,
+            "stream": True,
+            **extra,
+        }
+
+    doc_a = await ctx.book.text(f"w7-r{rep}-a", s.w7_doc)
+    doc_b = await ctx.book.text(f"w7-r{rep}-b", s.w7_doc)
+    await _chat_stream(ctx, srv, body(doc_a))
+    ttft_ckpt, text_ckpt = await _chat_stream(ctx, srv, body(doc_b))  # cut at the last message
+    ttft_cold, text_cold = await _chat_stream(ctx, srv, body(doc_b, cache_prompt=False))
+    return Sample(
+        metrics={
+            "ttft_checkpoint_ms": ttft_ckpt * 1e3,
+            "ttft_recompute_ms": ttft_cold * 1e3,
+            "speedup": ttft_cold / ttft_ckpt if ttft_ckpt > 0 else None,
+            "same_as_cold": 1.0 if text_ckpt == text_cold else 0.0,
+        },
+        ttft_ms=[ttft_ckpt * 1e3],
+    )
+
+
+W7 = Workload(
+    7,
+    "Replace a long last user message (ours only)",
+    lambda s: (
+        f"chat whose last user message is a ~{s.w7_doc}-token document, then the same chat with "
+        "that message replaced: TTFT resuming from the context checkpoint at the start of the "
+        "last user message vs recomputing the prompt (cache_prompt off: what a cut behind the "
+        "sliding window costs without checkpoints); greedy output compared with the cold run"
+    ),
+    (
+        Metric("ttft_checkpoint_ms", "TTFT with checkpoints", "ms", False),
+        Metric("ttft_recompute_ms", "TTFT recomputing (no checkpoint)", "ms", False),
+        Metric("speedup", "checkpoint speed-up (recompute / checkpoint)", "x", True),
+        Metric("same_as_cold", "greedy output identical to the cold run", "share", True, False),
+    ),
+    w7_replace_last_message,
+    ours_only=True,
+)
+
+WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7)}

@@ -151,6 +151,9 @@ class TaskGroup:
             except RuntimeError:  # loop closed: the client is long gone
                 pass
 
+        # The engine batches a step's events per loop: one wake-up, then deliver() on the loop.
+        emit.loop = loop  # type: ignore[attr-defined]
+        emit.deliver = lambda ev: q.put_nowait((index, ev))  # type: ignore[attr-defined]
         return emit
 
     def add(

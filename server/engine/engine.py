@@ -24,6 +24,7 @@ from .sharing import PrefixSharing
 from .slot import Checkpoint, Slot, SlotState
 from .stats import EngineStats
 from .types import (
+    Event,
     FinishReason,
     SamplingParams,
     StateBuf,
@@ -114,6 +115,7 @@ class Engine:
         )
         self._inbox: queue.SimpleQueue[Task | _Op | None] = queue.SimpleQueue()
         self._ops: list[_Op] = []
+        self._outbox: list[tuple[Callable[[Event], None], Event]] = []
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -219,8 +221,35 @@ class Engine:
         self._run_ops()
         self._reap_cancelled()
         self._admit()
-        if self._decode_step():
-            self.stats.on_step(time.perf_counter() - t0)
+        try:
+            if self._decode_step():
+                self.stats.on_step(time.perf_counter() - t0)
+        finally:
+            self._flush()
+
+    def _send(self, task: Task, ev: Event) -> None:
+        """Queue an event for its task; delivered by ``_flush`` at the end of the step."""
+        self._outbox.append((task.emit, ev))
+
+    def _flush(self) -> None:
+        """Deliver the step's events with one wake-up per event loop, after all sampling, so
+        the HTTP side runs while the next llama_decode holds no GIL instead of contending
+        with this thread mid-step. Emitters without a loop (tests) are called directly."""
+        if not self._outbox:
+            return
+        out, self._outbox = self._outbox, []
+        by_loop: dict[Any, list] = {}
+        for emit, ev in out:
+            loop = getattr(emit, "loop", None)
+            if loop is None:
+                emit(ev)
+            else:
+                by_loop.setdefault(loop, []).append((emit.deliver, ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # loop closed: the clients are gone
+                pass
 
     # ---- admission ----------------------------------------------------------------
 
@@ -258,7 +287,7 @@ class Engine:
                 log.exception("failed to start task %d", task.id)
                 if slot.task is task:
                     slot.release()
-                task.emit(TaskError(500, f"failed to start the task: {e}"))
+                self._send(task, TaskError(500, f"failed to start the task: {e}"))
                 continue
             if self.cache is not None and self.opts.cache_idle_slots:
                 self._cache_idle_slots()
@@ -551,7 +580,9 @@ class Engine:
     def _emit_text(self, s: Slot, text: str) -> None:
         task = s.task
         if task.stream:
-            task.emit(TextChunk(text, s.generated[-1:], s.logprobs[-1:] if s.logprobs else []))
+            self._send(
+                task, TextChunk(text, s.generated[-1:], s.logprobs[-1:] if s.logprobs else [])
+            )
         s.out_text.append(text)
 
     def _finish(
@@ -596,9 +627,9 @@ class Engine:
             except Exception:
                 log.exception("listener failed")
         if reason is FinishReason.ERROR:
-            task.emit(TaskError(500, error or "generation failed"))
+            self._send(task, TaskError(500, error or "generation failed"))
         else:
-            task.emit(result)
+            self._send(task, result)
         log.info(
             "slot %d task %d: %s cache_n=%d prompt_n=%d predicted_n=%d prompt_ms=%.1f predicted_ms=%.1f",
             s.id,
@@ -613,6 +644,7 @@ class Engine:
         s.release()
 
     def _fail_everything(self, message: str) -> None:
+        self._flush()
         for s in self.slots:
             if s.task is not None:
                 s.task.emit(TaskError(500, message))
@@ -647,6 +679,11 @@ class Engine:
                 if c.n_tokens > len(s.tokens):
                     problems.append(f"slot {s.id}: checkpoint at {c.n_tokens} beyond its tokens")
         return problems
+
+
+def _deliver_all(items: list) -> None:
+    for deliver, ev in items:
+        deliver(ev)
 
 
 @dataclass
