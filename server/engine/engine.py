@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ..cache.prompt_cache import PromptCache
-from .checkpoints import CheckpointPolicy, needed_with_state
+from . import ram
+from .backend_api import Backend
+from .checkpoints import CheckpointPolicy
 from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
 from .sharing import PrefixSharing
 from .slot import Checkpoint, Slot, SlotState
@@ -26,8 +28,6 @@ from .stats import EngineStats
 from .types import (
     Event,
     FinishReason,
-    SamplingParams,
-    StateBuf,
     Task,
     TaskError,
     TaskResult,
@@ -37,45 +37,6 @@ from .types import (
 )
 
 log = logging.getLogger("server.engine")
-
-
-class Batch(Protocol):
-    n: int
-
-    def clear(self) -> None: ...
-    def add_span(self, tokens: list[int], pos0: int, seq: int, logits_last: bool) -> int: ...
-
-
-class Backend(Protocol):
-    """What the engine needs from llama.cpp (server.llama.backend.LlamaBackend, or a fake)."""
-
-    n_ctx: int
-    n_ctx_slot: int
-    n_batch: int
-    n_ubatch: int
-    n_seq: int
-    n_swa: int
-    n_vocab: int
-    kv_unified: bool
-    is_recurrent: bool
-    batch: Batch
-
-    def decode(self, start: int, count: int) -> int: ...
-    def new_sampler(self, p: SamplingParams, history: list[int]) -> Any: ...
-    def sample(self, sampler: Any, idx: int) -> int: ...
-    def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob: ...
-    def token_to_piece(self, token: int, special: bool = False) -> bytes: ...
-    def is_eog(self, token: int) -> bool: ...
-    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool: ...
-    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
-    def seq_pos_min(self, seq: int) -> int: ...
-    def seq_pos_max(self, seq: int) -> int: ...
-    def seq_clear(self, seq: int) -> None: ...
-    def state_size(self, seq: int, partial: bool = False) -> int: ...
-    def state_get(self, seq: int, partial: bool = False) -> StateBuf: ...
-    def state_set(
-        self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
-    ) -> int: ...
 
 
 @dataclass
@@ -278,8 +239,8 @@ class Engine:
                 n_lcp: int | None = choice.lcp
                 if self.cache is not None and choice.update_cache:
                     if choice.save_first:
-                        self.cache_save(slot)
-                    if self._cache_load(slot, task.prompt):
+                        ram.save(self, slot)
+                    if ram.load(self, slot, task.prompt):
                         n_lcp = None
                     self.cache.update()
                 self._launch(slot, task, n_lcp)
@@ -290,61 +251,10 @@ class Engine:
                 self._send(task, TaskError(500, f"failed to start the task: {e}"))
                 continue
             if self.cache is not None and self.opts.cache_idle_slots:
-                self._cache_idle_slots()
+                ram.cache_idle_slots(self)
         deferred.extend(self.waiting)
         self.waiting = deferred
         self.stats.requests_deferred = len(self.waiting)
-
-    # ---- RAM cache ----------------------------------------------------------------
-
-    def cache_save(self, slot: Slot) -> bool:
-        """Copy an idle slot's state into the RAM cache (the slot keeps it too)."""
-        if self.cache is None or not slot.tokens:
-            return False
-        out = self.cache.save(
-            slot.tokens,
-            self.b.state_size(slot.id),
-            lambda: self.b.state_get(slot.id),
-            self.snapshot_checkpoints(slot),
-        )
-        return out.saved
-
-    def snapshot_checkpoints(self, slot: Slot) -> list[Checkpoint]:
-        """The slot's checkpoints worth keeping beside a snapshot of its whole state."""
-        return needed_with_state(slot.checkpoints, self.b.seq_pos_min(slot.id), self.b.n_swa)
-
-    def _cache_load(self, slot: Slot, prompt: list[int]) -> bool:
-        """Restore the best cache entry for ``prompt`` into ``slot``; True when one was loaded."""
-        choice = self.cache.find(slot.tokens, prompt)
-        if choice is None:
-            self.cache.counters.misses += 1
-            return False
-
-        def restore(e) -> bool:
-            return self.b.state_set(slot.id, e.data) == len(e.data)
-
-        entry = self.cache.take(choice, restore)
-        if entry is None:
-            # a failed restore may have left part of the state behind
-            self.b.seq_clear(slot.id)
-            slot.tokens = []
-            slot.checkpoints = []
-            return False
-        slot.tokens = entry.tokens
-        slot.checkpoints = entry.checkpoints
-        return True
-
-    def _cache_idle_slots(self) -> None:
-        """--cache-idle-slots: save every idle slot; in unified KV also clear it (its cells
-        go back to the shared pool)."""
-        for s in self.slots:
-            if s.idle and s.tokens:
-                self.cache_save(s)
-                if self.b.kv_unified:
-                    self.b.seq_clear(s.id)
-                    s.tokens = []
-                    s.checkpoints = []
-        self.cache.update()
 
     def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest."""
@@ -504,18 +414,9 @@ class Engine:
         freed = False
         for s in sorted(self.slots, key=lambda v: v.last_used):
             if s.idle and s.tokens:
-                self.on_evict_idle(s)
-                self.b.seq_clear(s.id)
-                s.tokens.clear()
-                s.checkpoints.clear()
+                ram.evict_idle(self, s)
                 freed = True
         return freed
-
-    def on_evict_idle(self, slot: Slot) -> None:
-        """An idle slot is about to lose its KV: keep it in the RAM cache when there is one."""
-        if self.cache is not None:
-            self.cache_save(slot)
-            self.cache.update()
 
     def _after_decode(self, active: list[Slot]) -> None:
         now = time.perf_counter()

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from ..cache import slot_file
+from ..engine import ram
 from ..engine.slot import Slot
 from ..errors import APIError
 from ..schemas import SlotActionBody
@@ -73,7 +74,7 @@ async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[st
 def _save_op(slot_id: int):
     def op(engine) -> tuple[list[int], Any, list]:
         s = engine.slots[slot_id]
-        return list(s.tokens), engine.b.state_get(s.id), engine.snapshot_checkpoints(s)
+        return list(s.tokens), engine.b.state_get(s.id), ram.snapshot_checkpoints(engine, s)
 
     return op
 

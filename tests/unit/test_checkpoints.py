@@ -110,5 +110,7 @@ def test_ram_cache_entry_drops_checkpoints_the_state_serves():
     t, c = task(list(range(1, 1001)), max_tokens=2, user_start=600)
     run(e, t)
     assert [x.n_tokens for x in e.slots[0].checkpoints] == [600, 868, 996]
-    e.cache_save(e.slots[0])
+    from server.engine import ram
+
+    ram.save(e, e.slots[0])
     assert [x.n_tokens for x in e.cache.entries[0].checkpoints] == [600, 868]
