@@ -46,6 +46,7 @@ class Sizes:
     w6_out: int = 128
     w3_cold_checks: int = 4
     w7_doc: int = 1500
+    w7_question: int = 120
     w7_out: int = 16
 
 
@@ -436,14 +437,15 @@ async def _chat_stream(ctx: Ctx, srv: ServerProcess, body: dict[str, Any]) -> tu
 
 async def w7_replace_last_message(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
     s = ctx.sizes
+    doc = await ctx.book.text(f"w7-r{rep}-doc", s.w7_doc)
     head = [
-        {"role": "system", "content": "You summarise documents in one sentence."},
-        {"role": "user", "content": "I will paste a document next."},
-        {"role": "assistant", "content": "Please paste it."},
+        {"role": "system", "content": "You answer questions about documents."},
+        {"role": "user", "content": "Here is a document:\n" + doc},
+        {"role": "assistant", "content": "I have read it. Ask me anything about it."},
     ]
 
-    def body(doc: str, **extra: Any) -> dict[str, Any]:
-        msgs = [*head, {"role": "user", "content": doc + "\nSummarise it."}]
+    def body(last: str, **extra: Any) -> dict[str, Any]:
+        msgs = [*head, {"role": "user", "content": last}]
         return {
             "messages": msgs,
             "max_tokens": s.w7_out,
@@ -452,11 +454,12 @@ async def w7_replace_last_message(ctx: Ctx, srv: ServerProcess, rep: int) -> Sam
             **extra,
         }
 
-    doc_a = await ctx.book.text(f"w7-r{rep}-a", s.w7_doc)
-    doc_b = await ctx.book.text(f"w7-r{rep}-b", s.w7_doc)
-    await _chat_stream(ctx, srv, body(doc_a))
-    ttft_ckpt, text_ckpt = await _chat_stream(ctx, srv, body(doc_b))  # cut at the last message
-    ttft_cold, text_cold = await _chat_stream(ctx, srv, body(doc_b, cache_prompt=False))
+    first = await ctx.book.text(f"w7-r{rep}-q1", s.w7_question)
+    edited = await ctx.book.text(f"w7-r{rep}-q2", s.w7_question)
+    await _chat_stream(ctx, srv, body(first))
+    # the user edits the last message: the cut is at its start, far behind the window
+    ttft_ckpt, text_ckpt = await _chat_stream(ctx, srv, body(edited))
+    ttft_cold, text_cold = await _chat_stream(ctx, srv, body(edited, cache_prompt=False))
     return Sample(
         metrics={
             "ttft_checkpoint_ms": ttft_ckpt * 1e3,
@@ -470,12 +473,13 @@ async def w7_replace_last_message(ctx: Ctx, srv: ServerProcess, rep: int) -> Sam
 
 W7 = Workload(
     7,
-    "Replace a long last user message (ours only)",
+    "Edit the last user message of a long chat (ours only)",
     lambda s: (
-        f"chat whose last user message is a ~{s.w7_doc}-token document, then the same chat with "
-        "that message replaced: TTFT resuming from the context checkpoint at the start of the "
-        "last user message vs recomputing the prompt (cache_prompt off: what a cut behind the "
-        "sliding window costs without checkpoints); greedy output compared with the cold run"
+        f"a chat holding a ~{s.w7_doc}-token document, then a ~{s.w7_question}-token question; "
+        "the question is edited and sent again: TTFT resuming from the context checkpoint at "
+        "the start of the last user message vs recomputing the prompt (cache_prompt off: what "
+        "a cut behind the sliding window costs without checkpoints); greedy output compared "
+        "with the cold run"
     ),
     (
         Metric("ttft_checkpoint_ms", "TTFT with checkpoints", "ms", False),

@@ -228,24 +228,20 @@ def encode_checkpoints(checkpoints: list[Checkpoint]) -> bytes:
     return b"".join(bytes(p) for p in checkpoint_parts(checkpoints))
 
 
-def write_file(
-    path: Path, tokens: list[int], state: StateBuf, version: int, checkpoints: list[Checkpoint]
-) -> int:
-    """Write atomically: a temporary file in the same directory, fsync, rename, fsync the
-    directory. A crash or a full disk never leaves a partial file under ``path``.
-
-    ``state`` is llama_state_seq_get_data's buffer (8-byte header + state bytes).
-    """
-    mv = memoryview(state).cast("B")
-    if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != STATE_HEADER_MAGIC:
-        raise SlotFileError("unexpected sequence state layout", 500)
+def temp_for(path: Path) -> Path:
+    """A new temporary file beside ``path`` (same directory, so the final rename is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".slot", dir=path.parent)
+    os.fchmod(fd, 0o644)
+    os.close(fd)
+    return Path(tmp)
+
+
+def finish_file(tmp: Path, path: Path, checkpoints: list[Checkpoint]) -> int:
+    """Append the SCKP appendix to the body in ``tmp``, make it durable (fdatasync), rename it
+    to ``path``, fsync the directory. A crash or a full disk never leaves a partial file under
+    ``path``; the temporary file is removed on failure. Returns the file's size."""
     try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<III", GGSQ_MAGIC, version, len(tokens)))
-            f.write(array("i", tokens).tobytes())
-            f.write(mv[8:])
+        with open(tmp, "ab") as f:
             for part in checkpoint_parts(checkpoints):
                 f.write(part)
             f.flush()
@@ -253,10 +249,7 @@ def write_file(
             written = f.tell()
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        tmp.unlink(missing_ok=True)
         raise
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -264,3 +257,23 @@ def write_file(
     finally:
         os.close(dfd)
     return written
+
+
+def write_file(
+    path: Path, tokens: list[int], state: StateBuf, version: int, checkpoints: list[Checkpoint]
+) -> int:
+    """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header + state
+    bytes), byte for byte what llama_state_seq_save_file writes, then the appendix."""
+    mv = memoryview(state).cast("B")
+    if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != STATE_HEADER_MAGIC:
+        raise SlotFileError("unexpected sequence state layout", 500)
+    tmp = temp_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<III", GGSQ_MAGIC, version, len(tokens)))
+            f.write(array("i", tokens).tobytes())
+            f.write(mv[8:])
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return finish_file(tmp, path, checkpoints)

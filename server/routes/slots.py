@@ -7,6 +7,7 @@ import ctypes
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -71,10 +72,15 @@ async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[st
     return [slot_json(st, s) for s in engine.slots]
 
 
-def _save_op(slot_id: int):
-    def op(engine) -> tuple[list[int], Any, list]:
+def _save_op(slot_id: int, tmp: Path):
+    """llama.cpp writes the body (its own llama_state_seq_save_file, straight from the KV
+    cache, no copy in Python); the appendix, fsync and rename happen off the engine thread."""
+
+    def op(engine) -> tuple[int, list]:
         s = engine.slots[slot_id]
-        return list(s.tokens), engine.b.state_get(s.id), ram.snapshot_checkpoints(engine, s)
+        if engine.b.state_save_file(str(tmp), s.id, s.tokens) == 0:
+            raise slot_file.SlotFileError("llama.cpp could not write the slot state", 500)
+        return len(s.tokens), ram.snapshot_checkpoints(engine, s)
 
     return op
 
@@ -144,16 +150,20 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         path = slot_file.resolve(st.settings.slot_save_path, body.filename)
         t0 = time.perf_counter()
         if action == "save":
-            tokens, state, ckpts = await asyncio.wrap_future(engine.call(_save_op(sid), slot=sid))
-            written = await asyncio.to_thread(
-                slot_file.write_file, path, tokens, state, st.backend.state_file_version, ckpts
-            )
+            tmp = slot_file.temp_for(path)
+            try:
+                n_saved, ckpts = await asyncio.wrap_future(
+                    engine.call(_save_op(sid, tmp), slot=sid)
+                )
+                written = await asyncio.to_thread(slot_file.finish_file, tmp, path, ckpts)
+            finally:
+                tmp.unlink(missing_ok=True)
             stats.slot_saves += 1
             stats.slot_bytes_written += written
             return {
                 "id_slot": sid,
                 "filename": body.filename,
-                "n_saved": len(tokens),
+                "n_saved": n_saved,
                 "n_written": written,
                 "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
             }

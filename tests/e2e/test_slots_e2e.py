@@ -232,3 +232,41 @@ def test_interchange_with_llama_server(make_server, save_dir):
         proc.terminate()
         proc.wait(20)
         log.close()
+
+
+def test_slots_listing_flags(make_server):
+    off = make_server("--no-slots", "-np", "1", "-c", "1024")
+    r = off.client.get("/slots")
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    s = make_server("-np", "1", "-c", "1024")
+    slots = s.slots()
+    assert [x["id"] for x in slots] == [0] and slots[0]["n_ctx"] == 1024
+    assert set(slots[0]) >= {
+        "id",
+        "n_ctx",
+        "is_processing",
+        "id_task",
+        "n_prompt_tokens",
+        "n_prompt_tokens_cache",
+        "n_prompt_tokens_processed",
+        "params",
+        "next_token",
+        "n_tokens",
+        "checkpoints",
+    }
+    assert s.client.get("/slots", params={"fail_on_no_slot": 1}).status_code == 200
+    import threading
+
+    t = threading.Thread(
+        target=lambda: httpx.post(
+            s.url + "/completion",
+            json={"prompt": "Go", "n_predict": 80, "ignore_eos": True},
+            timeout=60,
+        )
+    )
+    t.start()
+    while not s.slots()[0]["is_processing"]:
+        pass
+    r = s.client.get("/slots", params={"fail_on_no_slot": 1})
+    t.join()
+    assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
