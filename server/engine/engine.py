@@ -49,6 +49,7 @@ class EngineOptions:
     cache_idle_slots: bool = True  # only with a RAM cache
     prefix_share: bool = True  # needs unified KV
     prefix_share_min: int = 128  # least gain worth waiting for an in-flight prefix
+    coalesce_ms: float = 3.0  # after idle, wait this long for concurrent arrivals
 
 
 class EngineDead(RuntimeError):
@@ -135,6 +136,11 @@ class Engine:
                 if not self._has_work():
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    if self.opts.coalesce_ms > 0:
+                        # Woken from idle: requests sent together reach the queue a few ms
+                        # apart (each is parsed and tokenized on the event loop). Waiting that
+                        # long lets them share the first decode instead of trailing it a step.
+                        time.sleep(self.opts.coalesce_ms / 1e3)
                     continue
                 self.step()
         except BaseException as e:  # the engine must never die silently
