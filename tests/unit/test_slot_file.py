@@ -145,3 +145,25 @@ def test_checkpoint_beyond_tokens_is_dropped():
     )
     app = sf.parse_appendices(bytearray(good), 0, 10)
     assert [c.n_tokens for c in app.checkpoints] == [4] and app.warnings
+
+
+def test_failed_write_leaves_no_file_and_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "s.bin"
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sf.os, "fdatasync", disk_full)
+    with pytest.raises(OSError):
+        sf.write_file(path, [1, 2], state_buf(), VERSION, [])
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "s.bin"
+    sf.write_file(path, [1, 2], state_buf(), VERSION, [])
+    before = path.read_bytes()
+    monkeypatch.setattr(sf.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("crash")))
+    with pytest.raises(OSError):
+        sf.write_file(path, [9, 9, 9], state_buf(), VERSION, [])
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["s.bin"]
