@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.types import FinishReason, GenParams, TaskError, TaskResult, TextChunk
-from ..errors import error_response
 from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
 from .openai import SSE_HEADERS, sse, state_of
@@ -19,16 +18,9 @@ router = APIRouter()
 
 @router.get("/health")
 @router.get("/v1/health")
-async def health(request: Request):
-    st = state_of(request)
-    if st.loading:
-        return error_response(503, "Loading model", "unavailable_error")
-    if st.engine is None or not st.engine.alive:
-        return error_response(
-            503,
-            "the engine is not running: " + (st.load_error or "it stopped"),
-            "unavailable_error",
-        )
+async def health(request: Request) -> dict[str, str]:
+    """200 once the model is loaded and the engine runs; otherwise a 503 error saying why."""
+    state_of(request).require_engine()
     return {"status": "ok"}
 
 
