@@ -288,3 +288,41 @@ def test_sigterm_during_a_stream_exits_cleanly(make_server):
                 s.proc.send_signal(signal.SIGTERM)
                 break
     assert s.proc.wait(30) == 0
+
+
+def test_failed_load_turns_health_503_and_requests_fail_fast(tmp_path):
+    import subprocess
+    import sys
+
+    from .conftest import ROOT, free_port
+
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--port", str(port), "-m", str(bad)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        body = None
+        while time.time() < deadline:
+            try:
+                r = httpx.get(url + "/health", timeout=5)
+                body = r.json()
+                if "Loading" not in body.get("error", {}).get("message", "Loading"):
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert r.status_code == 503 and body["error"]["type"] == "unavailable_error"
+        assert "engine is not running" in body["error"]["message"]
+        t0 = time.time()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and time.time() - t0 < 2
+    finally:
+        proc.terminate()
+        proc.wait(10)
