@@ -134,6 +134,7 @@ class Engine:
             while not self._stop:
                 self._drain_inbox()
                 if not self._has_work():
+                    self._flush()
                     self._wake.wait(0.5)
                     self._wake.clear()
                     if self.opts.coalesce_ms > 0:
@@ -142,7 +143,7 @@ class Engine:
                         # long lets them share the first decode instead of trailing it a step.
                         time.sleep(self.opts.coalesce_ms / 1e3)
                     continue
-                self.step()
+                self.step(flush=False)
         except BaseException as e:  # the engine must never die silently
             log.exception("engine thread died")
             self.error = e
@@ -181,27 +182,35 @@ class Engine:
                     op.future.set_exception(e)
         self._ops = keep
 
-    def step(self) -> None:
-        """One scheduling + decode step. Called only from the engine thread (or tests)."""
+    def step(self, flush: bool = True) -> None:
+        """One scheduling + decode step. Called only from the engine thread (or tests).
+
+        Events are delivered right before the next llama_decode; with ``flush`` also at the
+        end of this step (the engine thread passes False and flushes when it goes idle).
+        """
         t0 = time.perf_counter()
         self._drain_inbox()
         self._run_ops()
         self._reap_cancelled()
         self._admit()
+        decoded = False
         try:
-            if self._decode_step():
+            decoded = self._decode_step()
+            if decoded:
                 self.stats.on_step(time.perf_counter() - t0)
         finally:
-            self._flush()
+            if flush or not decoded:  # no decode ahead to piggyback on
+                self._flush()
 
     def _send(self, task: Task, ev: Event) -> None:
-        """Queue an event for its task; delivered by ``_flush`` at the end of the step."""
+        """Queue an event for its task; see ``_flush`` for when it is delivered."""
         self._outbox.append((task.emit, ev))
 
     def _flush(self) -> None:
-        """Deliver the step's events with one wake-up per event loop, after all sampling, so
-        the HTTP side runs while the next llama_decode holds no GIL instead of contending
-        with this thread mid-step. Emitters without a loop (tests) are called directly."""
+        """Deliver queued events with one wake-up per event loop. Called just before
+        llama_decode (which releases the GIL for milliseconds), so the HTTP side serializes
+        and sends chunks while the model runs instead of contending with this thread for the
+        GIL between decodes. Emitters without a loop (tests) are called directly."""
         if not self._outbox:
             return
         out, self._outbox = self._outbox, []
@@ -338,6 +347,7 @@ class Engine:
             n = self._build_batch(active, budget)
             if n == 0:
                 return False
+            self._flush()
             t0 = time.perf_counter()
             try:
                 ret = self.b.decode(0, n)
