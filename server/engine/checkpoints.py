@@ -26,9 +26,16 @@ class CheckpointPolicy:
     min_step: int = 8192
     n_ubatch: int = 512
 
+    def applies(self, n_prompt: int) -> bool:
+        """Prompts of at most one ubatch take no checkpoints: recomputing one costs a single
+        decode, no more than the extra decode that splitting off a checkpoint would cost now."""
+        return self.enabled and n_prompt > self.n_ubatch
+
     def boundaries(self, n_prompt: int, user_start: int) -> list[int]:
         """Prompt positions where a prefill chunk must end so a checkpoint lands there:
         the start of the last user message, and 4 + n_ubatch and 4 tokens before the end."""
+        if not self.applies(n_prompt):
+            return []
         marks = {user_start, n_prompt - 4 - self.n_ubatch, n_prompt - 4}
         return sorted(m for m in marks if 0 < m < n_prompt)
 
@@ -40,7 +47,7 @@ class CheckpointPolicy:
 
     def wants(self, cur: int, n_prompt: int, user_start: int, have: list[Checkpoint]) -> bool:
         """Whether to checkpoint a slot that holds ``cur`` prompt tokens before its next chunk."""
-        if not self.enabled or cur <= 0 or cur >= n_prompt:
+        if not self.applies(n_prompt) or cur <= 0 or cur >= n_prompt:
             return False
         if have and have[-1].n_tokens == cur:
             return False

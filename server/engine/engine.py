@@ -49,7 +49,7 @@ class EngineOptions:
     cache_idle_slots: bool = True  # only with a RAM cache
     prefix_share: bool = True  # needs unified KV
     prefix_share_min: int = 128  # least gain worth waiting for an in-flight prefix
-    coalesce_ms: float = 3.0  # after idle, wait this long for concurrent arrivals
+    coalesce_ms: float = 2.0  # after idle, wait in slices this long for concurrent arrivals
 
 
 class EngineDead(RuntimeError):
@@ -137,11 +137,7 @@ class Engine:
                     self._flush()
                     self._wake.wait(0.5)
                     self._wake.clear()
-                    if self.opts.coalesce_ms > 0:
-                        # Woken from idle: requests sent together reach the queue a few ms
-                        # apart (each is parsed and tokenized on the event loop). Waiting that
-                        # long lets them share the first decode instead of trailing it a step.
-                        time.sleep(self.opts.coalesce_ms / 1e3)
+                    self._coalesce()
                     continue
                 self.step(flush=False)
         except BaseException as e:  # the engine must never die silently
@@ -150,6 +146,20 @@ class Engine:
             self._fail_everything(f"engine failure: {e}")
             return
         self._fail_everything("the server is shutting down")
+
+    def _coalesce(self) -> None:
+        """Woken from idle: requests sent together reach the queue a few ms apart (each is
+        parsed and tokenized on the event loop). Wait while they keep coming (a few slices of
+        ``coalesce_ms`` at most) so they share the first decode instead of trailing it."""
+        if self.opts.coalesce_ms <= 0 or self._inbox.empty():
+            return
+        seen = self._inbox.qsize()
+        for _ in range(4):
+            time.sleep(self.opts.coalesce_ms / 1e3)
+            n = self._inbox.qsize()
+            if n == seen:
+                return
+            seen = n
 
     def _has_work(self) -> bool:
         return bool(self.waiting or self._ops) or any(not s.idle for s in self.slots)

@@ -114,3 +114,11 @@ def test_ram_cache_entry_drops_checkpoints_the_state_serves():
 
     ram.save(e, e.slots[0])
     assert [x.n_tokens for x in e.cache.entries[0].checkpoints] == [600, 868]
+
+
+def test_prompts_within_one_ubatch_take_no_checkpoints():
+    e, b = swa_engine(n_ubatch=128)
+    t, c = task(list(range(1, 121)), max_tokens=1, user_start=50)
+    run(e, t)
+    assert e.slots[c.result.id_slot].checkpoints == []
+    assert len(b.decodes) == 1  # the whole prompt in one decode, no split for a checkpoint
