@@ -8,7 +8,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.types import FinishReason, GenParams, TaskError, TaskResult, TextChunk
+from ..engine.types import (
+    FinishReason,
+    GenParams,
+    SamplingParams,
+    Task,
+    TaskError,
+    TaskResult,
+    TextChunk,
+)
 from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
 from .openai import SSE_HEADERS, sse, state_of
@@ -24,13 +32,12 @@ async def health(request: Request) -> dict[str, str]:
     return {"status": "ok"}
 
 
-def generation_settings(st: Any) -> dict[str, Any]:
-    from ..engine.types import SamplingParams
-
-    p = SamplingParams()
-    return {
+def generation_settings(st: Any, task: Task | None = None) -> dict[str, Any]:
+    """The settings a task runs with (a running task's own, else the server defaults)."""
+    p = task.sampling if task is not None else SamplingParams()
+    out = {
         "n_ctx": st.backend.n_ctx_slot,
-        "n_predict": st.settings.n_predict,
+        "n_predict": task.gen.max_tokens if task is not None else st.settings.n_predict,
         "temperature": p.temperature,
         "top_k": p.top_k,
         "top_p": p.top_p,
@@ -39,8 +46,18 @@ def generation_settings(st: Any) -> dict[str, Any]:
         "repeat_last_n": p.repeat_last_n,
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
-        "seed": st.settings.seed,
+        "seed": p.seed if task is not None else st.settings.seed,
     }
+    if task is not None:
+        out.update(
+            stop=list(task.gen.stop),
+            ignore_eos=task.gen.ignore_eos,
+            n_probs=task.gen.n_probs,
+            cache_prompt=task.cache_prompt,
+            stream=task.stream,
+            logit_bias=[[t, b] for t, b in task.sampling.logit_bias.items()],
+        )
+    return out
 
 
 @router.get("/props")

@@ -48,7 +48,7 @@ def slot_json(st: Any, s: Slot) -> dict[str, Any]:
             else -1,
             "n_decoded": s.n_decoded,
         },
-        "params": generation_settings(st),
+        "params": generation_settings(st, task),
         "checkpoints": {
             "count": len(ckpts),
             "bytes": sum(c.nbytes for c in ckpts),

@@ -260,13 +260,22 @@ def test_slots_listing_flags(make_server):
     t = threading.Thread(
         target=lambda: httpx.post(
             s.url + "/completion",
-            json={"prompt": "Go", "n_predict": 80, "ignore_eos": True},
+            json={
+                "prompt": "Go",
+                "n_predict": 200,
+                "ignore_eos": True,
+                "temperature": 0.3,
+                "stop": ["zz"],
+            },
             timeout=60,
         )
     )
     t.start()
-    while not s.slots()[0]["is_processing"]:
+    while not (busy := s.slots()[0])["is_processing"]:
         pass
     r = s.client.get("/slots", params={"fail_on_no_slot": 1})
     t.join()
     assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
+    # a busy slot shows its task's own settings, not the server defaults
+    assert busy["params"]["temperature"] == 0.3 and busy["params"]["stop"] == ["zz"]
+    assert busy["params"]["n_predict"] == 200 and busy["id_task"] > 0
