@@ -16,6 +16,7 @@ from ..engine.types import (
     TaskError,
     TaskResult,
     TextChunk,
+    TokenLogprob,
 )
 from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
@@ -110,8 +111,28 @@ def _stop_type(r: TaskResult) -> str:
     return "none"
 
 
-def _final(st: Any, r: TaskResult, content: str, prompt: Any) -> dict[str, Any]:
-    return {
+def probabilities(backend: Any, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """llama-server's ``completion_probabilities`` (n_probs > 0)."""
+
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        raw = backend.token_to_piece(tok)
+        return {
+            "id": tok,
+            "token": raw.decode("utf-8", "replace"),
+            "logprob": lp,
+            "bytes": list(raw),
+        }
+
+    return [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+        for lp in lps
+    ]
+
+
+def _final(
+    st: Any, r: TaskResult, content: str, prompt: Any, probs: bool = False
+) -> dict[str, Any]:
+    out = {
         "content": content,
         "id_slot": r.id_slot,
         "stop": True,
@@ -127,6 +148,9 @@ def _final(st: Any, r: TaskResult, content: str, prompt: Any) -> dict[str, Any]:
         "stopping_word": r.stop_word,
         "timings": r.timings.as_dict(),
     }
+    if probs:
+        out["completion_probabilities"] = probabilities(st.backend, r.logprobs)
+    return out
 
 
 @router.post("/completion")
@@ -163,12 +187,15 @@ async def completion(body: NativeCompletionRequest, request: Request):
 
     if not body.stream:
         (r,) = await group.results(request)
-        return JSONResponse(_final(st, r, r.text, prompt_echo))
+        return JSONResponse(_final(st, r, r.text, prompt_echo, probs=gen.n_probs > 0))
 
     async def gen_events() -> AsyncIterator[str]:
         async for _, ev in group.events():
             if isinstance(ev, TextChunk):
-                yield sse({"content": ev.text, "stop": False, "id_slot": -1, "tokens": ev.tokens})
+                chunk = {"content": ev.text, "stop": False, "id_slot": -1, "tokens": ev.tokens}
+                if gen.n_probs:
+                    chunk["completion_probabilities"] = probabilities(b, ev.logprobs)
+                yield sse(chunk)
             elif isinstance(ev, TaskResult):
                 yield sse(_final(st, ev, "", prompt_echo))
             elif isinstance(ev, TaskError):

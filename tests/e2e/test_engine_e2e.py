@@ -219,3 +219,14 @@ def test_prompt_too_long_is_400(make_server):
     assert (
         s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     )
+
+
+def test_native_completion_probabilities(server):
+    r = server.client.post(
+        "/completion", json={"prompt": "The sky is", "n_predict": 3, "temperature": 0, "n_probs": 2}
+    ).json()
+    probs = r["completion_probabilities"]
+    assert len(probs) == 3 and all(len(p["top_logprobs"]) == 2 for p in probs)
+    # greedy: the chosen token is the most likely one
+    assert probs[0]["id"] == probs[0]["top_logprobs"][0]["id"]
+    assert "".join(p["token"] for p in probs) == r["content"]
