@@ -91,6 +91,14 @@ def _prompts(st: ServerState, prompt: Any) -> list[list[int]]:
     return out
 
 
+def _prompt_text(backend: Any, raw: Any, prompts: list[list[int]], i: int) -> str:
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and raw and isinstance(raw[i], str):
+        return raw[i]
+    return backend.detokenize(prompts[i])
+
+
 def _max_tokens(*values: int | None) -> int:
     for v in values:
         if v is not None:
@@ -153,19 +161,28 @@ async def completions(body: CompletionRequest, request: Request):
                 cache_prompt=body.cache_prompt,
                 stream=body.stream,
             )
+    if body.echo and gen.logprobs:
+        raise APIError(400, "echo with logprobs is not supported (no prompt log-probabilities)")
     group.submit()
     offsets = [0] * len(group.tasks)
+    # echo: the prompt's text opens each choice (in its first chunk when streaming)
+    echo = [
+        _prompt_text(b, body.prompt, prompts, i // body.n) if body.echo else ""
+        for i in range(len(group.tasks))
+    ]
 
     def text_choice(index: int, ev: TextChunk) -> dict[str, Any]:
         lp = completion_logprobs(b, ev.logprobs, offsets[index]) if gen.logprobs else None
         offsets[index] += len(ev.text)
-        return {"index": index, "text": ev.text, "logprobs": lp, "finish_reason": None}
+        head, echo[index] = echo[index], ""
+        return {"index": index, "text": head + ev.text, "logprobs": lp, "finish_reason": None}
 
     def final_choice(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
         lp = completion_logprobs(b, r.logprobs) if whole and gen.logprobs else None
+        head, echo[index] = echo[index], ""
         return {
             "index": index,
-            "text": r.text if whole else "",
+            "text": head + (r.text if whole else ""),
             "logprobs": lp,
             "finish_reason": finish_reason(r),
         }

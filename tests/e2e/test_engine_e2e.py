@@ -230,3 +230,24 @@ def test_native_completion_probabilities(server):
     # greedy: the chosen token is the most likely one
     assert probs[0]["id"] == probs[0]["top_logprobs"][0]["id"]
     assert "".join(p["token"] for p in probs) == r["content"]
+
+
+def test_completions_echo(server, oai):
+    prompt = "Once upon a time"
+    plain = (
+        oai.completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+    )
+    r = oai.completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text == prompt + plain
+    chunks = list(
+        oai.completions.create(
+            model="x", prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == prompt + plain
+    bad = server.client.post(
+        "/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1}
+    )
+    assert bad.status_code == 400
