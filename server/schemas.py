@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top log-probabilities per token
 MAX_STOPS = 16
+MAX_STOP_CHARS = 1000  # the partial-match scan per token is linear in this
 MAX_BIAS = 1024
 
 
@@ -42,8 +43,11 @@ class SamplingFields(_Req):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > MAX_STOPS:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logit_bias")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -159,7 +160,7 @@ async def completion(body: NativeCompletionRequest, request: Request):
     engine = st.require_engine()
     b = st.backend
     if isinstance(body.prompt, str):
-        prompt = b.tokenize(body.prompt, add_special=True, parse_special=True)
+        prompt = await asyncio.to_thread(b.tokenize, body.prompt, True, True)
     else:
         prompt = list(body.prompt)
         check_tokens(prompt, b)
@@ -209,7 +210,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     st = state_of(request)
     st.require_engine()
     b = st.backend
-    toks = b.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    toks = await asyncio.to_thread(b.tokenize, body.content, body.add_special, body.parse_special)
     if not body.with_pieces:
         return {"tokens": toks}
     out = []

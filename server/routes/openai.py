@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -135,7 +136,8 @@ async def completions(body: CompletionRequest, request: Request):
     st = state_of(request)
     engine = st.require_engine()
     b = st.backend
-    prompts = _prompts(st, body.prompt)
+    # tokenizing a long prompt takes a while: off the event loop, so streams keep flowing
+    prompts = await asyncio.to_thread(_prompts, st, body.prompt)
     for p in prompts:
         check_tokens(p, b)
         check_fits(p, b)
@@ -252,7 +254,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     st = state_of(request)
     engine = st.require_engine()
     b = st.backend
-    prompt, user_start = render_chat(st, body)
+    prompt, user_start = await asyncio.to_thread(render_chat, st, body)
     check_fits(prompt, b)
     sampling = sampling_from(body, b)
     n_probs = body.top_logprobs or 0

@@ -251,3 +251,16 @@ def test_completions_echo(server, oai):
         "/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1}
     )
     assert bad.status_code == 400
+
+
+def test_non_unified_kv_splits_the_context_and_still_reuses_prefixes(make_server):
+    s = make_server("--no-kv-unified", "-np", "2", "-c", "2048")
+    props = s.client.get("/props").json()
+    assert (props["kv_unified"], props["n_ctx_slot"]) == (False, 1024)
+    prompt = long_text(150, seed=7)
+    c = s.client
+    c.post("/completion", json={"prompt": prompt, "n_predict": 2}).raise_for_status()
+    r = c.post("/completion", json={"prompt": prompt + " More.", "n_predict": 2}).json()
+    assert r["tokens_cached"] >= len(s.tokenize(prompt)) - 1
+    too_long = c.post("/completion", json={"prompt": long_text(1200), "n_predict": 1})
+    assert too_long.status_code == 400 and too_long.json()["error"]["n_ctx"] == 1024

@@ -138,6 +138,7 @@ BAD = [
         "invalid_request_error",
     ),
     ("/completion", {"prompt": "hi", "n_probs": 10_000}, "invalid_request_error"),
+    ("/completion", {"prompt": "hi", "stop": ["x" * 5000]}, "invalid_request_error"),
     ("/completion", {"prompt": "hi", "n_predict": -7}, "invalid_request_error"),
     ("/completion", {"prompt": "hi", "repeat_last_n": -9}, "invalid_request_error"),
     ("/completion", {"prompt": "hi", "timeout": -1}, "invalid_request_error"),
