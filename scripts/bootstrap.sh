@@ -39,7 +39,9 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
-if ! "$VENV/bin/python" -c "import importlib.metadata as m,sys; sys.exit(m.version('llama_cpp_python')!='$LLAMA_VERSION')" 2>/dev/null; then
+# Reinstall when the version or the build variant (CPU / CUDA) differs from what is installed.
+if [[ "$(cat "$VENV/.llama-variant" 2>/dev/null)" != "$LLAMA_VERSION/$VARIANT" ]] || \
+   ! "$VENV/bin/python" -c "import importlib.metadata as m,sys; sys.exit(m.version('llama_cpp_python')!='$LLAMA_VERSION')" 2>/dev/null; then
   if ! ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
     echo "[bootstrap] building llama-cpp-python $LLAMA_VERSION ($VARIANT); takes ~4 minutes once, then cached in $WHEEL_DIR"
     mkdir -p "$WHEEL_DIR"
@@ -49,7 +51,9 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m,sys; sys.exit(m.versi
     mv "$TMP_DIR"/llama_cpp_python-*.whl "$WHEEL_DIR"/
     rm -rf "$TMP_DIR"
   fi
+  "${PIP[@]}" --force-reinstall --no-deps "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
   "${PIP[@]}" "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+  echo "$LLAMA_VERSION/$VARIANT" > "$VENV/.llama-variant"
 fi
 
 STAMP="$VENV/.bootstrap-$(cat requirements.txt requirements-dev.txt pyproject.toml | md5sum | cut -c1-12)-$DEV"
