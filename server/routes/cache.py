@@ -1,7 +1,8 @@
-"""GET /cache: the RAM prompt cache's entries, totals and limits."""
+"""GET /cache: the RAM prompt cache's entries, totals and limits; GET /debug/integrity."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,3 +18,17 @@ async def cache_info(request: Request) -> dict[str, Any]:
     if engine.cache is None:
         return {"enabled": False}
     return {"enabled": True, "idle_slots": engine.opts.cache_idle_slots, **engine.cache.describe()}
+
+
+@router.get("/debug/integrity")
+async def integrity(request: Request) -> dict[str, Any]:
+    """Run the engine's and the RAM cache's integrity checks between two engine steps:
+    every slot's tokens match its KV positions, checkpoints lie within them, cache bytes equal
+    the sum of its entries, no entry is a prefix of another."""
+    engine = state_of(request).require_engine()
+
+    def check(e) -> list[str]:
+        return e.check_integrity() + (e.cache.check_integrity() if e.cache is not None else [])
+
+    problems = await asyncio.wrap_future(engine.call(check))
+    return {"ok": not problems, "problems": problems}

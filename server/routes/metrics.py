@@ -18,6 +18,7 @@ KNOWN = {
     "/chat/completions",
     "/completion",
     "/tokenize",
+    "/debug/integrity",
     "/detokenize",
     "/health",
     "/v1/health",

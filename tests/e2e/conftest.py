@@ -72,6 +72,10 @@ class ServerProc:
             time.sleep(0.05)
         raise AssertionError(f"slots still busy: {self.slots()}")
 
+    def assert_integrity(self) -> None:
+        r = self.client.get("/debug/integrity").json()
+        assert r == {"ok": True, "problems": []}, r
+
     def stop(self) -> None:
         self.client.close()
         if self.proc.poll() is None:

@@ -36,6 +36,7 @@ def test_follow_up_restores_from_ram(make_server):
     info = s.client.get("/cache").json()
     assert info["enabled"] and info["counters"]["loads"] >= 1
     assert info["n_bytes"] == sum(e["n_bytes"] for e in info["entries"])
+    s.assert_integrity()
     cold = complete(s, follow, cache_prompt=False)
     assert cold["tokens_cached"] == 0
     assert r["content"] == cold["content"]

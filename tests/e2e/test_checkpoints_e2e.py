@@ -36,6 +36,7 @@ def test_replaced_long_last_message_reuses_the_checkpoint(make_server):
     metrics = s.client.get("/metrics").text
     assert "llamaslot_checkpoints_restored_total 1.0" in metrics
     assert second["timings"]["prompt_n"] == second["usage"]["prompt_tokens"] - cached
+    s.assert_integrity()
     cold = chat(s, doc_b, cache_prompt=False)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]

@@ -40,6 +40,7 @@ PROTECTED = [
     ("GET", "/slots", None),
     ("GET", "/metrics", None),
     ("GET", "/cache", None),
+    ("GET", "/debug/integrity", None),
     ("POST", "/tokenize", {"content": "hi"}),
     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
     (
@@ -232,6 +233,7 @@ def test_storm_of_clients_with_early_disconnects(make_server):
     metrics = s.client.get("/metrics").text
     assert "llamacpp:requests_processing 0.0" in metrics
     assert "llamacpp:requests_deferred 0.0" in metrics
+    s.assert_integrity()
     assert (
         s.client.post("/completion", json={"prompt": "After the storm", "n_predict": 4}).json()[
             "tokens_predicted"

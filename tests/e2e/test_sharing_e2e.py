@@ -52,6 +52,7 @@ def test_concurrent_requests_compute_the_shared_prompt_once(make_server):
     assert processed < n_system + 4 * 40
     assert metric(s, "llamaslot_prefix_shared_tokens_total") >= 3 * (n_system - 5)
     assert sum(1 for r in out.values() if r["tokens_cached"] >= n_system - 5) >= 3
+    s.assert_integrity()
     for i, p in enumerate(prompts):
         cold = s.client.post(
             "/completion",

@@ -154,6 +154,7 @@ def test_hostile_files_are_400_and_server_keeps_serving(make_server, save_dir):
     r = action(s, 1, "restore", "huge-appendix.bin")
     assert r.status_code == 200 and r.json()["n_restored"] == n_tok and r.json()["warnings"]
     assert fill(s, 1, "Still serving?")["tokens_predicted"] == 4
+    s.assert_integrity()
 
 
 needs_llama_server = pytest.mark.skipif(
