@@ -20,7 +20,6 @@ from .engine.types import (
     Task,
     TaskError,
     TaskResult,
-    TextChunk,
     Timings,
 )
 from .errors import APIError
@@ -291,6 +290,3 @@ def usage_of(results: list[TaskResult]) -> dict[str, Any]:
 
 def finish_reason(r: TaskResult) -> str:
     return "length" if r.finish is FinishReason.LENGTH else "stop"
-
-
-__all__ = ["TextChunk", "TaskGroup", "ServerState"]

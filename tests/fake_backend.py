@@ -178,7 +178,7 @@ class FakeBackend:
     def state_size(self, seq: int, partial: bool = False) -> int:
         return len(self.state_get(seq, partial))
 
-    def state_get(self, seq: int, partial: bool = False) -> bytearray:
+    def state_get(self, seq: int, partial: bool = False, size: int | None = None) -> bytearray:
         if self.oom_on_state_get:
             raise MemoryError
         m = self.kv[seq]

@@ -82,7 +82,6 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.listeners: list[Callable[[Slot, TaskResult], None]] = []
 
     # ---- public, thread-safe ------------------------------------------------------
 
@@ -115,10 +114,6 @@ class Engine:
         self._inbox.put(op)
         self._wake.set()
         return op.future
-
-    @property
-    def n_waiting(self) -> int:
-        return len(self.waiting)
 
     def queue_depth(self) -> int:
         """Tasks waiting for a slot, including those not yet picked up (approximate, lock-free)."""
@@ -279,7 +274,6 @@ class Engine:
                 ram.cache_idle_slots(self)
         deferred.extend(self.waiting)
         self.waiting = deferred
-        self.stats.requests_deferred = len(self.waiting)
 
     def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest."""
@@ -505,11 +499,13 @@ class Engine:
         return limit
 
     def _emit_text(self, s: Slot, text: str) -> None:
+        """Release text; it carries the tokens (and log-probs) not sent yet, which includes
+        those whose text was held back as a possible stop-string prefix."""
         task = s.task
         if task.stream:
-            self._send(
-                task, TextChunk(text, s.generated[-1:], s.logprobs[-1:] if s.logprobs else [])
-            )
+            n = s.n_emitted
+            self._send(task, TextChunk(text, s.generated[n:], s.logprobs[n:]))
+            s.n_emitted = len(s.generated)
         s.out_text.append(text)
 
     def _finish(
@@ -543,16 +539,9 @@ class Engine:
             logprobs=s.logprobs,
         )
         if s.sampler is not None:
-            free = getattr(s.sampler, "free", None)
-            if free:
-                free()
+            s.sampler.free()
             s.sampler = None
         self.stats.on_finish(result, (now - task.t_enqueued) * 1e3)
-        for fn in self.listeners:
-            try:
-                fn(s, result)
-            except Exception:
-                log.exception("listener failed")
         if reason is FinishReason.ERROR:
             self._send(task, TaskError(500, error or "generation failed"))
         else:

@@ -24,11 +24,9 @@ def save(e: Engine, slot: Slot) -> bool:
     """Copy an idle slot's state into the RAM cache (the slot keeps it too)."""
     if e.cache is None or not slot.tokens:
         return False
+    size = e.b.state_size(slot.id)
     out = e.cache.save(
-        slot.tokens,
-        e.b.state_size(slot.id),
-        lambda: e.b.state_get(slot.id),
-        snapshot_checkpoints(e, slot),
+        slot.tokens, size, lambda: e.b.state_get(slot.id, size=size), snapshot_checkpoints(e, slot)
     )
     return out.saved
 

@@ -51,6 +51,7 @@ class Slot:
     n_processed: int = 0  # prompt tokens decoded for this task (prompt_n when done)
     n_decoded: int = 0  # tokens sampled (completion tokens)
     generated: list[int] = field(default_factory=list)
+    n_emitted: int = 0  # generated tokens already sent in a TextChunk
     next_token: int = -1  # sampled, not yet decoded
     pending: list[int] = field(default_factory=list)
     i_batch: int = -1  # output row of this step's batch, -1 when no logits are wanted
@@ -80,6 +81,7 @@ class Slot:
         self.n_processed = 0
         self.n_decoded = 0
         self.generated = []
+        self.n_emitted = 0
         self.next_token = -1
         self.pending = []
         self.i_batch = -1

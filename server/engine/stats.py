@@ -13,7 +13,6 @@ class EngineStats:
     n_decode_total: int = 0
     n_busy_slots_total: int = 0  # sum over decodes of slots in the batch
     n_tokens_max: int = 0
-    requests_deferred: int = 0
     checkpoints_created: int = 0
     checkpoints_restored: int = 0
     decode_seconds_total: float = 0.0  # inside llama_decode

@@ -350,9 +350,11 @@ class LlamaBackend:
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
         return int(L.llama_state_seq_get_size_ext(self.ctx, seq, flags))
 
-    def state_get(self, seq: int, partial: bool = False) -> StateBuf:
+    def state_get(self, seq: int, partial: bool = False, size: int | None = None) -> StateBuf:
+        """The sequence's state in one new buffer; ``size`` when the caller already knows it."""
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
-        size = L.llama_state_seq_get_size_ext(self.ctx, seq, flags)
+        if size is None:
+            size = L.llama_state_seq_get_size_ext(self.ctx, seq, flags)
         buf = (ctypes.c_uint8 * size)()
         n = L.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
         if n != size:

@@ -17,11 +17,10 @@ from ..engine.types import (
     TaskError,
     TaskResult,
     TextChunk,
-    TokenLogprob,
 )
 from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
-from .openai import SSE_HEADERS, sse, state_of
+from .openai import SSE_HEADERS, sse, state_of, token_logprobs
 
 router = APIRouter()
 
@@ -112,24 +111,6 @@ def _stop_type(r: TaskResult) -> str:
     return "none"
 
 
-def probabilities(backend: Any, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-    """llama-server's ``completion_probabilities`` (n_probs > 0)."""
-
-    def entry(tok: int, lp: float) -> dict[str, Any]:
-        raw = backend.token_to_piece(tok)
-        return {
-            "id": tok,
-            "token": raw.decode("utf-8", "replace"),
-            "logprob": lp,
-            "bytes": list(raw),
-        }
-
-    return [
-        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-        for lp in lps
-    ]
-
-
 def _final(
     st: Any, r: TaskResult, content: str, prompt: Any, probs: bool = False
 ) -> dict[str, Any]:
@@ -150,7 +131,7 @@ def _final(
         "timings": r.timings.as_dict(),
     }
     if probs:
-        out["completion_probabilities"] = probabilities(st.backend, r.logprobs)
+        out["completion_probabilities"] = token_logprobs(st.backend, r.logprobs, with_id=True)
     return out
 
 
@@ -195,7 +176,7 @@ async def completion(body: NativeCompletionRequest, request: Request):
             if isinstance(ev, TextChunk):
                 chunk = {"content": ev.text, "stop": False, "id_slot": -1, "tokens": ev.tokens}
                 if gen.n_probs:
-                    chunk["completion_probabilities"] = probabilities(b, ev.logprobs)
+                    chunk["completion_probabilities"] = token_logprobs(b, ev.logprobs, with_id=True)
                 yield sse(chunk)
             elif isinstance(ev, TaskResult):
                 yield sse(_final(st, ev, "", prompt_echo))

@@ -63,17 +63,25 @@ def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0)
     }
 
 
-def chat_logprobs(backend: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+def token_logprobs(
+    backend: Any, lps: list[TokenLogprob], with_id: bool = False
+) -> list[dict[str, Any]]:
+    """Per token: text, log-probability, bytes (and id), with the top alternatives alike.
+    The shape of OpenAI's chat ``logprobs.content`` and llama-server's ``completion_probabilities``."""
+
     def entry(tok: int, lp: float) -> dict[str, Any]:
         raw = backend.token_to_piece(tok)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
+        e = {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
+        return {"id": tok, **e} if with_id else e
 
-    return {
-        "content": [
-            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-            for lp in lps
-        ]
-    }
+    return [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+        for lp in lps
+    ]
+
+
+def chat_logprobs(backend: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": token_logprobs(backend, lps)}
 
 
 def _prompts(st: ServerState, prompt: Any) -> list[list[int]]:

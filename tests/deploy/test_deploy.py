@@ -26,7 +26,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.config import OPTIONS
-from tests.e2e.conftest import ServerProc, free_port, long_text
+from tests.e2e.conftest import ServerProc, free_port, long_text, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -578,12 +578,7 @@ class Nginx:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        terminate(self.proc, 10)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -297,7 +297,7 @@ def test_failed_load_turns_health_503_and_requests_fail_fast(tmp_path):
     import subprocess
     import sys
 
-    from .conftest import ROOT, free_port
+    from .conftest import ROOT, free_port, terminate
 
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
@@ -327,5 +327,4 @@ def test_failed_load_turns_health_503_and_requests_fail_fast(tmp_path):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert r.status_code == 503 and time.time() - t0 < 2
     finally:
-        proc.terminate()
-        proc.wait(10)
+        terminate(proc, 10)

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import free_port, long_text
+from .conftest import free_port, long_text, terminate
 
 LLAMA_SERVER = Path(
     os.environ.get(
@@ -230,8 +230,7 @@ def test_interchange_with_llama_server(make_server, save_dir):
         ).json()
         assert out["timings"]["cache_n"] >= len(ours.tokenize(prompt_b)) - 1
     finally:
-        proc.terminate()
-        proc.wait(20)
+        terminate(proc)
         log.close()
 
 

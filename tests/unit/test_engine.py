@@ -82,7 +82,7 @@ def test_more_tasks_than_slots_wait_fifo():
         e.waiting.append(t)
     e.step()
     assert [t.id for t in e.waiting] == [ts[2][0].id, ts[3][0].id, ts[4][0].id]
-    assert e.stats.requests_deferred == 3
+    assert len(e.waiting) == 3
     run(e)
     assert all(c.result is not None for _, c in ts)
     starts = [c.result.t_queue_ms for _, c in ts]
@@ -236,3 +236,29 @@ def test_max_tokens_zero_processes_the_prompt_only():
         "",
     )
     assert e.slots[r.id_slot].tokens == list(range(1, 30))
+
+
+def test_stream_chunks_carry_each_token_once_even_when_text_is_held():
+    from server.engine.types import TextChunk
+
+    e, b = make_engine()
+    b.scripts[5] = [0, 1, 2, 3, 4]  # "abcde"; "c" is held as a prefix of "cx", then released
+    t, c = task([1] * 5, max_tokens=5, stop=["cx", "ez"])
+    t.gen.logprobs = True
+    run(e, t)
+    chunks = [ev for ev in c.events if isinstance(ev, TextChunk)]
+    assert [ch.text for ch in chunks] == ["a", "b", "cd", "e"]
+    assert [ch.tokens for ch in chunks] == [[0], [1], [2, 3], [4]]
+    assert [lp.token for ch in chunks for lp in ch.logprobs] == [0, 1, 2, 3, 4]
+
+
+def test_llama_cpp_python_pin_agrees():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    pins = [
+        re.search(r"llama-cpp-python==([\w.]+)", (root / f).read_text()).group(1)
+        for f in ("requirements.txt", "pyproject.toml")
+    ]
+    assert pins[0] == pins[1]
