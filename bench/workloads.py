@@ -48,6 +48,11 @@ class Sizes:
     w7_doc: int = 1500
     w7_question: int = 120
     w7_out: int = 16
+    w8_convs: int = 6
+    w8_turns: int = 3
+    w8_start: int = 950
+    w8_user_words: int = 30
+    w8_out: int = 16
 
 
 FULL = Sizes()
@@ -245,40 +250,83 @@ W3 = Workload(
 # --- 4: multi-turn conversations ----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TurnShape:
+    convs: int
+    turns: int
+    start: int  # tokens of the first prompt
+    user_words: int
+    out: int  # tokens per answer
+    concurrency: int
+
+
 def _next_turn(key: str, words: int) -> str:
     return f"\nUser: {short_text(key, words)}\nAssistant:"
 
 
-async def w4_multi_turn(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
-    s = ctx.sizes
+async def _multi_turn(
+    ctx: Ctx, srv: ServerProcess, key: str, shape: TurnShape
+) -> tuple[float, list[StreamResult], list[StreamResult]]:
+    """Conversations taking turns round-robin; each turn is the previous prompt, its answer
+    and a new user line. Returns wall time, turn-1 results and later-turn results."""
     prompts = [
-        await ctx.book.text(f"w4-r{rep}-c{i}", s.w4_start)
-        + _next_turn(f"w4-r{rep}-c{i}-t0", s.w4_user_words)
-        for i in range(s.w4_convs)
+        await ctx.book.text(f"{key}-c{i}", shape.start)
+        + _next_turn(f"{key}-c{i}-t0", shape.user_words)
+        for i in range(shape.convs)
     ]
     first: list[StreamResult] = []
     later: list[StreamResult] = []
     wall = 0.0
-    for turn in range(s.w4_turns):
-        payloads = [completion_payload(p, s.w4_out) for p in prompts]
-        dt, results = await run_concurrent(ctx.client, srv.url, payloads, s.w4_concurrency)
+    for turn in range(shape.turns):
+        payloads = [completion_payload(p, shape.out) for p in prompts]
+        dt, results = await run_concurrent(ctx.client, srv.url, payloads, shape.concurrency)
         wall += dt
         (first if turn == 0 else later).extend(results)
         prompts = [
-            p + r.text + _next_turn(f"w4-r{rep}-c{i}-t{turn + 1}", s.w4_user_words)
+            p + r.text + _next_turn(f"{key}-c{i}-t{turn + 1}", shape.user_words)
             for i, (p, r) in enumerate(zip(prompts, results, strict=True))
         ]
+    return wall, first, later
+
+
+def _multi_turn_metrics(wall: float, first: list[StreamResult], later: list[StreamResult]):
     later_ttft = _ttfts_ms(later)
+    shares = [
+        r.timing("cache_n") / (r.timing("cache_n") + r.timing("prompt_n"))
+        for r in later
+        if r.timing("cache_n") is not None and r.timing("prompt_n") is not None
+    ]
     return Sample(
         metrics={
             "wall_s": wall,
             "ttft_turn1_p50_ms": _median(_ttfts_ms(first)),
             "ttft_later_p50_ms": _median(later_ttft),
+            "ttft_later_mean_ms": statistics.fmean(later_ttft) if later_ttft else None,
             "ttft_later_max_ms": max(later_ttft) if later_ttft else None,
             "prompt_processed_later": _sum_prompt_n(later),
+            "cached_share_later_min": min(shares) if len(shares) == len(later) else None,
         },
         ttft_ms=later_ttft,
     )
+
+
+async def w4_multi_turn(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    shape = TurnShape(
+        s.w4_convs, s.w4_turns, s.w4_start, s.w4_user_words, s.w4_out, s.w4_concurrency
+    )
+    return _multi_turn_metrics(*await _multi_turn(ctx, srv, f"w4-r{rep}", shape))
+
+
+_MULTI_TURN_METRICS = (
+    Metric("wall_s", "wall time", "s", False),
+    Metric("ttft_turn1_p50_ms", "turn-1 TTFT p50", "ms", False, chart=False),
+    Metric("ttft_later_p50_ms", "turn-2/3 TTFT p50", "ms", False),
+    Metric("ttft_later_mean_ms", "turn-2/3 TTFT mean", "ms", False, chart=False),
+    Metric("ttft_later_max_ms", "turn-2/3 TTFT max", "ms", False, chart=False),
+    Metric("prompt_processed_later", "turn-2/3 prompt tokens processed", "tok", False),
+    Metric("cached_share_later_min", "turn-2/3 least cached share of a prompt", "share", True),
+)
 
 
 W4 = Workload(
@@ -289,13 +337,7 @@ W4 = Workload(
         f"{s.w4_concurrency} at a time over 4 slots; ~{s.w4_start}-token start, "
         f"~{s.w4_user_words}-word user turns, {s.w4_out} tokens per answer"
     ),
-    (
-        Metric("wall_s", "wall time", "s", False),
-        Metric("ttft_turn1_p50_ms", "turn-1 TTFT p50", "ms", False, chart=False),
-        Metric("ttft_later_p50_ms", "turn-2/3 TTFT p50", "ms", False),
-        Metric("ttft_later_max_ms", "turn-2/3 TTFT max", "ms", False, chart=False),
-        Metric("prompt_processed_later", "turn-2/3 prompt tokens processed", "tok", False),
-    ),
+    _MULTI_TURN_METRICS,
     w4_multi_turn,
 )
 
@@ -491,4 +533,26 @@ W7 = Workload(
     ours_only=True,
 )
 
-WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7)}
+# --- 8: multi-turn conversations longer than the sliding window ------------------------------
+
+
+async def w8_long_multi_turn(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    shape = TurnShape(s.w8_convs, s.w8_turns, s.w8_start, s.w8_user_words, s.w8_out, 1)
+    return _multi_turn_metrics(*await _multi_turn(ctx, srv, f"w8-r{rep}", shape))
+
+
+W8 = Workload(
+    8,
+    "Multi-turn conversations longer than the sliding window",
+    lambda s: (
+        f"{s.w8_convs} conversations x {s.w8_turns} turns, round-robin, one request at a time "
+        f"over 4 slots (so each conversation leaves its slot before its next turn: served from "
+        f"the RAM cache); ~{s.w8_start}-token start (the default model's window is 512), "
+        f"~{s.w8_user_words}-word user turns, {s.w8_out} tokens per answer"
+    ),
+    _MULTI_TURN_METRICS,
+    w8_long_multi_turn,
+)
+
+WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8)}

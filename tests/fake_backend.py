@@ -183,9 +183,11 @@ class FakeBackend:
             raise MemoryError
         m = self.kv[seq]
         items = sorted(m.items())
-        if partial and self.n_swa and items:
+        if self.n_swa and items:
+            # like llama_kv_cache::state_write: window cells masked for the last position are
+            # not written, whole state or partial, so a restore holds only the last n_swa
             top = items[-1][0]
-            items = [(p, t) for p, t in items if p > top - self.n_swa - 16]
+            items = [(p, t) for p, t in items if top - p < self.n_swa]
         out = bytearray(struct.pack("<BI", 1 if partial else 0, len(items)))
         for p, t in items:
             out += struct.pack("<ii", p, t)

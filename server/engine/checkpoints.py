@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .policy import window_intact
 from .slot import Checkpoint
 
+# Why snapshots keep every checkpoint: llama.cpp writes a sequence's sliding-window cells only
+# where they are not masked for its last position (llama_kv_cache::state_write), so a state
+# saved at length L and restored holds positions >= L - n_swa, whatever the live sequence held.
+# It serves a cut only at L itself; every shorter cut needs a checkpoint at or before it.
 
-def needed_with_state(have: list[Checkpoint], pos_min: int, n_swa: int) -> list[Checkpoint]:
-    """Checkpoints that a snapshot of the whole sequence state does not already serve.
 
-    A state whose lowest position is ``pos_min`` serves any cut at ``c`` with its window
-    intact; a checkpoint there adds nothing to a RAM-cache entry or a slot file.
-    """
-    if n_swa <= 0:
-        return list(have)
-    return [c for c in have if not window_intact(pos_min, c.n_tokens, n_swa)]
+# Checkpoints closer than this collapse into the newest (the reference keeps 4 tokens between
+# its last two prompt checkpoints, which this keeps apart).
+NEAR = 4
 
 
 @dataclass
@@ -56,9 +54,22 @@ class CheckpointPolicy:
         last = have[-1].n_tokens if have else 0
         return cur - last >= self.min_step
 
+    def wants_at_prompt_end(self, n_prompt: int, have: list[Checkpoint]) -> bool:
+        """Whether to checkpoint a slot that has just decoded its whole prompt (no extra
+        decode: the slot holds exactly the prompt before its first generated token).
+
+        The next turn of a conversation extends this prompt and usually diverges in the
+        generated tail; once the slot has been snapshotted and restored (RAM cache, slot
+        file) only a checkpoint serves that cut. Short prompts get one too: prompt plus
+        answer can outgrow the window even when the prompt alone does not.
+        """
+        return self.enabled and n_prompt > 0 and not (have and have[-1].n_tokens == n_prompt)
+
     def insert(self, have: list[Checkpoint], c: Checkpoint) -> None:
-        """Add ``c``: one checkpoint per n_tokens (the new one replaces), oldest out first."""
-        have[:] = [x for x in have if x.n_tokens != c.n_tokens]
+        """Add ``c``: it replaces checkpoints less than ``NEAR`` tokens below it (a cut there
+        loses fewer than NEAR tokens of reuse, each copy costs a window of state), and the
+        oldest go first past ``max_per_slot``."""
+        have[:] = [x for x in have if not 0 <= c.n_tokens - x.n_tokens < NEAR]
         while have and len(have) >= self.max_per_slot:
             have.pop(0)
         have.append(c)

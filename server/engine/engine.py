@@ -288,6 +288,7 @@ class Engine:
                 CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints
             ],
             n_lcp=n_lcp,
+            recurrent=self.b.is_recurrent,
         )
         n_past = plan.n_past
         if plan.checkpoint >= 0:
@@ -392,6 +393,8 @@ class Engine:
             if batch.n >= budget:
                 s.pending, s.i_batch = [], -1
                 continue
+            if s.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
+                self._take_checkpoint(s)
             s.pending = [s.next_token]
             s.i_batch = batch.add_span(s.pending, len(s.tokens), s.id, True)
         for s in pre:
@@ -413,6 +416,16 @@ class Engine:
             i = batch.add_span(s.pending, cur, s.id, last)
             s.i_batch = i if last else -1
         return batch.n
+
+    def _wants_prompt_end_checkpoint(self, s: Slot) -> bool:
+        """The slot holds exactly its prompt and its first sampled token is about to be
+        decoded. Skipped when prompt plus answer stay inside one window: a restored state of
+        at most n_swa tokens serves every cut."""
+        n_prompt = len(s.tokens)
+        if not self.ckpt.wants_at_prompt_end(n_prompt, s.checkpoints):
+            return False
+        limit = self._token_limit(s.task)
+        return self.b.is_recurrent or limit < 0 or n_prompt + limit > self.b.n_swa
 
     def _take_checkpoint(self, s: Slot) -> None:
         n_tokens = len(s.tokens)

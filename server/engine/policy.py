@@ -118,10 +118,13 @@ def plan_reuse(
     n_swa: int,
     checkpoints: Sequence[CheckpointView] = (),
     n_lcp: int | None = None,
+    recurrent: bool = False,
 ) -> ReusePlan:
     """DESIGN §4: LCP reuse, the last prompt token always re-evaluated, SWA guarded.
 
     ``pos_min`` is the sequence's lowest position still in memory (-1 when empty).
+    Recurrent (and hybrid) memory holds only its latest state: any cut short of the
+    slot's whole length needs a checkpoint.
     """
     if not cache_prompt or not slot_tokens or not prompt:
         return ReusePlan(0, reason="off" if not cache_prompt else "empty")
@@ -132,7 +135,7 @@ def plan_reuse(
         return ReusePlan(0, reason="no-match")
     if pos_min < 0:
         return ReusePlan(0, reason="empty-seq")
-    if window_intact(pos_min, n, n_swa):
+    if window_intact(pos_min, n, n_swa) and not (recurrent and n < len(slot_tokens)):
         return ReusePlan(n)
     # The window behind the cut is gone: fall back to the newest usable checkpoint.
     for i in range(len(checkpoints) - 1, -1, -1):

@@ -8,16 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .checkpoints import needed_with_state
-from .slot import Checkpoint, Slot
+from .slot import Slot
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-
-def snapshot_checkpoints(e: Engine, slot: Slot) -> list[Checkpoint]:
-    """The slot's checkpoints worth keeping beside a snapshot of its whole state."""
-    return needed_with_state(slot.checkpoints, e.b.seq_pos_min(slot.id), e.b.n_swa)
 
 
 def save(e: Engine, slot: Slot) -> bool:
@@ -26,7 +20,7 @@ def save(e: Engine, slot: Slot) -> bool:
         return False
     size = e.b.state_size(slot.id)
     out = e.cache.save(
-        slot.tokens, size, lambda: e.b.state_get(slot.id, size=size), snapshot_checkpoints(e, slot)
+        slot.tokens, size, lambda: e.b.state_get(slot.id, size=size), list(slot.checkpoints)
     )
     return out.saved
 

@@ -14,7 +14,6 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from ..cache import slot_file
-from ..engine import ram
 from ..engine.slot import Slot
 from ..errors import APIError
 from ..schemas import SlotActionBody
@@ -80,7 +79,7 @@ def _save_op(slot_id: int, tmp: Path):
         s = engine.slots[slot_id]
         if engine.b.state_save_file(str(tmp), s.id, s.tokens) == 0:
             raise slot_file.SlotFileError("llama.cpp could not write the slot state", 500)
-        return len(s.tokens), ram.snapshot_checkpoints(engine, s)
+        return len(s.tokens), list(s.checkpoints)
 
     return op
 

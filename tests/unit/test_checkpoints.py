@@ -27,9 +27,10 @@ def test_checkpoints_land_at_user_start_and_near_the_end():
     t, c = task(prompt, max_tokens=2, user_start=600)
     run(e, t)
     s = e.slots[c.result.id_slot]
-    assert [x.n_tokens for x in s.checkpoints] == [600, 868, 996]
+    # the last one is taken at the end of the prompt, before the first generated token
+    assert [x.n_tokens for x in s.checkpoints] == [600, 868, 996, 1000]
     assert all(x.pos_max == x.n_tokens - 1 for x in s.checkpoints)
-    assert e.stats.checkpoints_created == 3
+    assert e.stats.checkpoints_created == 4
 
 
 def test_mid_prompt_checkpoints_respect_min_step():
@@ -65,7 +66,7 @@ def test_replaced_last_message_restores_the_checkpoint():
     assert (c2.result.timings.cache_n, c2.result.timings.prompt_n) == (600, 300)
     assert e.stats.checkpoints_restored == 1
     # checkpoints past the cut were dropped, new ones taken for the new tail
-    assert [x.n_tokens for x in e.slots[c2.result.id_slot].checkpoints] == [600, 768, 896]
+    assert [x.n_tokens for x in e.slots[c2.result.id_slot].checkpoints] == [600, 768, 896, 900]
 
 
 def test_without_checkpoints_a_cut_behind_the_window_is_recomputed():
@@ -92,28 +93,73 @@ def test_non_swa_model_takes_no_checkpoints():
     assert e.stats.checkpoints_created == 0 and not e.ckpt.enabled
 
 
-def test_snapshot_keeps_only_checkpoints_the_state_cannot_serve():
-    from server.engine.checkpoints import needed_with_state
+def test_restored_state_holds_only_the_last_window():
+    # like llama.cpp: a saved state leaves out window cells masked for its last position
+    e, b = swa_engine(n_seq=1)
+    run(e, task(list(range(1, 1001)), max_tokens=1)[0])
+    live_min = b.seq_pos_min(0)
+    data = b.state_get(0)
+    b.seq_clear(0)
+    assert b.state_set(0, data) == len(data)
+    assert live_min < 900 and b.seq_pos_min(0) == 1000 - 100 and b.seq_pos_max(0) == 999
 
-    have = [Checkpoint(n, 0, n - 1, bytearray(b"x")) for n in (300, 600, 900)]
-    # a state holding positions >= 450 with a 100-token window serves cuts at >= 550
-    assert [c.n_tokens for c in needed_with_state(have, 450, 100)] == [300]
-    assert [c.n_tokens for c in needed_with_state(have, 450, 0)] == [300, 600, 900]
 
-
-def test_ram_cache_entry_drops_checkpoints_the_state_serves():
+def _evicted_conversation(max_tokens: int = 8):
+    """A 1,000-token conversation (window 100) pushed out of the only slot into the RAM
+    cache by another prompt; returns the engine, its prompt and what the slot held."""
     from server.cache.prompt_cache import PromptCache
 
     e, b = swa_engine(n_seq=1)
     e.cache = PromptCache(-1, 0)
     e.opts.cache_idle_slots = False
-    t, c = task(list(range(1, 1001)), max_tokens=2, user_start=600)
-    run(e, t)
-    assert [x.n_tokens for x in e.slots[0].checkpoints] == [600, 868, 996]
-    from server.engine import ram
+    prompt = list(range(1, 1001))
+    run(e, task(prompt, max_tokens=max_tokens, user_start=600)[0])
+    held = list(e.slots[0].tokens)
+    run(e, task([900 + i % 50 for i in range(300)], max_tokens=2)[0])
+    assert [x.tokens for x in e.cache.entries] == [held]
+    return e, prompt, held
 
-    ram.save(e, e.slots[0])
-    assert [x.n_tokens for x in e.cache.entries[0].checkpoints] == [600, 868]
+
+def test_ram_cache_entry_keeps_every_checkpoint():
+    e, prompt, held = _evicted_conversation()
+    assert [x.n_tokens for x in e.cache.entries[0].checkpoints] == [600, 868, 996, 1000]
+
+
+def test_follow_up_after_ram_load_cut_in_the_answer_resumes_at_the_prompt_end():
+    e, prompt, held = _evicted_conversation()
+    # the client's follow-up keeps 3 of the 7 decoded answer tokens, then differs
+    t, c = task(held[:1003] + [5, 6, 7], max_tokens=2)
+    run(e, t)
+    assert e.cache.counters.loads == 1
+    assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (1000, 6)
+    assert e.stats.checkpoints_restored == 1
+
+
+def test_follow_up_after_ram_load_extending_the_whole_state_reuses_all_of_it():
+    e, prompt, held = _evicted_conversation()
+    t, c = task(held + [5, 6, 7], max_tokens=2)
+    run(e, t)
+    assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (len(held), 3)
+    assert e.stats.checkpoints_restored == 0
+
+
+def test_same_prompt_after_ram_load_resumes_at_the_checkpoint_before_its_end():
+    e, prompt, held = _evicted_conversation()
+    t, c = task(prompt, max_tokens=2)
+    run(e, t)
+    # the last prompt token is re-evaluated: the cut at 999 needs the checkpoint at 996
+    assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (996, 4)
+
+
+def test_prompt_end_checkpoint_only_when_prompt_and_answer_can_outgrow_the_window():
+    e, b = swa_engine(n_swa=600)
+    t, c = task(list(range(1, 101)), max_tokens=50)
+    run(e, t)
+    assert e.slots[c.result.id_slot].checkpoints == []
+    e, b = swa_engine(n_swa=120)
+    t, c = task(list(range(1, 101)), max_tokens=50)
+    run(e, t)
+    assert [x.n_tokens for x in e.slots[c.result.id_slot].checkpoints] == [100]
 
 
 def test_prompts_within_one_ubatch_take_no_checkpoints():
@@ -122,3 +168,12 @@ def test_prompts_within_one_ubatch_take_no_checkpoints():
     run(e, t)
     assert e.slots[c.result.id_slot].checkpoints == []
     assert len(b.decodes) == 1  # the whole prompt in one decode, no split for a checkpoint
+
+
+def test_insert_collapses_checkpoints_closer_than_near():
+    p = CheckpointPolicy(enabled=True, max_per_slot=8)
+    have: list[Checkpoint] = []
+    for n in (100, 596, 600, 601, 602):
+        p.insert(have, Checkpoint(n, 0, n - 1, bytearray(b"x")))
+    # 600 and 601 fell within 4 tokens below 602; 596 is exactly 4 below 600 and stays
+    assert [x.n_tokens for x in have] == [100, 596, 602]

@@ -95,3 +95,16 @@ def test_plan_swa_cut_behind_window_without_checkpoint_resets():
     prompt = slot[:600] + [7] * 10
     p = plan_reuse(slot, prompt, cache_prompt=True, pos_min=480, n_swa=512)
     assert (p.n_past, p.reason) == (0, "swa-reset")
+
+
+def test_plan_recurrent_cut_needs_a_checkpoint():
+    toks = list(range(100))
+    ck = [CheckpointView(40, 39, 39), CheckpointView(90, 89, 89)]
+    kw = dict(cache_prompt=True, pos_min=99, n_swa=0, checkpoints=ck, recurrent=True)
+    # extending the whole state: no cut, nothing to restore
+    assert plan_reuse(toks, toks + [7], **kw).n_past == 100
+    p = plan_reuse(toks, toks[:60] + [7], **kw)
+    assert (p.n_past, p.checkpoint, p.reason) == (40, 0, "checkpoint")
+    assert plan_reuse(toks, toks[:30] + [7], **kw).n_past == 0
+    # the same cut on attention-only memory needs nothing
+    assert plan_reuse(toks, toks[:60] + [7], **{**kw, "recurrent": False}).n_past == 60
