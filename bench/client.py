@@ -24,6 +24,7 @@ class StreamResult:
     n_text_chunks: int
     timings: dict[str, Any] | None  # llama-server's `timings` from the final chunk
     finish_reason: str | None
+    first_top: dict[str, float] | None = None  # first token's top log-probs, when asked for
 
     @property
     def predicted_n(self) -> int:
@@ -71,6 +72,33 @@ def completion_payload(prompt: str, max_tokens: int, **extra: Any) -> dict[str, 
     }
 
 
+# llama.cpp is not batch-invariant: the same prompt in other ubatch splits drifts by up to
+# ~0.2 nats on CPU, so greedy texts of a cached and a cold run may differ on a near tie.
+# Agreement is judged on the first token instead: the cold run's top token is in the other
+# run's top 5 and within this many nats. A KV cache missing its window shifts far more.
+LOGPROB_TOL = 0.5
+
+
+def first_top_logprobs(chunk: dict[str, Any]) -> dict[str, float] | None:
+    """The first token's top log-probabilities in a completion or chat chunk, in either the
+    legacy completions form (``top_logprobs: [{token: lp}]``) or the chat form
+    (``content: [{top_logprobs: [{token, logprob}]}]``, which llama-server also uses)."""
+    choices = chunk.get("choices") or []
+    lp = (choices[0].get("logprobs") if choices else None) or {}
+    if lp.get("content"):
+        return {t["token"]: t["logprob"] for t in lp["content"][0].get("top_logprobs", [])}
+    if lp.get("top_logprobs"):
+        return dict(lp["top_logprobs"][0])
+    return None
+
+
+def agrees(cold: dict[str, float] | None, warm: dict[str, float] | None) -> bool:
+    if not cold or not warm:
+        return False
+    best = max(cold, key=cold.__getitem__)
+    return best in warm and abs(warm[best] - cold[best]) <= LOGPROB_TOL
+
+
 def _chunk_text(chunk: dict[str, Any]) -> tuple[str, str | None]:
     choices = chunk.get("choices") or []
     if not choices:
@@ -89,6 +117,7 @@ async def stream_completion(
     n_chunks = 0
     timings: dict[str, Any] | None = None
     finish: str | None = None
+    top: dict[str, float] | None = None
     async with client.stream("POST", f"{base_url}/v1/completions", json=payload) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
@@ -103,6 +132,7 @@ async def stream_completion(
             if "error" in chunk:
                 raise BenchError(f"stream error: {chunk['error']}")
             text, fr = _chunk_text(chunk)
+            top = top or first_top_logprobs(chunk)
             if text:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
@@ -111,7 +141,8 @@ async def stream_completion(
             finish = fr or finish
             if chunk.get("timings"):
                 timings = chunk["timings"]
-    return StreamResult(ttft, time.perf_counter() - t0, "".join(parts), n_chunks, timings, finish)
+    total = time.perf_counter() - t0
+    return StreamResult(ttft, total, "".join(parts), n_chunks, timings, finish, top)
 
 
 async def run_concurrent(

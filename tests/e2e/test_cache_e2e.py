@@ -1,14 +1,22 @@
-"""RAM prompt cache, end to end: more conversations than slots."""
+"""RAM prompt cache, end to end: more conversations than slots.
+
+Each test runs on conversations inside one sliding window (~300 tokens) and on conversations
+several windows long (~1,600 tokens; the default model's window is 512): a state restored
+from the cache holds only its last window, so the long ones go through checkpoints.
+"""
 
 from __future__ import annotations
 
-from .conftest import long_text
+import pytest
+
+from .conftest import assert_agrees_with_cold, long_text
 
 TOPICS = ["astronomy", "cooking", "sailing", "chess"]
+LENGTHS = {"short": 220, "long": 1400}  # words: ~300 and ~1,600 tokens
 
 
-def conv_prompt(i: int) -> str:
-    return f"Notes on {TOPICS[i]}. " + long_text(220, seed=i + 3) + f" More about {TOPICS[i]}:"
+def conv_prompt(i: int, n_words: int) -> str:
+    return f"Notes on {TOPICS[i]}. " + long_text(n_words, seed=i + 3) + f" More about {TOPICS[i]}:"
 
 
 def complete(server, prompt: str, **kw) -> dict:
@@ -18,32 +26,45 @@ def complete(server, prompt: str, **kw) -> dict:
     return r.json()
 
 
-def run_conversations(server) -> tuple[str, dict]:
-    """Four conversations through two slots; returns conversation 0's follow-up and response."""
+def run_conversations(server, n_words: int, edit: bool = False) -> tuple[str, dict]:
+    """Four conversations through two slots; returns conversation 0's follow-up and response.
+    With ``edit`` the follow-up keeps only the first half of the answer's text, so it leaves
+    the cached tokens inside the answer instead of at their end."""
     first = {}
     for i in range(4):
-        first[i] = complete(server, conv_prompt(i))
-    follow = conv_prompt(0) + first[0]["content"] + " And then?"
-    return follow, complete(server, follow)
+        first[i] = complete(server, conv_prompt(i, n_words))
+    answer = first[0]["content"]
+    if edit:
+        answer = answer[: len(answer) // 2]
+    follow = conv_prompt(0, n_words) + answer + " And then?"
+    return follow, complete(server, follow, n_probs=5)
 
 
-def test_follow_up_restores_from_ram(make_server):
-    s = make_server("-np", "2", "-c", "4096")
-    follow, r = run_conversations(s)
-    n_prev = len(s.tokenize(conv_prompt(0))) + 15  # prompt + decoded generated tokens
-    assert r["tokens_cached"] >= n_prev - 1
-    assert r["tokens_cached"] + r["timings"]["prompt_n"] == len(s.tokenize(follow))
+@pytest.mark.parametrize(
+    "size,edit", [("short", False), ("long", False), ("short", True), ("long", True)]
+)
+def test_follow_up_restores_from_ram(make_server, size, edit):
+    s = make_server("-np", "2", "-c", "8192")
+    n_words = LENGTHS[size]
+    follow, r = run_conversations(s, n_words, edit)
+    n_prompt = len(s.tokenize(conv_prompt(0, n_words)))
+    n_follow = len(s.tokenize(follow))
+    assert size == "short" or n_prompt > 1500
+    # the slot held prompt + 15 decoded tokens; the follow-up re-tokenizes the answer, so
+    # the reuse ends where the tokens first differ: never before the end of the prompt
+    assert r["tokens_cached"] >= n_prompt
+    assert r["tokens_cached"] >= 0.9 * n_follow
+    assert r["tokens_cached"] + r["timings"]["prompt_n"] == n_follow
     info = s.client.get("/cache").json()
     assert info["enabled"] and info["counters"]["loads"] >= 1
     assert info["n_bytes"] == sum(e["n_bytes"] for e in info["entries"])
     s.assert_integrity()
-    cold = complete(s, follow, cache_prompt=False)
-    assert cold["tokens_cached"] == 0
-    assert r["content"] == cold["content"]
+    assert_agrees_with_cold(s, follow, r)
 
 
-def test_follow_up_without_cache_is_recomputed(make_server):
-    s = make_server("-np", "2", "-c", "4096", "--cache-ram", "0")
-    follow, r = run_conversations(s)
+@pytest.mark.parametrize("size", ["short", "long"])
+def test_follow_up_without_cache_is_recomputed(make_server, size):
+    s = make_server("-np", "2", "-c", "8192", "--cache-ram", "0")
+    follow, r = run_conversations(s, LENGTHS[size])
     assert r["tokens_cached"] <= 8
     assert s.client.get("/cache").json() == {"enabled": False}

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import long_text
+from .conftest import assert_agrees_with_cold, first_token, long_text
 
 
 @pytest.fixture
@@ -20,7 +20,12 @@ def oai(server):
 
 def test_openai_sdk_completion_and_stream_agree(server, oai):
     prompt = "The capital of France is"
-    r = oai.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0)
+    # cache_prompt off: both runs compute the prompt in the same batch layout, so their
+    # greedy texts are comparable (llama.cpp is not batch-invariant)
+    off = {"cache_prompt": False}
+    r = oai.completions.create(
+        model="x", prompt=prompt, max_tokens=12, temperature=0, extra_body=off
+    )
     text = r.choices[0].text
     assert text.strip() and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 12
@@ -33,6 +38,7 @@ def test_openai_sdk_completion_and_stream_agree(server, oai):
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body=off,
         )
     )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -45,12 +51,15 @@ def test_openai_sdk_chat_and_stream(server, oai):
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Name a color."},
     ]
-    r = oai.chat.completions.create(model="x", messages=msgs, max_tokens=8, temperature=0)
+    off = {"cache_prompt": False}  # same batch layout for both runs
+    r = oai.chat.completions.create(
+        model="x", messages=msgs, max_tokens=8, temperature=0, extra_body=off
+    )
     assert r.choices[0].message.role == "assistant"
     content = r.choices[0].message.content
     chunks = list(
         oai.chat.completions.create(
-            model="x", messages=msgs, max_tokens=8, temperature=0, stream=True
+            model="x", messages=msgs, max_tokens=8, temperature=0, stream=True, extra_body=off
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -58,8 +67,9 @@ def test_openai_sdk_chat_and_stream(server, oai):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_shared_prefix_reports_cache_n(server):
-    base = long_text(200, seed=1)
+@pytest.mark.parametrize("n_words", [200, 1400])  # inside one window; ~3 windows
+def test_shared_prefix_reports_cache_n(server, n_words):
+    base = long_text(n_words, seed=1)
     p1 = base + " First question: what changed?"
     p2 = base + " Second question: who printed?"
     c = server.client
@@ -73,17 +83,13 @@ def test_shared_prefix_reports_cache_n(server):
     assert r1["timings"]["cache_n"] + r1["timings"]["prompt_n"] == len(t1)
 
 
-def test_cached_and_cold_greedy_outputs_match(server):
-    prompt = long_text(120, seed=2) + " In summary,"
-    c = server.client
-    cold = c.post(
-        "/completion",
-        json={"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False},
-    ).json()
-    warm = c.post("/completion", json={"prompt": prompt, "n_predict": 16, "temperature": 0}).json()
+@pytest.mark.parametrize("n_words", [120, 1400])
+def test_cached_and_cold_predictions_agree(server, n_words):
+    prompt = long_text(n_words, seed=2) + " In summary,"
+    first_token(server, prompt)
+    warm = first_token(server, prompt)
     assert warm["tokens_cached"] == len(server.tokenize(prompt)) - 1
-    assert warm["content"] == cold["content"]
-    assert warm["stop_type"] == "limit" and warm["tokens_predicted"] == 16
+    assert_agrees_with_cold(server, prompt, warm)
 
 
 def test_concurrent_requests_are_decoded_together(server):
@@ -138,16 +144,20 @@ def test_disconnected_stream_frees_its_slot(server):
     assert all(s["n_decoded"] < 5000 for s in slots)
 
 
+# Compared greedy texts come from runs with the same batch layout: no prompt cache between them.
+OFF = {"cache_prompt": False}
+
+
 def test_stop_strings_and_native_stream(server):
     c = server.client
     full = c.post(
-        "/completion", json={"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0}
+        "/completion", json={"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, **OFF}
     ).json()["content"]
     assert len(full) > 4
     stop = full[2:4]
     r = c.post(
         "/completion",
-        json={"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, "stop": [stop]},
+        json={"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, "stop": [stop], **OFF},
     ).json()
     assert r["stop_type"] == "word" and r["stopping_word"] == stop
     assert r["content"] == full[: full.index(stop)]
@@ -160,6 +170,7 @@ def test_stop_strings_and_native_stream(server):
             "temperature": 0,
             "stop": [stop],
             "stream": True,
+            **OFF,
         },
     ) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
@@ -235,15 +246,25 @@ def test_native_completion_probabilities(server):
 def test_completions_echo(server, oai):
     prompt = "Once upon a time"
     plain = (
-        oai.completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0)
+        oai.completions.create(
+            model="x", prompt=prompt, max_tokens=4, temperature=0, extra_body=OFF
+        )
         .choices[0]
         .text
     )
-    r = oai.completions.create(model="x", prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    r = oai.completions.create(
+        model="x", prompt=prompt, max_tokens=4, temperature=0, echo=True, extra_body=OFF
+    )
     assert r.choices[0].text == prompt + plain
     chunks = list(
         oai.completions.create(
-            model="x", prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True
+            model="x",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            echo=True,
+            stream=True,
+            extra_body=OFF,
         )
     )
     assert "".join(c.choices[0].text for c in chunks) == prompt + plain
