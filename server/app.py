@@ -16,13 +16,13 @@ from . import errors
 from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
 from .config import Settings, load_api_keys
-from .engine.engine import Engine, EngineOptions
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, JsonBody, RequestCounter
 from .routes import cache as cache_routes
 from .routes import metrics as metrics_routes
 from .routes import native, openai, slots
 from .service import ServerState
+from .slots.engine import Engine, EngineOptions
 
 log = logging.getLogger("server")
 

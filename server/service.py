@@ -11,8 +11,10 @@ from typing import Any
 
 from .chat import ChatTemplate
 from .config import Settings
-from .engine.engine import Engine, EngineDead
-from .engine.types import (
+from .errors import APIError
+from .schemas import SamplingFields
+from .slots.engine import Engine, EngineDead
+from .types import (
     Event,
     FinishReason,
     GenParams,
@@ -22,8 +24,6 @@ from .engine.types import (
     TaskResult,
     Timings,
 )
-from .errors import APIError
-from .schemas import SamplingFields
 
 log = logging.getLogger("server.service")
 

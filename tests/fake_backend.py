@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from server.engine.types import SamplingParams, TokenLogprob
+from server.types import SamplingParams, TokenLogprob
 
 EOG = 999
 

@@ -12,9 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..engine.policy import lcp
-from ..engine.slot import Checkpoint
-from ..engine.types import StateBuf
+from ..types import Checkpoint, StateBuf, lcp
 
 log = logging.getLogger("server.cache")
 

@@ -26,8 +26,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine.slot import Checkpoint
-from ..engine.types import StateBuf
+from ..types import Checkpoint, StateBuf
 
 log = logging.getLogger("server.slotfile")
 

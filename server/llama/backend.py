@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
-from ..engine.types import SamplingParams, StateBuf, TokenLogprob
+from ..types import SamplingParams, StateBuf, TokenLogprob
 
 log = logging.getLogger("server.llama")
 

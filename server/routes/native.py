@@ -9,7 +9,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.types import (
+from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
+from ..types import (
     FinishReason,
     GenParams,
     SamplingParams,
@@ -18,8 +20,6 @@ from ..engine.types import (
     TaskResult,
     TextChunk,
 )
-from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
-from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
 from .openai import SSE_HEADERS, sse, state_of, token_logprobs
 
 router = APIRouter()

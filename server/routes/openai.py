@@ -13,7 +13,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import ROLES, TemplateError
-from ..engine.types import GenParams, TaskError, TaskResult, TextChunk, TokenLogprob
 from ..errors import APIError
 from ..schemas import ChatRequest, CompletionRequest
 from ..service import (
@@ -27,6 +26,7 @@ from ..service import (
     stops_from,
     usage_of,
 )
+from ..types import GenParams, TaskError, TaskResult, TextChunk, TokenLogprob
 
 router = APIRouter()
 

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from ..cache import slot_file
-from ..engine.slot import Slot
 from ..errors import APIError
 from ..schemas import SlotActionBody
+from ..slots.slot import Slot
 from .native import generation_settings
 from .openai import state_of
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from server.engine.engine import Engine, EngineOptions
-from server.engine.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
+from server.slots.engine import Engine, EngineOptions
+from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
 from tests.fake_backend import FakeBackend
 
 

@@ -1,7 +1,7 @@
 """Context checkpoints on a sliding-window model, against the fake backend."""
 
-from server.engine.checkpoints import CheckpointPolicy
-from server.engine.slot import Checkpoint
+from server.slots.checkpoints import CheckpointPolicy
+from server.types import Checkpoint
 
 from .helpers import make_engine, run, task
 

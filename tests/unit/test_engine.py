@@ -1,5 +1,5 @@
-from server.engine.slot import SlotState
-from server.engine.types import FinishReason
+from server.slots.slot import SlotState
+from server.types import FinishReason
 from tests.fake_backend import EOG
 
 from .helpers import make_engine, run, task
@@ -204,7 +204,7 @@ def test_dead_engine_fails_pending_tasks_and_refuses_new_ones():
 
     import pytest
 
-    from server.engine.engine import EngineDead
+    from server.slots.engine import EngineDead
 
     e, b = make_engine(n_seq=1)
 
@@ -239,7 +239,7 @@ def test_max_tokens_zero_processes_the_prompt_only():
 
 
 def test_stream_chunks_carry_each_token_once_even_when_text_is_held():
-    from server.engine.types import TextChunk
+    from server.types import TextChunk
 
     e, b = make_engine()
     b.scripts[5] = [0, 1, 2, 3, 4]  # "abcde"; "c" is held as a prefix of "cx", then released

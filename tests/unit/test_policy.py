@@ -1,4 +1,4 @@
-from server.engine.policy import (
+from server.slots.policy import (
     CheckpointView,
     SlotView,
     choose_slot,

@@ -1,7 +1,7 @@
 """One test per rule of DESIGN §7, with exact entries and eviction order."""
 
 from server.cache.prompt_cache import PromptCache
-from server.engine.slot import Checkpoint
+from server.types import Checkpoint
 
 
 def save(c: PromptCache, tokens, size=100, ckpts=()):

@@ -1,6 +1,6 @@
 """Cross-request prefix sharing (seq_cp) against the fake backend."""
 
-from server.engine.slot import SlotState
+from server.slots.slot import SlotState
 
 from .helpers import make_engine, run, task
 

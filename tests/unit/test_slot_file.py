@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.cache import slot_file as sf
-from server.engine.slot import Checkpoint
+from server.types import Checkpoint
 
 VERSION = 3
 

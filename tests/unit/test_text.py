@@ -1,4 +1,4 @@
-from server.engine.text import TextStream
+from server.slots.text import TextStream
 
 
 def feed(stream, pieces):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .types import FinishReason, TaskResult
+from ..types import FinishReason, TaskResult
 
 
 @dataclass

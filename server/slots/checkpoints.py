@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .slot import Checkpoint
+from ..types import Checkpoint
 
 # Why snapshots keep every checkpoint: llama.cpp writes a sequence's sliding-window cells only
 # where they are not masked for its last position (llama_kv_cache::state_write), so a state

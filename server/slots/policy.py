@@ -9,17 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix, compared in 64-token slices at C speed."""
-    n = min(len(a), len(b))
-    i = 0
-    step = 64
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from ..types import lcp
 
 
 class SlotView(NamedTuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .types import SamplingParams, StateBuf, TokenLogprob
+from ..types import SamplingParams, StateBuf, TokenLogprob
 
 
 class Batch(Protocol):

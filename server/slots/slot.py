@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ..types import Task, TokenLogprob
 from .text import TextStream
-from .types import StateBuf, Task, TokenLogprob
 
 
 class SlotState(enum.Enum):
@@ -15,22 +15,6 @@ class SlotState(enum.Enum):
     WAIT = "wait"  # holds a task; waits for another slot to compute a shared prefix
     PREFILL = "prefill"
     GENERATE = "generate"
-
-
-@dataclass
-class Checkpoint:
-    """Partial sequence state (the SWA / recurrent part) taken when the slot held
-    ``n_tokens`` tokens; positions [pos_min, pos_max] are covered by ``data``."""
-
-    n_tokens: int
-    pos_min: int
-    pos_max: int
-    data: StateBuf
-    data_dft: bytes = b""
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + len(self.data_dft)
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Typed values that flow between routes, the engine and the backend."""
+"""Typed values that flow between routes, the slot engine, the caches and the backend.
+
+A leaf module: it imports nothing from the package, so every layer may import it."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import ctypes
 import enum
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -14,6 +16,34 @@ from typing import Any, NamedTuple
 StateBuf = ctypes.Array | bytearray
 
 _task_ids = itertools.count(1)
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix, compared in 64-token slices at C speed."""
+    n = min(len(a), len(b))
+    i = 0
+    step = 64
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Checkpoint:
+    """Partial sequence state (the SWA / recurrent part) taken when the slot held
+    ``n_tokens`` tokens; positions [pos_min, pos_max] are covered by ``data``."""
+
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+    data: StateBuf
+    data_dft: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + len(self.data_dft)
 
 
 @dataclass

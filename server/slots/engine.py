@@ -18,14 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.prompt_cache import PromptCache
-from . import ram
-from .backend_api import Backend
-from .checkpoints import CheckpointPolicy
-from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
-from .sharing import PrefixSharing
-from .slot import Checkpoint, Slot, SlotState
-from .stats import EngineStats
-from .types import (
+from ..types import (
+    Checkpoint,
     Event,
     FinishReason,
     Task,
@@ -35,6 +29,13 @@ from .types import (
     Timings,
     TokenLogprob,
 )
+from . import ram
+from .backend_api import Backend
+from .checkpoints import CheckpointPolicy
+from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
+from .sharing import PrefixSharing
+from .slot import Slot, SlotState
+from .stats import EngineStats
 
 log = logging.getLogger("server.engine")
 
