@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from ..types import Task, TokenLogprob
+from ..types import Checkpoint, Task, TokenLogprob
 from .text import TextStream
 
 
