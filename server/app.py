@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -34,35 +35,69 @@ def default_model_path() -> str:
     return str(assemble())
 
 
+def model_options(s: Settings, path: str) -> Any:
+    """The backend's options from the settings (the one place they are mapped)."""
+    from .llama.backend import ModelOptions
+
+    return ModelOptions(
+        path=path,
+        n_ctx=s.ctx_size,
+        n_parallel=s.parallel,
+        n_batch=s.batch_size,
+        n_ubatch=s.ubatch_size,
+        n_threads=s.threads,
+        n_threads_batch=s.threads_batch,
+        n_gpu_layers=s.n_gpu_layers,
+        kv_unified=s.kv_unified,
+        swa_full=s.swa_full,
+        flash_attn=s.flash_attn,
+        seed=s.seed,
+    )
+
+
+def prompt_cache(s: Settings, n_ctx: int) -> PromptCache | None:
+    """The RAM prompt cache from the settings; None when --cache-ram is 0."""
+    if s.cache_ram == 0:
+        if s.cache_idle_slots:
+            log.warning("--cache-idle-slots needs the RAM cache (--cache-ram 0 turned it off)")
+        return None
+    return PromptCache(
+        limit_bytes=s.cache_ram * MiB if s.cache_ram > 0 else -1,
+        limit_tokens=s.cache_ram_tokens or n_ctx,
+    )
+
+
+def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
+    """The scheduler's options from the settings."""
+    return EngineOptions(
+        slot_prompt_similarity=s.slot_prompt_similarity,
+        n_predict=s.n_predict,
+        ctx_checkpoints=s.ctx_checkpoints,
+        checkpoint_min_step=s.checkpoint_min_step,
+        cache_idle_slots=s.cache_idle_slots and has_cache,
+        prefix_share=s.prefix_share,
+        prefix_share_min=s.prefix_share_min,
+    )
+
+
+def _clean_save_dir(path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    for stale in glob.glob(os.path.join(path, ".tmp-*.slot")):
+        os.unlink(stale)  # a save interrupted by a crash; never under a real name
+
+
 def load(st: ServerState) -> None:
     """Load model, template and engine; on failure record the error (health turns 503)."""
     s = st.settings
     try:
-        from .llama.backend import LlamaBackend, ModelOptions
+        from .llama.backend import LlamaBackend
 
         if s.slot_save_path:
-            os.makedirs(s.slot_save_path, exist_ok=True)
-            for stale in glob.glob(os.path.join(s.slot_save_path, ".tmp-*.slot")):
-                os.unlink(stale)  # a save interrupted by a crash; never under a real name
+            _clean_save_dir(s.slot_save_path)
         path = s.model or default_model_path()
         st.model_path = path
         st.model_name = s.alias or os.path.basename(path)
-        backend = LlamaBackend(
-            ModelOptions(
-                path=path,
-                n_ctx=s.ctx_size,
-                n_parallel=s.parallel,
-                n_batch=s.batch_size,
-                n_ubatch=s.ubatch_size,
-                n_threads=s.threads,
-                n_threads_batch=s.threads_batch,
-                n_gpu_layers=s.n_gpu_layers,
-                kv_unified=s.kv_unified,
-                swa_full=s.swa_full,
-                flash_attn=s.flash_attn,
-                seed=s.seed,
-            )
-        )
+        backend = LlamaBackend(model_options(s, path))
         st.backend = backend
         st.template = pick_template(
             name=s.chat_template,
@@ -72,28 +107,8 @@ def load(st: ServerState) -> None:
             bos_token=backend.bos_text,
             eos_token=backend.eos_text,
         )
-        cache = None
-        if s.cache_ram != 0:
-            cache = PromptCache(
-                limit_bytes=s.cache_ram * MiB if s.cache_ram > 0 else -1,
-                limit_tokens=s.cache_ram_tokens or backend.n_ctx,
-            )
-        elif s.cache_idle_slots:
-            log.warning("--cache-idle-slots needs the RAM cache (--cache-ram 0 turned it off)")
-        engine = Engine(
-            backend,
-            EngineOptions(
-                n_parallel=s.parallel,
-                slot_prompt_similarity=s.slot_prompt_similarity,
-                n_predict=s.n_predict,
-                ctx_checkpoints=s.ctx_checkpoints,
-                checkpoint_min_step=s.checkpoint_min_step,
-                cache_idle_slots=s.cache_idle_slots and cache is not None,
-                prefix_share=s.prefix_share,
-                prefix_share_min=s.prefix_share_min,
-            ),
-            cache=cache,
-        )
+        cache = prompt_cache(s, backend.n_ctx)
+        engine = Engine(backend, engine_options(s, cache is not None), cache=cache)
         if s.prefix_share and not backend.kv_unified:
             log.warning("prefix sharing is off: it needs unified KV (--kv-unified)")
         engine.stats.observers.append(st.metrics.observe)

@@ -63,18 +63,33 @@ class PromptCache:
     def __init__(self, limit_bytes: int, limit_tokens: int) -> None:
         self.limit_bytes = limit_bytes
         self.limit_tokens = limit_tokens
+        # Invariant: only _append and _drop change ``entries``, and they keep the running
+        # totals equal to the sums over the entries (check_integrity recounts them).
         self.entries: list[CacheEntry] = []
+        self._n_bytes = 0
+        self._n_tokens = 0
         self.counters = CacheCounters()
 
     # ---- accounting ---------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        return self._n_bytes
 
     @property
     def n_tokens(self) -> int:
-        return sum(len(e.tokens) for e in self.entries)
+        return self._n_tokens
+
+    def _append(self, e: CacheEntry) -> None:
+        self.entries.append(e)
+        self._n_bytes += e.nbytes
+        self._n_tokens += len(e.tokens)
+
+    def _drop(self, index: int) -> CacheEntry:
+        e = self.entries.pop(index)
+        self._n_bytes -= e.nbytes
+        self._n_tokens -= len(e.tokens)
+        return e
 
     def token_limit(self) -> int:
         """--cache-ram-tokens, raised to what the byte limit holds at the current bytes/token."""
@@ -84,10 +99,12 @@ class PromptCache:
         return max(self.limit_tokens, int(self.limit_bytes / per_token))
 
     def check_integrity(self) -> list[str]:
+        """Recounts bytes and tokens from the entries and checks the ordering rules."""
         problems = []
         total = 0
         for i, e in enumerate(self.entries):
-            total += len(e.data) + len(e.data_dft) + sum(c.nbytes for c in e.checkpoints)
+            total += len(e.data) + len(e.data_dft) + sum(len(c.data) for c in e.checkpoints)
+            total += sum(len(c.data_dft) for c in e.checkpoints)
             if not e.tokens:
                 problems.append(f"entry {i} is empty")
             if any(c.n_tokens > len(e.tokens) for c in e.checkpoints):
@@ -101,6 +118,9 @@ class PromptCache:
                     problems.append(f"entry {i} is a prefix of entry {j}")
         if total != self.nbytes:
             problems.append(f"bytes {self.nbytes} != sum of entries {total}")
+        n_tokens = sum(len(e.tokens) for e in self.entries)
+        if n_tokens != self.n_tokens:
+            problems.append(f"tokens {self.n_tokens} != sum of entries {n_tokens}")
         if self.limit_bytes >= 0 and self.nbytes > self.limit_bytes:
             problems.append(f"bytes {self.nbytes} over the limit {self.limit_bytes}")
         return problems
@@ -125,9 +145,11 @@ class PromptCache:
         need = size + sum(c.nbytes for c in checkpoints)
         if self.limit_bytes >= 0 and need > self.limit_bytes:
             return self._skip("too-large")  # never evict for an entry that cannot fit anyway
-        before = len(self.entries)
-        self.entries = [e for e in self.entries if lcp(e.tokens, tokens) != len(e.tokens)]
-        evicted = before - len(self.entries)
+        evicted = 0
+        for i in range(len(self.entries) - 1, -1, -1):  # the new entry serves its prefixes
+            if lcp(self.entries[i].tokens, tokens) == len(self.entries[i].tokens):
+                self._drop(i)
+                evicted += 1
         if self.limit_bytes >= 0:
             while self.entries and self.nbytes + need > self.limit_bytes:
                 self._evict_oldest("making room")
@@ -142,7 +164,7 @@ class PromptCache:
             )
             self.update()
             return self._skip("no-memory")
-        self.entries.append(CacheEntry(list(tokens), data, dft, list(checkpoints)))
+        self._append(CacheEntry(list(tokens), data, dft, list(checkpoints)))
         self.counters.saves += 1
         log.debug(
             "cache: saved %d tokens, %.2f MiB (%d entries)",
@@ -157,7 +179,7 @@ class PromptCache:
         return SaveOutcome(False, reason)
 
     def _evict_oldest(self, why: str) -> None:
-        e = self.entries.pop(0)
+        e = self._drop(0)
         self.counters.evictions += 1
         log.debug("cache: evicted %d tokens, %.2f MiB (%s)", len(e.tokens), e.nbytes / MiB, why)
 
@@ -195,7 +217,7 @@ class PromptCache:
         if not restore(e):
             self.counters.load_failures += 1
             return None
-        del self.entries[choice.index]
+        self._drop(choice.index)
         self.counters.loads += 1
         self.counters.bytes_restored += e.nbytes
         self.counters.tokens_restored += len(e.tokens)
@@ -218,10 +240,6 @@ class PromptCache:
         if limit > 0:
             while self.entries and self.n_tokens > limit:
                 self._evict_oldest("token limit")
-
-    def clear(self) -> None:
-        self.counters.evictions += len(self.entries)
-        self.entries.clear()
 
     def describe(self) -> dict:
         now = time.time()

@@ -84,7 +84,6 @@ class ParsedFile:
     buf: mmap.mmap
     state_off: int  # offset of the header + state bytes, for llama_state_seq_set_data_ext
     n_read: int
-    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass

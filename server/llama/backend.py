@@ -12,6 +12,7 @@ import os
 import threading
 from array import array
 from dataclasses import dataclass
+from typing import Any
 
 import llama_cpp as L
 import numpy as np
@@ -135,6 +136,23 @@ class Sampler:
             self.ptr = None
 
 
+def _context_params(opts: ModelOptions, n_ctx_train: int) -> tuple[Any, int]:
+    """llama_context_params from the options, and the decode thread count."""
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx = opts.n_ctx if opts.n_ctx > 0 else n_ctx_train
+    cparams.n_batch = opts.n_batch
+    cparams.n_ubatch = min(opts.n_ubatch, opts.n_batch)
+    cparams.n_seq_max = opts.n_parallel
+    threads = opts.n_threads if opts.n_threads > 0 else max(1, (os.cpu_count() or 2))
+    cparams.n_threads = threads
+    cparams.n_threads_batch = opts.n_threads_batch if opts.n_threads_batch > 0 else threads
+    cparams.kv_unified = opts.kv_unified
+    cparams.swa_full = opts.swa_full
+    cparams.no_perf = True
+    cparams.flash_attn_type = {"on": 1, "off": 0}.get(opts.flash_attn, -1)
+    return cparams, threads
+
+
 class LlamaBackend:
     """Model + context + vocabulary; implements the engine's Backend protocol."""
 
@@ -152,19 +170,7 @@ class LlamaBackend:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
 
-        cparams = L.llama_context_default_params()
-        n_ctx = opts.n_ctx if opts.n_ctx > 0 else self.n_ctx_train
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = opts.n_batch
-        cparams.n_ubatch = min(opts.n_ubatch, opts.n_batch)
-        cparams.n_seq_max = opts.n_parallel
-        threads = opts.n_threads if opts.n_threads > 0 else max(1, (os.cpu_count() or 2))
-        cparams.n_threads = threads
-        cparams.n_threads_batch = opts.n_threads_batch if opts.n_threads_batch > 0 else threads
-        cparams.kv_unified = opts.kv_unified
-        cparams.swa_full = opts.swa_full
-        cparams.no_perf = True
-        cparams.flash_attn_type = {"on": 1, "off": 0}.get(opts.flash_attn, -1)
+        cparams, threads = _context_params(opts, self.n_ctx_train)
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError("failed to create llama context (out of memory?)")
@@ -184,11 +190,9 @@ class LlamaBackend:
         self.seed = opts.seed
         self.batch = LlamaBatch(self.n_batch)
         self.state_file_version = L.LLAMA_STATE_SEQ_VERSION
-        self._piece_buf = ctypes.create_string_buffer(256)
         self._piece_cache: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
         self.bos_id = L.llama_vocab_bos(self.vocab)
-        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.bos_text = (
             self.token_to_piece(self.bos_id, special=True).decode("utf-8", "replace")
             if self.bos_id >= 0
@@ -198,9 +202,6 @@ class LlamaBackend:
         eos = L.llama_vocab_eos(self.vocab)
         if eos >= 0:
             self.eos_text = self.token_to_piece(eos, special=True).decode("utf-8", "replace")
-        buf = ctypes.create_string_buffer(256)
-        L.llama_model_desc(self.model, buf, 256)
-        self.description = buf.value.decode("utf-8", "replace")
         self.architecture = self.meta("general.architecture") or ""
         self.chat_template = self._model_chat_template()
         self.model_size = L.llama_model_size(self.model)

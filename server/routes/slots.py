@@ -16,7 +16,10 @@ from pydantic import ValidationError
 from ..cache import slot_file
 from ..errors import APIError
 from ..schemas import SlotActionBody
+from ..service import ServerState
+from ..slots.engine import Engine, EngineDead
 from ..slots.slot import Slot
+from ..types import Checkpoint
 from .native import generation_settings
 from .openai import state_of
 
@@ -28,6 +31,8 @@ def slot_json(st: Any, s: Slot) -> dict[str, Any]:
     # Read without locks from the event loop: each field is a consistent snapshot of
     # itself (the GIL), the whole object may straddle one engine step.
     task = s.task
+    run = s.run  # the running task's, or the last one's when idle
+    n_decoded = run.n_decoded if run is not None else 0
     ckpts = list(s.checkpoints)
     return {
         "id": s.id,
@@ -36,16 +41,16 @@ def slot_json(st: Any, s: Slot) -> dict[str, Any]:
         "id_task": task.id if task is not None else -1,
         "state": s.state.value,
         "n_tokens": len(s.tokens),
-        "n_prompt_tokens": s.n_prompt,
-        "n_prompt_tokens_cache": s.n_cached,
-        "n_prompt_tokens_processed": s.n_processed,
-        "n_decoded": s.n_decoded,
+        "n_prompt_tokens": run.n_prompt if run is not None else 0,
+        "n_prompt_tokens_cache": run.n_cached if run is not None else 0,
+        "n_prompt_tokens_processed": run.n_processed if run is not None else 0,
+        "n_decoded": n_decoded,
         "next_token": {
             "has_next_token": task is not None,
-            "n_remain": (task.gen.max_tokens - s.n_decoded)
+            "n_remain": (task.gen.max_tokens - n_decoded)
             if task is not None and task.gen.max_tokens >= 0
             else -1,
-            "n_decoded": s.n_decoded,
+            "n_decoded": n_decoded,
         },
         "params": generation_settings(st, task),
         "checkpoints": {
@@ -75,33 +80,33 @@ def _save_op(slot_id: int, tmp: Path):
     """llama.cpp writes the body (its own llama_state_seq_save_file, straight from the KV
     cache, no copy in Python); the appendix, fsync and rename happen off the engine thread."""
 
-    def op(engine) -> tuple[int, list]:
+    def op(engine: Engine) -> tuple[int, list[Checkpoint]]:
         s = engine.slots[slot_id]
-        if engine.b.state_save_file(str(tmp), s.id, s.tokens) == 0:
+        ckpts = engine.store.save_file(s, str(tmp))
+        if ckpts is None:
             raise slot_file.SlotFileError("llama.cpp could not write the slot state", 500)
-        return len(s.tokens), list(s.checkpoints)
+        return len(s.tokens), ckpts
 
     return op
 
 
 def _restore_op(slot_id: int, parsed: slot_file.ParsedFile):
-    def op(engine) -> tuple[int, list[str]]:
+    def op(engine: Engine) -> tuple[int, list[str]]:
         s = engine.slots[slot_id]
-        b = engine.b
         size = len(parsed.buf) - parsed.state_off
         region = (ctypes.c_uint8 * size).from_buffer(parsed.buf, parsed.state_off)
-        consumed = b.state_set(s.id, region, nbytes=size)
         n = len(parsed.tokens)
-        if consumed == 0 or (n > 0 and b.seq_pos_max(s.id) != n - 1):
-            b.seq_clear(s.id)
-            s.tokens, s.checkpoints = [], []
+        # the appendices follow the state: they are parsed once its length is known
+        consumed = engine.store.restore(
+            s, region, list(parsed.tokens), [], nbytes=size, whole=False
+        )
+        if consumed == 0:
             raise slot_file.SlotFileError(
-                "the slot file's state does not fit this model or context (another model, "
-                "or a truncated or corrupt file)"
+                "the slot file's state does not fit this model or context (another model, a "
+                "truncated or corrupt file, or a token list that does not match the state)"
             )
         app = slot_file.parse_appendices(parsed.buf, parsed.state_off + consumed, n)
-        s.tokens = list(parsed.tokens)
-        s.checkpoints = app.checkpoints
+        engine.store.set_checkpoints(s, app.checkpoints)
         s.last_used = time.perf_counter()  # most recently used: kept by the LRU choice
         return n, app.warnings
 
@@ -109,14 +114,23 @@ def _restore_op(slot_id: int, parsed: slot_file.ParsedFile):
 
 
 def _erase_op(slot_id: int):
-    def op(engine) -> int:
-        s = engine.slots[slot_id]
-        n = len(s.tokens)
-        engine.b.seq_clear(s.id)
-        s.tokens, s.checkpoints = [], []
-        return n
+    def op(engine: Engine) -> int:
+        return engine.store.clear(engine.slots[slot_id])
 
     return op
+
+
+def _record(engine: Engine, **counts: int) -> None:
+    """Count a slot-file operation in the engine statistics, on the engine thread (they are
+    written there only). Fire and forget: a stopped engine has nothing left to count."""
+
+    def op(e: Engine) -> None:
+        e.stats.on_slot_file(**counts)
+
+    try:
+        engine.call(op)
+    except EngineDead:
+        pass
 
 
 @router.post("/slots/{id_slot}")
@@ -144,53 +158,59 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         body = SlotActionBody.model_validate(json.loads(await request.body() or b"{}"))
     except (ValueError, ValidationError):
         raise APIError(400, 'the body must be JSON like {"filename": "name"}') from None
-    stats = engine.stats
     try:
         path = slot_file.resolve(st.settings.slot_save_path, body.filename)
-        t0 = time.perf_counter()
         if action == "save":
-            tmp = slot_file.temp_for(path)
-            try:
-                n_saved, ckpts = await asyncio.wrap_future(
-                    engine.call(_save_op(sid, tmp), slot=sid)
-                )
-                written = await asyncio.to_thread(slot_file.finish_file, tmp, path, ckpts)
-            finally:
-                tmp.unlink(missing_ok=True)
-            stats.slot_saves += 1
-            stats.slot_bytes_written += written
-            return {
-                "id_slot": sid,
-                "filename": body.filename,
-                "n_saved": n_saved,
-                "n_written": written,
-                "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
-            }
-        b = st.backend
-        parsed = await asyncio.to_thread(
-            slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
-        )
-        n, warnings = await asyncio.wrap_future(engine.call(_restore_op(sid, parsed), slot=sid))
-        for w in warnings:
-            log.warning("slot %d restore from %s: %s", sid, body.filename, w)
-        stats.slot_restores += 1
-        stats.slot_bytes_read += parsed.n_read
-        out = {
-            "id_slot": sid,
-            "filename": body.filename,
-            "n_restored": n,
-            "n_read": parsed.n_read,
-            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
-        }
-        if warnings:
-            out["warnings"] = warnings
-        return out
+            return await _save(engine, sid, path, body.filename)
+        return await _restore(st, engine, sid, path, body.filename)
     except slot_file.SlotFileError as e:
-        stats.slot_file_failures += 1
+        _record(engine, failures=1)
         raise APIError(e.status, str(e)) from None
     except MemoryError:
-        stats.slot_file_failures += 1
+        _record(engine, failures=1)
         raise APIError(400, "slot file is too large to load") from None
     except OSError as e:
-        stats.slot_file_failures += 1
+        _record(engine, failures=1)
         raise APIError(500, f"slot file I/O failed: {e.strerror or e}") from None
+
+
+async def _save(engine: Engine, sid: int, path: Path, name: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    tmp = slot_file.temp_for(path)
+    try:
+        n_saved, ckpts = await asyncio.wrap_future(engine.call(_save_op(sid, tmp), slot=sid))
+        written = await asyncio.to_thread(slot_file.finish_file, tmp, path, ckpts)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _record(engine, saves=1, bytes_written=written)
+    return {
+        "id_slot": sid,
+        "filename": name,
+        "n_saved": n_saved,
+        "n_written": written,
+        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+    }
+
+
+async def _restore(
+    st: ServerState, engine: Engine, sid: int, path: Path, name: str
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    b = st.backend
+    parsed = await asyncio.to_thread(
+        slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
+    )
+    n, warnings = await asyncio.wrap_future(engine.call(_restore_op(sid, parsed), slot=sid))
+    for w in warnings:
+        log.warning("slot %d restore from %s: %s", sid, name, w)
+    _record(engine, restores=1, bytes_read=parsed.n_read)
+    out: dict[str, Any] = {
+        "id_slot": sid,
+        "filename": name,
+        "n_restored": n,
+        "n_read": parsed.n_read,
+        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+    }
+    if warnings:
+        out["warnings"] = warnings
+    return out

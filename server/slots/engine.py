@@ -19,7 +19,6 @@ from typing import Any
 
 from ..cache.prompt_cache import PromptCache
 from ..types import (
-    Checkpoint,
     Event,
     FinishReason,
     Task,
@@ -32,17 +31,19 @@ from ..types import (
 from . import ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
-from .policy import CheckpointView, SlotView, choose_slot, plan_reuse
+from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
 from .sharing import PrefixSharing
-from .slot import Slot, SlotState
+from .slot import Slot, SlotRun, SlotState
 from .stats import EngineStats
+from .store import SlotStore
 
-log = logging.getLogger("server.engine")
+log = logging.getLogger("server.slots.engine")
 
 
 @dataclass
 class EngineOptions:
-    n_parallel: int = 4
+    """Scheduler settings (``server.config.engine_options`` builds them from Settings)."""
+
     slot_prompt_similarity: float = 0.10
     n_predict: int = -1  # server-wide cap on generated tokens (-1: none)
     ctx_checkpoints: int = 32
@@ -64,7 +65,6 @@ class Engine:
         self.b = backend
         self.opts = opts
         self.cache = cache
-        self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
         self.waiting: collections.deque[Task] = collections.deque()
         self.stats = EngineStats()
         self.ckpt = CheckpointPolicy(
@@ -73,8 +73,12 @@ class Engine:
             min_step=opts.checkpoint_min_step,
             n_ubatch=backend.n_ubatch,
         )
+        self.store = SlotStore(backend, self.ckpt)
         self.sharing = PrefixSharing(
-            self, enabled=opts.prefix_share and backend.kv_unified, min_wait=opts.prefix_share_min
+            self.store,
+            self.stats,
+            enabled=opts.prefix_share and backend.kv_unified,
+            min_wait=opts.prefix_share_min,
         )
         self._inbox: queue.SimpleQueue[Task | _Op | None] = queue.SimpleQueue()
         self._ops: list[_Op] = []
@@ -83,6 +87,11 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+
+    @property
+    def slots(self) -> list[Slot]:
+        """The slots (read-only outside the engine thread; changed only through ``store``)."""
+        return self.store.slots
 
     # ---- public, thread-safe ------------------------------------------------------
 
@@ -246,6 +255,7 @@ class Engine:
         if not self.waiting:
             return
         deferred: collections.deque[Task] = collections.deque()
+        launched = False
         while self.waiting:
             task = self.waiting.popleft()
             views = [SlotView(s.id, s.idle, s.tokens, s.last_used) for s in self.slots]
@@ -255,35 +265,40 @@ class Engine:
                 if task.id_slot < 0:
                     break  # no idle slot at all: keep FIFO order for the rest
                 continue
-            slot = self.slots[choice.slot]
-            try:
-                n_lcp: int | None = choice.lcp
-                if self.cache is not None and choice.update_cache:
-                    if choice.save_first:
-                        ram.save(self, slot)
-                    if ram.load(self, slot, task.prompt):
-                        n_lcp = None
-                    self.cache.update()
-                self._launch(slot, task, n_lcp)
-            except Exception as e:  # a failure here fails this task only
-                log.exception("failed to start task %d", task.id)
-                if slot.task is task:
-                    slot.release()
-                self._send(task, TaskError(500, f"failed to start the task: {e}"))
-                continue
-            if self.cache is not None and self.opts.cache_idle_slots:
-                ram.cache_idle_slots(self)
+            launched |= self._place(self.slots[choice.slot], task, choice)
         deferred.extend(self.waiting)
         self.waiting = deferred
+        # once per admission pass: the slots left idle go to the RAM cache
+        if launched and self.cache is not None and self.opts.cache_idle_slots:
+            ram.cache_idle_slots(self.store, self.cache, self.b.kv_unified)
+
+    def _place(self, slot: Slot, task: Task, choice: SlotChoice) -> bool:
+        """Start ``task`` on ``slot`` after consulting the RAM cache; a failure here fails
+        this task only. True when the task started."""
+        try:
+            n_lcp: int | None = choice.lcp
+            if self.cache is not None and choice.update_cache:
+                if choice.save_first:
+                    ram.save(self.store, self.cache, slot)
+                if ram.load(self.store, self.cache, slot, task.prompt):
+                    n_lcp = None
+                self.cache.update()
+            self._launch(slot, task, n_lcp)
+            return True
+        except Exception as e:
+            log.exception("failed to start task %d", task.id)
+            if slot.task is task:
+                slot.release()
+            self._send(task, TaskError(500, f"failed to start the task: {e}"))
+            return False
 
     def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest."""
-        pos_min = self.b.seq_pos_min(slot.id) if slot.tokens else -1
         plan = plan_reuse(
             slot.tokens,
             task.prompt,
             cache_prompt=task.cache_prompt,
-            pos_min=pos_min,
+            pos_min=self.store.pos_min(slot),
             n_swa=self.b.n_swa,
             checkpoints=[
                 CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints
@@ -291,27 +306,22 @@ class Engine:
             n_lcp=n_lcp,
             recurrent=self.b.is_recurrent,
         )
-        n_past = plan.n_past
         if plan.checkpoint >= 0:
-            c = slot.checkpoints[plan.checkpoint]
-            if self.b.state_set(slot.id, c.data, partial=True) == 0:
-                log.warning("slot %d: checkpoint restore failed; reprocessing", slot.id)
-                n_past = 0
-            else:
-                self.stats.checkpoints_restored += 1
-        n_past = self._cut(slot, n_past)
-        slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
+            n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
+            self.stats.checkpoints_restored += n_past > 0
+        else:
+            n_past = self.store.cut(slot, plan.n_past)
         wait = None
         if task.cache_prompt:
             held = self.sharing.held_source(slot, task.prompt, n_past)
             if held is not None:
                 n_past = self.sharing.copy(self.slots[held.slot], slot, held.n_tokens)
             wait = self.sharing.inflight_source(slot, task.prompt, n_past)
-        slot.start(task, n_past)
+        run = slot.start(task, n_past)
         if wait is not None:
             self.sharing.wait_on(slot, wait)
-        slot.sampler = self.b.new_sampler(task.sampling, task.prompt)
-        t_wait = (slot.t_start - task.t_enqueued) * 1e3
+        run.sampler = self.b.new_sampler(task.sampling, task.prompt)
+        t_wait = (run.t_start - task.t_enqueued) * 1e3
         self.stats.on_launch(t_wait)
         log.debug(
             "slot %d: task %d, prompt %d, reuse %d (%s), queued %.1f ms",
@@ -322,23 +332,6 @@ class Engine:
             plan.reason,
             t_wait,
         )
-
-    def _cut(self, slot: Slot, n_past: int) -> int:
-        """Drop everything after ``n_past`` from the slot's sequence; returns what was kept.
-
-        With SWA or recurrent memory a removal can fail or empty the sequence; then the slot
-        is cleared and nothing is kept (never count tokens that are not in memory).
-        """
-        if n_past < len(slot.tokens) or n_past == 0:
-            ok = self.b.seq_rm(slot.id, n_past, -1)
-            if n_past > 0 and (not ok or self.b.seq_pos_max(slot.id) != n_past - 1):
-                log.debug("slot %d: partial removal at %d failed; clearing", slot.id, n_past)
-                self.b.seq_clear(slot.id)
-                n_past = 0
-        del slot.tokens[n_past:]
-        if n_past == 0:
-            slot.checkpoints.clear()
-        return n_past
 
     # ---- decode step --------------------------------------------------------------
 
@@ -363,60 +356,73 @@ class Engine:
             dt = time.perf_counter() - t0
             if ret == 0:
                 break
-            self._rollback(active)
-            if ret == 1 and self._free_idle_kv():
-                continue
-            if ret == 1 and budget > 1:
-                budget = max(1, budget // 2)
-                log.warning("llama_decode found no KV room; retrying with n_batch=%d", budget)
-                continue
-            victim = max(active, key=lambda s: len(s.tokens))
-            log.error("llama_decode failed (%d); ending task on slot %d", ret, victim.id)
-            self._finish(
-                victim,
-                FinishReason.LENGTH if ret == 1 else FinishReason.ERROR,
-                error="" if ret == 1 else f"llama_decode failed ({ret})",
-            )
-            active = [s for s in active if s is not victim]
+            for s in active:
+                self.store.rollback(s)
+            budget, active = self._recover(ret, budget, active)
             if not active:
                 return True
-        self.stats.on_decode(n, sum(1 for s in active if s.pending), dt)
+        self.stats.on_decode(sum(1 for s in active if s.pending), dt)
         self._after_decode(active)
         return True
+
+    def _recover(self, ret: int, budget: int, active: list[Slot]) -> tuple[int, list[Slot]]:
+        """After a failed decode: free idle KV, else halve the batch, else end the longest
+        task. Returns the budget and the slots for the next try."""
+        if ret == 1 and self._free_idle_kv():
+            return budget, active
+        if ret == 1 and budget > 1:
+            budget = max(1, budget // 2)
+            log.warning("llama_decode found no KV room; retrying with n_batch=%d", budget)
+            return budget, active
+        victim = max(active, key=lambda s: len(s.tokens))
+        log.error("llama_decode failed (%d); ending task on slot %d", ret, victim.id)
+        self._finish(
+            victim,
+            FinishReason.LENGTH if ret == 1 else FinishReason.ERROR,
+            error="" if ret == 1 else f"llama_decode failed ({ret})",
+        )
+        return budget, [s for s in active if s is not victim]
 
     def _build_batch(self, active: list[Slot], budget: int) -> int:
         batch = self.b.batch
         batch.clear()
         gen = [s for s in active if s.state is SlotState.GENERATE]
-        pre = sorted((s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.t_start)
+        pre = sorted(
+            (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.run.t_start
+        )
         # Generating slots first: a long prefill never starves them of their next token.
         for s in gen:
+            s.pending, s.i_batch = [], -1
             if batch.n >= budget:
-                s.pending, s.i_batch = [], -1
                 continue
-            if s.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
+            if s.run.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
                 self._take_checkpoint(s)
-            s.pending = [s.next_token]
+            s.pending = [s.run.next_token]
             s.i_batch = batch.add_span(s.pending, len(s.tokens), s.id, True)
         for s in pre:
-            room = budget - batch.n
             s.pending, s.i_batch = [], -1
-            if room <= 0:
-                continue
-            cur = len(s.tokens)
-            prompt = s.task.prompt
-            end = min(len(prompt), cur + room)
-            if s.share_marks:
-                end = min(end, min((m for m in s.share_marks if m > cur), default=end))
-            if self.ckpt.enabled:
-                end = min(end, self.ckpt.chunk_end(cur, len(prompt), s.task.user_start))
-                if self.ckpt.wants(cur, len(prompt), s.task.user_start, s.checkpoints):
-                    self._take_checkpoint(s)
-            s.pending = prompt[cur:end]
-            last = end == len(prompt)
-            i = batch.add_span(s.pending, cur, s.id, last)
-            s.i_batch = i if last else -1
+            if budget - batch.n > 0:
+                self._add_prompt_chunk(s, budget - batch.n)
         return batch.n
+
+    def _add_prompt_chunk(self, s: Slot, room: int) -> None:
+        """Add the slot's next prompt chunk (at most ``room`` tokens) to the batch. A chunk
+        ends where a sharing waiter or a checkpoint needs the slot to stop."""
+        cur = len(s.tokens)
+        task = s.run.task
+        prompt = task.prompt
+        end = min(len(prompt), cur + room)
+        marks = s.run.share_marks
+        if marks:
+            end = min(end, min((m for m in marks if m > cur), default=end))
+        if self.ckpt.enabled:
+            end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start))
+            if self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints):
+                self._take_checkpoint(s)
+        s.pending = prompt[cur:end]
+        last = end == len(prompt)
+        i = self.b.batch.add_span(s.pending, cur, s.id, last)
+        s.i_batch = i if last else -1
 
     def _wants_prompt_end_checkpoint(self, s: Slot) -> bool:
         """The slot holds exactly its prompt and its first sampled token is about to be
@@ -425,30 +431,21 @@ class Engine:
         n_prompt = len(s.tokens)
         if not self.ckpt.wants_at_prompt_end(n_prompt, s.checkpoints):
             return False
-        limit = self._token_limit(s.task)
+        limit = self._token_limit(s.run.task)
         return self.b.is_recurrent or limit < 0 or n_prompt + limit > self.b.n_swa
 
     def _take_checkpoint(self, s: Slot) -> None:
-        n_tokens = len(s.tokens)
-        data = self.b.state_get(s.id, partial=True)
-        c = Checkpoint(n_tokens, self.b.seq_pos_min(s.id), self.b.seq_pos_max(s.id), data)
-        self.ckpt.insert(s.checkpoints, c)
+        c = self.store.take_checkpoint(s)
         self.stats.checkpoints_created += 1
-        log.debug("slot %d: checkpoint at %d tokens (%d bytes)", s.id, n_tokens, len(data))
-
-    def _rollback(self, active: list[Slot]) -> None:
-        # A failed decode may leave some ubatches in memory: cut back to the committed tokens.
-        for s in active:
-            if s.pending:
-                self.b.seq_rm(s.id, len(s.tokens), -1)
-            s.pending, s.i_batch = [], -1
+        log.debug("slot %d: checkpoint at %d tokens (%d bytes)", s.id, c.n_tokens, c.nbytes)
 
     def _free_idle_kv(self) -> bool:
-        """Clear idle slots' sequences to make KV room (unified mode). True if any was freed."""
+        """Clear idle slots' sequences to make KV room (unified mode), saving them to the RAM
+        cache first when there is one. True if any was freed."""
         freed = False
-        for s in sorted(self.slots, key=lambda v: v.last_used):
+        for s in self.slots:
             if s.idle and s.tokens:
-                ram.evict_idle(self, s)
+                ram.evict_idle(self.store, self.cache, s)
                 freed = True
         return freed
 
@@ -457,53 +454,52 @@ class Engine:
         for s in active:
             if not s.pending:
                 continue
-            s.tokens.extend(s.pending)
+            run = s.run
+            n = self.store.commit(s)
             if s.state is SlotState.PREFILL:
-                s.n_processed += len(s.pending)
-            s.pending = []
+                run.n_processed += n
             if s.i_batch < 0:
                 continue
             s.i_batch, idx = -1, s.i_batch
             if s.state is SlotState.PREFILL:
                 s.state = SlotState.GENERATE
-                s.t_first = now
-                self.stats.on_first_token((now - s.task.t_enqueued) * 1e3)
-                if self._token_limit(s.task) == 0:  # prompt only (n_predict 0): nothing sampled
+                run.t_first = now
+                self.stats.on_first_token((now - run.task.t_enqueued) * 1e3)
+                if self._token_limit(run.task) == 0:  # prompt only (n_predict 0): nothing sampled
                     self._finish(s, FinishReason.LENGTH)
                     continue
             self._sample(s, idx)
 
     def _sample(self, s: Slot, idx: int) -> None:
-        task = s.task
-        assert task is not None
+        run = s.run
+        gen = run.task.gen
         try:
-            tok = self.b.sample(s.sampler, idx)
+            tok = self.b.sample(run.sampler, idx)
         except Exception as e:
             log.exception("sampling failed on slot %d", s.id)
             self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
             return
-        s.n_decoded += 1
-        gen = task.gen
+        run.n_decoded += 1
         lp: TokenLogprob | None = None
         if gen.logprobs or gen.n_probs > 0:
             lp = self.b.top_logprobs(idx, tok, gen.n_probs)
         if self.b.is_eog(tok) and not gen.ignore_eos:
             self._finish(s, FinishReason.STOP)
             return
-        s.generated.append(tok)
-        rel = s.stream.push(self.b.token_to_piece(tok))
+        run.generated.append(tok)
+        rel = run.stream.push(self.b.token_to_piece(tok))
         if lp is not None:
-            s.logprobs.append(lp)
+            run.logprobs.append(lp)
         if rel.text or rel.stop:
-            self._emit_text(s, rel.text)
+            self._emit_text(run, rel.text)
         if rel.stop:
             self._finish(s, FinishReason.STOP, stop_word=rel.stop)
             return
-        limit = self._token_limit(task)
-        if (limit >= 0 and s.n_decoded >= limit) or len(s.tokens) + 1 >= s.n_ctx:
+        limit = self._token_limit(run.task)
+        if (limit >= 0 and run.n_decoded >= limit) or len(s.tokens) + 1 >= s.n_ctx:
             self._finish(s, FinishReason.LENGTH)
             return
-        s.next_token = tok
+        run.next_token = tok
 
     def _token_limit(self, task: Task) -> int:
         """Most tokens to generate: the request's max_tokens capped by --n-predict (-1: none)."""
@@ -512,64 +508,45 @@ class Engine:
             limit = self.opts.n_predict
         return limit
 
-    def _emit_text(self, s: Slot, text: str) -> None:
+    def _emit_text(self, run: SlotRun, text: str) -> None:
         """Release text; it carries the tokens (and log-probs) not sent yet, which includes
         those whose text was held back as a possible stop-string prefix."""
-        task = s.task
-        if task.stream:
-            n = s.n_emitted
-            self._send(task, TextChunk(text, s.generated[n:], s.logprobs[n:]))
-            s.n_emitted = len(s.generated)
-        s.out_text.append(text)
+        if run.task.stream:
+            n = run.n_emitted
+            self._send(run.task, TextChunk(text, run.generated[n:], run.logprobs[n:]))
+            run.n_emitted = len(run.generated)
+        run.out_text.append(text)
 
     def _finish(
         self, s: Slot, reason: FinishReason, *, stop_word: str = "", error: str = ""
     ) -> None:
-        task = s.task
-        assert task is not None
+        run = s.run
+        task = run.task
         now = time.perf_counter()
         if reason is not FinishReason.STOP or not stop_word:
-            rest = s.stream.flush() if s.stream else ""
+            rest = run.stream.flush()
             if rest and reason is not FinishReason.CANCELLED:
-                self._emit_text(s, rest)
-        t_first = s.t_first or now
-        timings = Timings(
-            cache_n=s.n_cached,
-            prompt_n=s.n_processed,
-            prompt_ms=(t_first - s.t_start) * 1e3,
-            predicted_n=s.n_decoded,
-            predicted_ms=(now - t_first) * 1e3 if s.t_first else 0.0,
-        )
-        result = TaskResult(
-            id_slot=s.id,
-            finish=reason,
-            text="".join(s.out_text),
-            tokens=list(s.generated),
-            n_prompt=s.n_prompt,
-            timings=timings,
-            stop_word=stop_word,
-            error=error,
-            t_queue_ms=(s.t_start - task.t_enqueued) * 1e3,
-            logprobs=s.logprobs,
-        )
-        if s.sampler is not None:
-            s.sampler.free()
-            s.sampler = None
+                self._emit_text(run, rest)
+        result = _result_of(s.id, run, reason, stop_word, error, now)
+        if run.sampler is not None:
+            run.sampler.free()
+            run.sampler = None
         self.stats.on_finish(result, (now - task.t_enqueued) * 1e3)
         if reason is FinishReason.ERROR:
             self._send(task, TaskError(500, error or "generation failed"))
         else:
             self._send(task, result)
+        t = result.timings
         log.info(
             "slot %d task %d: %s cache_n=%d prompt_n=%d predicted_n=%d prompt_ms=%.1f predicted_ms=%.1f",
             s.id,
             task.id,
             reason.value,
-            timings.cache_n,
-            timings.prompt_n,
-            timings.predicted_n,
-            timings.prompt_ms,
-            timings.predicted_ms,
+            t.cache_n,
+            t.prompt_n,
+            t.predicted_n,
+            t.prompt_ms,
+            t.predicted_ms,
         )
         s.release()
 
@@ -578,7 +555,7 @@ class Engine:
         for s in self.slots:
             if s.task is not None:
                 s.task.emit(TaskError(500, message))
-                s.task = None
+                s.release()
         while self.waiting:
             self.waiting.popleft().emit(TaskError(503, message))
         while True:
@@ -597,18 +574,34 @@ class Engine:
     # ---- integrity ----------------------------------------------------------------
 
     def check_integrity(self) -> list[str]:
-        """Every slot's token count matches its KV positions; returns problems found."""
-        problems = []
-        for s in self.slots:
-            if s.pending:
-                continue
-            pmax = self.b.seq_pos_max(s.id)
-            if pmax != len(s.tokens) - 1:
-                problems.append(f"slot {s.id}: {len(s.tokens)} tokens but pos_max {pmax}")
-            for c in s.checkpoints:
-                if c.n_tokens > len(s.tokens):
-                    problems.append(f"slot {s.id}: checkpoint at {c.n_tokens} beyond its tokens")
-        return problems
+        """The slot store's invariant (tokens == KV) for every slot; returns problems."""
+        return self.store.check_integrity()
+
+
+def _result_of(
+    slot_id: int, run: SlotRun, reason: FinishReason, stop_word: str, error: str, now: float
+) -> TaskResult:
+    """The TaskResult of a run ending now: its text, tokens and token accounting."""
+    t_first = run.t_first or now
+    timings = Timings(
+        cache_n=run.n_cached,
+        prompt_n=run.n_processed,
+        prompt_ms=(t_first - run.t_start) * 1e3,
+        predicted_n=run.n_decoded,
+        predicted_ms=(now - t_first) * 1e3 if run.t_first else 0.0,
+    )
+    return TaskResult(
+        id_slot=slot_id,
+        finish=reason,
+        text="".join(run.out_text),
+        tokens=list(run.generated),
+        n_prompt=run.n_prompt,
+        timings=timings,
+        stop_word=stop_word,
+        error=error,
+        t_queue_ms=(run.t_start - run.task.t_enqueued) * 1e3,
+        logprobs=run.logprobs,
+    )
 
 
 def _deliver_all(items: list) -> None:

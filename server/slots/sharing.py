@@ -16,15 +16,14 @@ cancelled, failed) takes what it can and computes the rest itself.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from .policy import lcp, window_intact
+from ..types import lcp
 from .slot import Slot, SlotState
+from .stats import EngineStats
+from .store import SlotStore
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
-log = logging.getLogger("server.engine.sharing")
+log = logging.getLogger("server.slots.sharing")
 
 
 class Source(NamedTuple):
@@ -33,8 +32,9 @@ class Source(NamedTuple):
 
 
 class PrefixSharing:
-    def __init__(self, engine: Engine, enabled: bool, min_wait: int) -> None:
-        self.e = engine
+    def __init__(self, store: SlotStore, stats: EngineStats, enabled: bool, min_wait: int) -> None:
+        self.store = store
+        self.stats = stats
         self.enabled = enabled
         self.min_wait = min_wait  # least gain worth waiting for (--prefix-share-min)
 
@@ -44,14 +44,14 @@ class PrefixSharing:
             return None
         cap = len(prompt) - 1  # the last prompt token is always evaluated by its own slot
         best: Source | None = None
-        for s in self.e.slots:
+        for s in self.store.slots:
             if s is dst or not s.tokens or s.state is SlotState.WAIT or s.pending:
                 continue
             m = min(lcp(s.tokens, prompt), cap)
             if m <= (best.n_tokens if best else n_past):
                 continue
             # the source's window behind the cut must still be in memory (DESIGN §4)
-            if not window_intact(self.e.b.seq_pos_min(s.id), m, self.e.b.n_swa):
+            if not self.store.serves_cut(s, m):
                 continue
             best = Source(s.id, m)
         return best
@@ -63,7 +63,7 @@ class PrefixSharing:
             return None
         cap = len(prompt) - 1
         best: Source | None = None
-        for s in self.e.slots:
+        for s in self.store.slots:
             if s is dst or s.state is not SlotState.PREFILL or s.task is None:
                 continue
             c = min(lcp(s.task.prompt, prompt), cap)
@@ -74,55 +74,40 @@ class PrefixSharing:
         return best
 
     def copy(self, src: Slot, dst: Slot, n: int) -> int:
-        """Make ``dst`` hold ``src``'s first ``n`` tokens (cells shared, not copied)."""
-        b = self.e.b
-        b.seq_clear(dst.id)
-        b.seq_cp(src.id, dst.id, 0, n)
-        if b.seq_pos_max(dst.id) != n - 1:
-            log.warning(
-                "slot %d: seq_cp from slot %d did not give %d tokens; recomputing",
-                dst.id,
-                src.id,
-                n,
-            )
-            b.seq_clear(dst.id)
-            dst.tokens, dst.checkpoints = [], []
-            return 0
-        dst.tokens = src.tokens[:n]
-        # checkpoints are partial states of the same prefix: valid for the copy too
-        dst.checkpoints = [c for c in src.checkpoints if c.n_tokens <= n]
-        self.e.stats.prefix_shared_tokens += n
-        log.debug("slot %d: shared %d tokens from slot %d", dst.id, n, src.id)
-        return n
+        """Make ``dst`` hold ``src``'s first ``n`` tokens; returns what it holds."""
+        got = self.store.copy_prefix(src, dst, n)
+        self.stats.prefix_shared_tokens += got
+        log.debug("slot %d: shared %d of %d tokens from slot %d", dst.id, got, n, src.id)
+        return got
 
     def wait_on(self, dst: Slot, src: Source) -> None:
-        s = self.e.slots[src.slot]
+        s = self.store.slots[src.slot]
         dst.state = SlotState.WAIT
-        dst.wait_src = src.slot
-        dst.wait_task = s.task.id
-        dst.wait_target = src.n_tokens
-        s.share_marks.add(src.n_tokens)  # the source ends a chunk there
+        run = dst.run
+        run.wait_src, run.wait_task, run.wait_target = src.slot, s.task.id, src.n_tokens
+        s.run.share_marks.add(src.n_tokens)  # the source ends a chunk there
         log.debug("slot %d: waits for slot %d to reach %d tokens", dst.id, src.slot, src.n_tokens)
 
     def resolve_waiters(self) -> None:
         """Waiters whose source reached the target (or stopped) copy and start prefilling."""
-        for w in self.e.slots:
+        for w in self.store.slots:
             if w.state is not SlotState.WAIT:
                 continue
-            src = self.e.slots[w.wait_src]
+            run = w.run
+            src = self.store.slots[run.wait_src]
             computing = (
                 src.task is not None
-                and src.task.id == w.wait_task
+                and src.task.id == run.wait_task
                 and src.state is SlotState.PREFILL
             )
-            if computing and len(src.tokens) < w.wait_target:
+            if computing and len(src.tokens) < run.wait_target:
                 continue
             task = w.task
             w.state = SlotState.PREFILL
             held = self.held_source(w, task.prompt, len(w.tokens))
             if held is not None:
-                self.copy(self.e.slots[held.slot], w, held.n_tokens)
-            w.n_cached = len(w.tokens)  # what this task will not compute itself
+                self.copy(self.store.slots[held.slot], w, held.n_tokens)
+            run.n_cached = len(w.tokens)  # what this task will not compute itself
             if not computing:
                 # the source went away: wait on another computing slot, or take over
                 again = self.inflight_source(w, task.prompt, len(w.tokens))

@@ -1,10 +1,11 @@
-"""A slot: one llama sequence (seq id == slot id), what it holds, and the task it serves."""
+"""A slot: one llama sequence (seq id == slot id), what it holds, and the run it serves."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..types import Checkpoint, Task, TokenLogprob
 from .text import TextStream
@@ -18,34 +19,23 @@ class SlotState(enum.Enum):
 
 
 @dataclass
-class Slot:
-    id: int
-    n_ctx: int
-    # Invariant: the KV cache of sequence ``id`` holds exactly these tokens at positions
-    # 0..len-1 (tokens added to the batch being decoded are in ``pending`` until it succeeds).
-    tokens: list[int] = field(default_factory=list)
-    checkpoints: list[Checkpoint] = field(default_factory=list)
-    state: SlotState = SlotState.IDLE
-    task: Task | None = None
-    last_used: float = 0.0
+class SlotRun:
+    """One task's run on a slot: its accounting and generation state. A new run replaces
+    the old one whole when a task starts; the last one stays readable (``/slots``)."""
 
-    # ---- per-task accounting (reset by ``start``) ----
-    n_prompt: int = 0
-    n_cached: int = 0  # prompt tokens reused from the KV cache (cache_n)
+    task: Task
+    n_cached: int  # prompt tokens reused from the KV cache (cache_n)
     n_processed: int = 0  # prompt tokens decoded for this task (prompt_n when done)
     n_decoded: int = 0  # tokens sampled (completion tokens)
     generated: list[int] = field(default_factory=list)
     n_emitted: int = 0  # generated tokens already sent in a TextChunk
     next_token: int = -1  # sampled, not yet decoded
-    pending: list[int] = field(default_factory=list)
-    i_batch: int = -1  # output row of this step's batch, -1 when no logits are wanted
-    sampler: object | None = None
-    stream: TextStream | None = None
+    sampler: Any = None
+    stream: TextStream = field(default_factory=lambda: TextStream([]))
     logprobs: list[TokenLogprob] = field(default_factory=list)
     out_text: list[str] = field(default_factory=list)
-    t_start: float = 0.0
+    t_start: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
-    id_task: int = -1
     # prefix sharing: the slot and task this one waits on, and the prefix length it waits for
     wait_src: int = -1
     wait_task: int = -1
@@ -53,40 +43,43 @@ class Slot:
     share_marks: set[int] = field(default_factory=set)  # waiters' targets: end chunks there
 
     @property
+    def n_prompt(self) -> int:
+        return len(self.task.prompt)
+
+
+@dataclass
+class Slot:
+    id: int
+    n_ctx: int
+    # Invariant: the KV cache of sequence ``id`` holds exactly these tokens at positions
+    # 0..len-1 (tokens added to the batch being decoded are in ``pending`` until it
+    # succeeds). Only SlotStore (slots/store.py) changes ``tokens`` and ``checkpoints``.
+    tokens: list[int] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    state: SlotState = SlotState.IDLE
+    last_used: float = 0.0
+    run: SlotRun | None = None  # the current run, or the last one when idle
+    pending: list[int] = field(default_factory=list)
+    i_batch: int = -1  # output row of this step's batch, -1 when no logits are wanted
+
+    @property
     def idle(self) -> bool:
         return self.state is SlotState.IDLE
 
-    def start(self, task: Task, n_past: int) -> None:
-        self.task = task
-        self.id_task = task.id
+    @property
+    def task(self) -> Task | None:
+        """The task running on this slot; None when idle."""
+        return None if self.idle or self.run is None else self.run.task
+
+    def start(self, task: Task, n_past: int) -> SlotRun:
+        self.run = SlotRun(task, n_cached=n_past, stream=TextStream(task.gen.stop))
         self.state = SlotState.PREFILL
-        self.n_prompt = len(task.prompt)
-        self.n_cached = n_past
-        self.n_processed = 0
-        self.n_decoded = 0
-        self.generated = []
-        self.n_emitted = 0
-        self.next_token = -1
         self.pending = []
         self.i_batch = -1
-        self.stream = TextStream(task.gen.stop)
-        self.logprobs = []
-        self.out_text = []
-        self.t_start = time.perf_counter()
-        self.t_first = 0.0
-        self.wait_src = -1
-        self.wait_task = -1
-        self.wait_target = 0
-        self.share_marks = set()
+        return self.run
 
     def release(self) -> None:
-        self.task = None
         self.state = SlotState.IDLE
         self.pending = []
         self.i_batch = -1
-        self.stream = None
         self.last_used = time.perf_counter()
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        return sum(c.nbytes for c in self.checkpoints)

@@ -28,6 +28,7 @@ class EngineStats:
     tokens_predicted_seconds_total: float = 0.0
     cancelled_prompt_tokens_total: int = 0
     cancelled_predicted_tokens_total: int = 0
+    # slot files: the route counts each operation through an engine call (this thread)
     slot_saves: int = 0
     slot_restores: int = 0
     slot_file_failures: int = 0
@@ -41,10 +42,24 @@ class EngineStats:
         for fn in self.observers:
             fn(what, value)
 
-    def on_decode(self, n_tokens: int, n_busy: int, seconds: float) -> None:
+    def on_decode(self, n_busy: int, seconds: float) -> None:
         self.n_decode_total += 1
         self.n_busy_slots_total += n_busy
         self.decode_seconds_total += seconds
+
+    def on_slot_file(
+        self,
+        saves: int = 0,
+        restores: int = 0,
+        failures: int = 0,
+        bytes_written: int = 0,
+        bytes_read: int = 0,
+    ) -> None:
+        self.slot_saves += saves
+        self.slot_restores += restores
+        self.slot_file_failures += failures
+        self.slot_bytes_written += bytes_written
+        self.slot_bytes_read += bytes_read
 
     def on_step(self, seconds: float) -> None:
         self.n_steps += 1

@@ -32,7 +32,7 @@ class Collector:
 def make_engine(**kw) -> tuple[Engine, FakeBackend]:
     opts = {k: kw.pop(k) for k in list(kw) if k in EngineOptions.__dataclass_fields__}
     b = FakeBackend(**kw)
-    e = Engine(b, EngineOptions(n_parallel=b.n_seq, **opts))
+    e = Engine(b, EngineOptions(**opts))
     return e, b
 
 

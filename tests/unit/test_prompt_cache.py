@@ -130,3 +130,15 @@ def test_integrity_detects_prefix_entries():
     save(c, [1, 2, 3])
     c.entries.append(c.entries[0].__class__([1, 2], bytearray(5)))
     assert any("prefix" in p for p in c.check_integrity())
+
+
+def test_integrity_recounts_bytes_and_tokens_from_the_entries():
+    c = PromptCache(-1, 0)
+    save(c, [1, 2, 3], size=30)
+    save(c, [7, 8], size=20)
+    assert c.check_integrity() == [] and (c.nbytes, c.n_tokens) == (50, 5)
+    c.entries[0].data = bytearray(10)  # changed behind the cache's back
+    c.entries[1].tokens.append(9)
+    problems = c.check_integrity()
+    assert "bytes 50 != sum of entries 30" in problems
+    assert "tokens 5 != sum of entries 6" in problems

@@ -1,0 +1,213 @@
+"""SlotStore: the one owner of the slots' tokens and of their sequences in the KV cache.
+
+Invariant (checked by ``check_integrity``): a slot's ``tokens`` are exactly what the KV cache
+holds for its sequence, at positions 0..len-1, and its checkpoints lie within those tokens.
+Every change to a slot's tokens, checkpoints or KV goes through a method here: the
+scheduler, the RAM-cache glue, prefix sharing and the slot-file route call these methods and
+never touch a sequence themselves. Engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..types import Checkpoint, StateBuf
+from .backend_api import Backend
+from .checkpoints import CheckpointPolicy
+from .policy import window_intact
+from .slot import Slot
+
+log = logging.getLogger("server.slots.store")
+
+
+@dataclass
+class Snapshot:
+    """What a RAM-cache entry needs from a slot: its tokens, its state's size (known before
+    copying), a reader that copies the state bytes, and its checkpoints."""
+
+    tokens: list[int]
+    size: int
+    read: Callable[[], StateBuf]
+    checkpoints: list[Checkpoint]
+
+
+class SlotStore:
+    def __init__(self, backend: Backend, ckpt: CheckpointPolicy) -> None:
+        self.b = backend
+        self.ckpt = ckpt
+        self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
+
+    # ---- reading ------------------------------------------------------------------
+
+    def pos_min(self, slot: Slot) -> int:
+        """Lowest position the slot's sequence still holds (-1 when empty)."""
+        return self.b.seq_pos_min(slot.id) if slot.tokens else -1
+
+    def serves_cut(self, slot: Slot, n: int) -> bool:
+        """Whether the sequence, cut to ``n`` tokens, still holds the window that the token at
+        ``n`` attends to (always true without a sliding window)."""
+        return window_intact(self.b.seq_pos_min(slot.id), n, self.b.n_swa)
+
+    # ---- cutting and clearing -----------------------------------------------------
+
+    def cut(self, slot: Slot, n_past: int) -> int:
+        """Keep the first ``n_past`` tokens and drop the rest; returns what was kept.
+
+        With SWA or recurrent memory a removal can fail or empty the sequence; then the slot
+        is cleared and nothing is kept (never count tokens that are not in memory).
+        Checkpoints past the kept tokens go too.
+        """
+        if n_past < len(slot.tokens) or n_past == 0:
+            ok = self.b.seq_rm(slot.id, n_past, -1)
+            if n_past > 0 and (not ok or self.b.seq_pos_max(slot.id) != n_past - 1):
+                log.debug("slot %d: partial removal at %d failed; clearing", slot.id, n_past)
+                n_past = 0
+        if n_past == 0:
+            self.clear(slot)
+            return 0
+        del slot.tokens[n_past:]
+        slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
+        return n_past
+
+    def clear(self, slot: Slot) -> int:
+        """Remove the whole sequence from the KV cache, whatever the slot believes it holds;
+        returns how many tokens the slot held."""
+        n = len(slot.tokens)
+        self.b.seq_clear(slot.id)
+        slot.tokens, slot.checkpoints = [], []
+        return n
+
+    # ---- checkpoints --------------------------------------------------------------
+
+    def take_checkpoint(self, slot: Slot) -> Checkpoint:
+        """Copy the partial (window / recurrent) state of the slot as it is now."""
+        data = self.b.state_get(slot.id, partial=True)
+        c = Checkpoint(
+            len(slot.tokens), self.b.seq_pos_min(slot.id), self.b.seq_pos_max(slot.id), data
+        )
+        self.ckpt.insert(slot.checkpoints, c)
+        return c
+
+    def resume_at_checkpoint(self, slot: Slot, index: int) -> int:
+        """Restore checkpoint ``index`` and cut the slot to it; returns the tokens kept (0 when
+        the restore failed and the slot was cleared)."""
+        c = slot.checkpoints[index]
+        if self.b.state_set(slot.id, c.data, partial=True) == 0:
+            log.warning("slot %d: checkpoint restore failed; reprocessing", slot.id)
+            return self.cut(slot, 0)
+        return self.cut(slot, c.n_tokens)
+
+    # ---- decoding -----------------------------------------------------------------
+
+    def commit(self, slot: Slot) -> int:
+        """The batch holding the slot's pending tokens was decoded: they are in the KV cache
+        now. Returns how many were added."""
+        n = len(slot.pending)
+        slot.tokens.extend(slot.pending)
+        slot.pending = []
+        return n
+
+    def rollback(self, slot: Slot) -> None:
+        """A failed decode may leave some ubatches in memory: cut back to the committed
+        tokens."""
+        if slot.pending:
+            self.b.seq_rm(slot.id, len(slot.tokens), -1)
+        slot.pending, slot.i_batch = [], -1
+
+    # ---- sharing, snapshots, restores ---------------------------------------------
+
+    def copy_prefix(self, src: Slot, dst: Slot, n: int) -> int:
+        """Make ``dst`` hold ``src``'s first ``n`` tokens (unified KV: cells are shared, not
+        copied). Returns the tokens ``dst`` holds: ``n``, or 0 when the copy failed."""
+        self.clear(dst)
+        self.b.seq_cp(src.id, dst.id, 0, n)
+        if self.b.seq_pos_max(dst.id) != n - 1:
+            log.warning("slot %d: seq_cp from slot %d did not give %d tokens", dst.id, src.id, n)
+            self.clear(dst)
+            return 0
+        dst.tokens = src.tokens[:n]
+        # checkpoints are partial states of the same prefix: valid for the copy too
+        dst.checkpoints = [c for c in src.checkpoints if c.n_tokens <= n]
+        return n
+
+    def snapshot(self, slot: Slot) -> Snapshot:
+        """The slot's whole state for the RAM cache (the slot keeps it too). Every checkpoint
+        goes along: a restored state holds only its last window (see checkpoints.py)."""
+        size = self.b.state_size(slot.id)
+        return Snapshot(
+            list(slot.tokens),
+            size,
+            lambda: self.b.state_get(slot.id, size=size),
+            list(slot.checkpoints),
+        )
+
+    def save_file(self, slot: Slot, path: str) -> list[Checkpoint] | None:
+        """llama.cpp writes the slot's state file body straight from the KV cache; returns
+        the checkpoints for the appendix, or None when llama.cpp could not write."""
+        if self.b.state_save_file(path, slot.id, slot.tokens) == 0:
+            return None
+        return list(slot.checkpoints)
+
+    def restore(
+        self,
+        slot: Slot,
+        data: StateBuf,
+        tokens: list[int],
+        checkpoints: list[Checkpoint],
+        *,
+        nbytes: int | None = None,
+        whole: bool = True,
+    ) -> int:
+        """Load a sequence state into the slot with the tokens it describes.
+
+        The state must prove it matches: it is consumed (whole, with ``whole``) and its
+        positions run exactly 0..len(tokens)-1. Otherwise the slot is cleared and 0 returned.
+        Returns the bytes consumed; the slot takes ``tokens`` and ``checkpoints`` as they are.
+        """
+        size = len(data) if nbytes is None else nbytes
+        self.clear(slot)
+        consumed = self.b.state_set(slot.id, data, nbytes=nbytes)
+        fits = consumed > 0 and (consumed == size or not whole)
+        if not fits or not self._positions_match(slot, len(tokens)):
+            self.clear(slot)
+            return 0
+        slot.tokens = tokens
+        slot.checkpoints = [c for c in checkpoints if c.n_tokens <= len(tokens)]
+        return consumed
+
+    def set_checkpoints(self, slot: Slot, checkpoints: list[Checkpoint]) -> None:
+        """Give a restored slot the checkpoints that came with its state (those within its
+        tokens)."""
+        slot.checkpoints = [c for c in checkpoints if c.n_tokens <= len(slot.tokens)]
+
+    def _positions_match(self, slot: Slot, n: int) -> bool:
+        """The restored sequence ends at position n-1 and holds what a cut at n needs: from 0
+        without a window, the last window with one (a saved state holds no more)."""
+        pos_min, pos_max = self.b.seq_pos_min(slot.id), self.b.seq_pos_max(slot.id)
+        if pos_max != n - 1:
+            return False
+        if n == 0 or self.b.is_recurrent:
+            return True
+        if self.b.n_swa <= 0:
+            return pos_min == 0
+        return pos_min >= 0 and window_intact(pos_min, n, self.b.n_swa)
+
+    # ---- integrity ----------------------------------------------------------------
+
+    def check_integrity(self) -> list[str]:
+        """Every settled slot's token count matches its KV positions; returns problems."""
+        problems = []
+        for s in self.slots:
+            if s.pending:
+                continue
+            pmax = self.b.seq_pos_max(s.id)
+            if pmax != len(s.tokens) - 1:
+                problems.append(f"slot {s.id}: {len(s.tokens)} tokens but pos_max {pmax}")
+            if not s.tokens and self.b.seq_pos_min(s.id) != -1:
+                problems.append(f"slot {s.id}: no tokens but cells from {self.b.seq_pos_min(s.id)}")
+            for c in s.checkpoints:
+                if c.n_tokens > len(s.tokens):
+                    problems.append(f"slot {s.id}: checkpoint at {c.n_tokens} beyond its tokens")
+        return problems
