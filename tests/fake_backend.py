@@ -64,6 +64,7 @@ class FakeBackend:
         n_batch: int = 512,
         n_ubatch: int = 128,
         n_swa: int = 0,
+        swa_slack: int = 16,
         kv_unified: bool = True,
         n_vocab: int = 1000,
     ) -> None:
@@ -74,6 +75,10 @@ class FakeBackend:
         self.n_batch = n_batch
         self.n_ubatch = n_ubatch
         self.n_swa = n_swa
+        # window cells kept beyond what the next token sees: llama.cpp reuses masked cells
+        # only when it needs room, so a live sequence holds anywhere from none (-1 here) to
+        # many more
+        self.swa_slack = swa_slack
         self.n_vocab = n_vocab
         self.is_recurrent = False
         self.batch = FakeBatch(n_batch)
@@ -128,7 +133,7 @@ class FakeBackend:
             for s in {r[0] for r in rows}:
                 top = max(self.kv[s])
                 # like llama.cpp's SWA cache: cells further back than the window are pruned
-                for p in [p for p in self.kv[s] if p <= top - self.n_swa - 16]:
+                for p in [p for p in self.kv[s] if p <= top - self.n_swa - self.swa_slack]:
                     del self.kv[s][p]
         return 0
 

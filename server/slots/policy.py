@@ -89,14 +89,18 @@ class ReusePlan:
 
 
 def window_intact(pos_min: int, n_past: int, n_swa: int) -> bool:
-    """True when the sequence still holds every position a token at ``n_past`` attends to.
+    """True when the sequence still holds every position the token at ``n_past`` attends to.
 
-    With a sliding window of ``n_swa`` the token at position p sees keys in (p - n_swa, p];
-    cells below ``pos_min`` are gone, so the cut is usable iff pos_min <= max(0, n_past - n_swa).
+    llama.cpp masks key p0 for query p1 when p1 - p0 >= n_swa (is_masked_swa), so the token
+    at ``n_past`` sees keys n_past - n_swa + 1 .. n_past; cells below ``pos_min`` are gone.
+    The cut is usable iff pos_min <= max(0, n_past - n_swa + 1). This bound is tight on
+    purpose: a live sequence under cache pressure, and so a state saved from it, holds only
+    the cells its next token sees (positions >= len - n_swa + 1), and such a state must
+    serve a cut at its own length.
     """
     if n_swa <= 0:
         return True
-    return pos_min <= max(0, n_past - n_swa)
+    return pos_min <= max(0, n_past - n_swa + 1)
 
 
 def plan_reuse(

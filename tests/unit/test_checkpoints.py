@@ -104,12 +104,12 @@ def test_restored_state_holds_only_the_last_window():
     assert live_min < 900 and b.seq_pos_min(0) == 1000 - 100 and b.seq_pos_max(0) == 999
 
 
-def _evicted_conversation(max_tokens: int = 8):
+def _evicted_conversation(max_tokens: int = 8, **kw):
     """A 1,000-token conversation (window 100) pushed out of the only slot into the RAM
     cache by another prompt; returns the engine, its prompt and what the slot held."""
     from server.cache.prompt_cache import PromptCache
 
-    e, b = swa_engine(n_seq=1)
+    e, b = swa_engine(n_seq=1, **kw)
     e.cache = PromptCache(-1, 0)
     e.opts.cache_idle_slots = False
     prompt = list(range(1, 1001))
@@ -141,6 +141,21 @@ def test_follow_up_after_ram_load_extending_the_whole_state_reuses_all_of_it():
     run(e, t)
     assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (len(held), 3)
     assert e.stats.checkpoints_restored == 0
+
+
+def test_state_saved_under_cache_pressure_serves_a_cut_at_its_length():
+    # llama.cpp reuses window cells the next token no longer sees when it needs room: the
+    # saved state then starts at len - n_swa + 1, which is exactly what the next token needs
+    e, prompt, held = _evicted_conversation(swa_slack=-1)
+    t, c = task(held + [5, 6, 7], max_tokens=2)
+    run(e, t)
+    assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (len(held), 3)
+    # the state went through a second save and restore: still served whole
+    run(e, task([900 + i % 50 for i in range(300)], max_tokens=2)[0])
+    held2 = next(list(x.tokens) for x in e.cache.entries if x.tokens[:3] == held[:3])
+    t, c = task(held2 + [4], max_tokens=2)
+    run(e, t)
+    assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (len(held2), 1)
 
 
 def test_same_prompt_after_ram_load_resumes_at_the_checkpoint_before_its_end():

@@ -70,8 +70,9 @@ def test_plan_cache_prompt_off():
 
 def test_window_intact_rule():
     assert window_intact(0, 100, 512)
-    assert window_intact(488, 1000, 512)
-    assert not window_intact(489, 1000, 512)
+    # the token at 1000 sees keys 489..1000 (llama.cpp masks p1 - p0 >= n_swa)
+    assert window_intact(489, 1000, 512)
+    assert not window_intact(490, 1000, 512)
     assert window_intact(900, 1000, 0)
 
 
