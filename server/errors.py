@@ -1,4 +1,7 @@
-"""OpenAI-shaped errors: {"error": {"code", "message", "type"}} with the matching HTTP status."""
+"""OpenAI-shaped errors: {"error": {"code", "message", "type"}} with the matching HTTP status.
+
+``error_body`` builds every error body the server sends: exception handlers here, the
+middlewares' 401 and 413, and the error events of streams."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("server.errors")
 
+# OpenAI's error type for a status, where the raiser names none.
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -25,43 +29,54 @@ TYPES = {
 }
 
 
+def error_type(status: int, type: str | None = None) -> str:
+    """``type`` if given, else the one OpenAI uses for ``status``."""
+    return type or TYPES.get(status, "server_error")
+
+
 class APIError(Exception):
+    """A request fails with ``status``: raised anywhere below a route, answered with
+    ``error_body`` by the handler ``install`` registers. ``extra`` fields join the error
+    object (e.g. ``n_ctx``); ``headers`` join the response (e.g. ``Retry-After``)."""
+
     def __init__(
         self,
         status: int,
         message: str,
         type: str | None = None,
-        headers: dict | None = None,
+        headers: dict[str, str] | None = None,
         **extra: Any,
     ) -> None:
         super().__init__(message)
         self.headers = headers
         self.status = status
         self.message = message
-        self.type = type or TYPES.get(status, "server_error")
+        self.type = error_type(status, type)
         self.extra = extra
 
 
 def error_body(status: int, message: str, type: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The one OpenAI-shaped error body: ``{"error": {code, message, type, **extra}}``."""
     return {
-        "error": {
-            "code": status,
-            "message": message,
-            "type": type or TYPES.get(status, "server_error"),
-            **extra,
-        }
+        "error": {"code": status, "message": message, "type": error_type(status, type), **extra}
     }
 
 
 def error_response(
-    status: int, message: str, type: str | None = None, headers: dict | None = None, **extra: Any
+    status: int,
+    message: str,
+    type: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
 ) -> JSONResponse:
+    """``error_body`` as a JSON response with ``status``."""
     return JSONResponse(
         error_body(status, message, type, **extra), status_code=status, headers=headers
     )
 
 
 def _describe(errors: list[dict[str, Any]]) -> str:
+    """Pydantic's validation errors as one line: ``field: problem; ...`` (the first five)."""
     parts = []
     for e in errors[:5]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
@@ -72,6 +87,9 @@ def _describe(errors: list[dict[str, Any]]) -> str:
 
 
 def install(app: FastAPI) -> None:
+    """Answer every failure with ``error_body``: APIError, invalid bodies (400, not FastAPI's
+    422), Starlette's HTTP errors (404, 405) and, as 500, anything unhandled."""
+
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.type, headers=exc.headers, **exc.extra)

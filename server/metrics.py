@@ -13,11 +13,200 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+# The endpoint labels of llamaslot_requests_total. Any other path counts as "other": a label
+# per path a client sends would let scanners grow the metric without bound.
+KNOWN = {
+    "/v1/completions",
+    "/completions",
+    "/v1/chat/completions",
+    "/chat/completions",
+    "/completion",
+    "/tokenize",
+    "/debug/integrity",
+    "/detokenize",
+    "/health",
+    "/v1/health",
+    "/props",
+    "/slots",
+    "/metrics",
+    "/cache",
+    "/v1/models",
+    "/models",
+}
+
+
+def endpoint_label(path: str) -> str:
+    """The endpoint label a request path counts under: itself if known, ``/slots/{id}`` for
+    any slot action, else ``other``."""
+    if path.startswith("/slots/"):
+        return "/slots/{id}"
+    return path if path in KNOWN else "other"
+
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _llamacpp(engine: Any, slots: list[Any]) -> Iterator[Metric]:
+    """llama-server's metrics, with its names and meanings (dashboards built for it work)."""
+    st = engine.stats
+    yield _counter(
+        "llamacpp:prompt_tokens",
+        "Number of prompt tokens processed, excluding cached tokens",
+        st.prompt_tokens_total,
+    )
+    yield _counter(
+        "llamacpp:prompt_tokens_cached",
+        "Number of prompt tokens reused from the cache",
+        st.prompt_tokens_cached_total,
+    )
+    yield _counter(
+        "llamacpp:prompt_seconds",
+        "Total time spent processing prompts",
+        st.prompt_seconds_total,
+    )
+    yield _counter(
+        "llamacpp:tokens_predicted",
+        "Number of generation tokens processed",
+        st.tokens_predicted_total,
+    )
+    yield _counter(
+        "llamacpp:tokens_predicted_seconds",
+        "Total time spent generating tokens",
+        st.tokens_predicted_seconds_total,
+    )
+    yield _counter("llamacpp:n_decode", "Total number of llama_decode() calls", st.n_decode_total)
+    yield _gauge(
+        "llamacpp:n_tokens_max",
+        "Largest observed sequence length (prompt + generation)",
+        st.n_tokens_max,
+    )
+    pps = st.prompt_tokens_total / st.prompt_seconds_total if st.prompt_seconds_total > 0 else 0.0
+    dps = (
+        st.tokens_predicted_total / st.tokens_predicted_seconds_total
+        if st.tokens_predicted_seconds_total > 0
+        else 0.0
+    )
+    yield _gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s", pps)
+    yield _gauge(
+        "llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s", dps
+    )
+    yield _gauge(
+        "llamacpp:requests_processing",
+        "Number of requests processing",
+        sum(1 for s in slots if s.task is not None),
+    )
+    yield _gauge("llamacpp:requests_deferred", "Number of requests deferred", len(engine.waiting))
+    yield _gauge(
+        "llamacpp:n_busy_slots_per_decode",
+        "Average number of busy slots per llama_decode() call",
+        st.n_busy_slots_total / max(1, st.n_decode_total),
+    )
+
+
+def _beyond(st: Any) -> Iterator[Metric]:
+    """Engine counters llama-server lacks: cancellations, checkpoints, slot files, sharing."""
+    yield _counter(
+        "llamaslot_cancelled_prompt_tokens",
+        "Prompt tokens processed for requests that were cancelled or failed "
+        "(not in llamacpp:prompt_tokens_total)",
+        st.cancelled_prompt_tokens_total,
+    )
+    yield _counter(
+        "llamaslot_cancelled_predicted_tokens",
+        "Tokens generated for requests that were cancelled or failed",
+        st.cancelled_predicted_tokens_total,
+    )
+    yield _counter(
+        "llamaslot_checkpoints_created", "Context checkpoints created", st.checkpoints_created
+    )
+    yield _counter(
+        "llamaslot_checkpoints_restored",
+        "Context checkpoints restored",
+        st.checkpoints_restored,
+    )
+    yield _counter(
+        "llamaslot_decode_seconds", "Time spent inside llama_decode", st.decode_seconds_total
+    )
+    yield _counter(
+        "llamaslot_engine_step_seconds",
+        "Time spent in engine steps that decoded",
+        st.step_seconds_total,
+    )
+    yield _counter("llamaslot_slot_files_saved", "Slot files saved", st.slot_saves)
+    yield _counter("llamaslot_slot_files_restored", "Slot files restored", st.slot_restores)
+    yield _counter(
+        "llamaslot_slot_file_failures",
+        "Slot file saves or restores that failed",
+        st.slot_file_failures,
+    )
+    yield _counter(
+        "llamaslot_slot_file_bytes_written",
+        "Bytes written to slot files",
+        st.slot_bytes_written,
+    )
+    yield _counter(
+        "llamaslot_slot_file_bytes_read", "Bytes read from slot files", st.slot_bytes_read
+    )
+    yield _counter(
+        "llamaslot_prefix_shared_tokens",
+        "Prompt tokens shared from another sequence by seq_cp",
+        st.prefix_shared_tokens,
+    )
+
+
+def _per_slot(slots: list[Any]) -> Iterator[Metric]:
+    """Per-slot gauges, labelled by slot id."""
+    busy = GaugeMetricFamily(
+        "llamaslot_slot_busy", "1 while the slot serves a request", labels=["slot"]
+    )
+    held = GaugeMetricFamily(
+        "llamaslot_slot_tokens", "Tokens held in the slot's KV cache", labels=["slot"]
+    )
+    for s in slots:
+        busy.add_metric([str(s.id)], 1.0 if s.task is not None else 0.0)
+        held.add_metric([str(s.id)], len(s.tokens))
+    yield busy
+    yield held
+
+
+def _cache(cache: Any) -> Iterator[Metric]:
+    """The RAM prompt cache's size, limits and counters."""
+    c = cache.counters
+    yield _gauge("llamaslot_cache_bytes", "RAM prompt cache size in bytes", cache.nbytes)
+    yield _gauge("llamaslot_cache_tokens", "Tokens held in the RAM prompt cache", cache.n_tokens)
+    yield _gauge("llamaslot_cache_entries", "Entries in the RAM prompt cache", len(cache.entries))
+    yield _gauge(
+        "llamaslot_cache_limit_bytes",
+        "RAM prompt cache byte limit (-1: none)",
+        cache.limit_bytes,
+    )
+    yield _counter("llamaslot_cache_saves", "Slot states saved into the RAM cache", c.saves)
+    yield _counter("llamaslot_cache_loads", "Cache hits: entries restored into a slot", c.loads)
+    yield _counter(
+        "llamaslot_cache_misses",
+        "Lookups that found nothing better than the slot",
+        c.misses,
+    )
+    yield _counter("llamaslot_cache_evictions", "Entries evicted from the RAM cache", c.evictions)
+    yield _counter(
+        "llamaslot_cache_restored_bytes",
+        "Bytes restored from the RAM cache",
+        c.bytes_restored,
+    )
+
+
 class _EngineCollector:
+    """Reads the engine's counters at each scrape (nothing before the engine exists)."""
+
     def __init__(self, state: Any) -> None:
         self.state = state
 
@@ -25,170 +214,19 @@ class _EngineCollector:
         engine = self.state.engine
         if engine is None:
             return
-        st = engine.stats
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
-
-        # ---- llama-server's names and meanings ----
-        yield counter(
-            "llamacpp:prompt_tokens",
-            "Number of prompt tokens processed, excluding cached tokens",
-            st.prompt_tokens_total,
-        )
-        yield counter(
-            "llamacpp:prompt_tokens_cached",
-            "Number of prompt tokens reused from the cache",
-            st.prompt_tokens_cached_total,
-        )
-        yield counter(
-            "llamacpp:prompt_seconds",
-            "Total time spent processing prompts",
-            st.prompt_seconds_total,
-        )
-        yield counter(
-            "llamacpp:tokens_predicted",
-            "Number of generation tokens processed",
-            st.tokens_predicted_total,
-        )
-        yield counter(
-            "llamacpp:tokens_predicted_seconds",
-            "Total time spent generating tokens",
-            st.tokens_predicted_seconds_total,
-        )
-        yield counter(
-            "llamacpp:n_decode", "Total number of llama_decode() calls", st.n_decode_total
-        )
-        yield gauge(
-            "llamacpp:n_tokens_max",
-            "Largest observed sequence length (prompt + generation)",
-            st.n_tokens_max,
-        )
-        pps = (
-            st.prompt_tokens_total / st.prompt_seconds_total if st.prompt_seconds_total > 0 else 0.0
-        )
-        dps = (
-            st.tokens_predicted_total / st.tokens_predicted_seconds_total
-            if st.tokens_predicted_seconds_total > 0
-            else 0.0
-        )
-        yield gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s", pps)
-        yield gauge(
-            "llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s", dps
-        )
+        # One snapshot of the slot list for every per-slot figure of this scrape.
         slots = list(engine.slots)
-        yield gauge(
-            "llamacpp:requests_processing",
-            "Number of requests processing",
-            sum(1 for s in slots if s.task is not None),
-        )
-        yield gauge(
-            "llamacpp:requests_deferred", "Number of requests deferred", len(engine.waiting)
-        )
-        yield gauge(
-            "llamacpp:n_busy_slots_per_decode",
-            "Average number of busy slots per llama_decode() call",
-            st.n_busy_slots_total / max(1, st.n_decode_total),
-        )
-
-        # ---- beyond llama-server ----
-        yield counter(
-            "llamaslot_cancelled_prompt_tokens",
-            "Prompt tokens processed for requests that were cancelled or failed "
-            "(not in llamacpp:prompt_tokens_total)",
-            st.cancelled_prompt_tokens_total,
-        )
-        yield counter(
-            "llamaslot_cancelled_predicted_tokens",
-            "Tokens generated for requests that were cancelled or failed",
-            st.cancelled_predicted_tokens_total,
-        )
-        yield counter(
-            "llamaslot_checkpoints_created", "Context checkpoints created", st.checkpoints_created
-        )
-        yield counter(
-            "llamaslot_checkpoints_restored",
-            "Context checkpoints restored",
-            st.checkpoints_restored,
-        )
-        yield counter(
-            "llamaslot_decode_seconds", "Time spent inside llama_decode", st.decode_seconds_total
-        )
-        yield counter(
-            "llamaslot_engine_step_seconds",
-            "Time spent in engine steps that decoded",
-            st.step_seconds_total,
-        )
-        yield counter("llamaslot_slot_files_saved", "Slot files saved", st.slot_saves)
-        yield counter("llamaslot_slot_files_restored", "Slot files restored", st.slot_restores)
-        yield counter(
-            "llamaslot_slot_file_failures",
-            "Slot file saves or restores that failed",
-            st.slot_file_failures,
-        )
-        yield counter(
-            "llamaslot_slot_file_bytes_written",
-            "Bytes written to slot files",
-            st.slot_bytes_written,
-        )
-        yield counter(
-            "llamaslot_slot_file_bytes_read", "Bytes read from slot files", st.slot_bytes_read
-        )
-        yield counter(
-            "llamaslot_prefix_shared_tokens",
-            "Prompt tokens shared from another sequence by seq_cp",
-            st.prefix_shared_tokens,
-        )
-        busy = GaugeMetricFamily(
-            "llamaslot_slot_busy", "1 while the slot serves a request", labels=["slot"]
-        )
-        held = GaugeMetricFamily(
-            "llamaslot_slot_tokens", "Tokens held in the slot's KV cache", labels=["slot"]
-        )
-        for s in slots:
-            busy.add_metric([str(s.id)], 1.0 if s.task is not None else 0.0)
-            held.add_metric([str(s.id)], len(s.tokens))
-        yield busy
-        yield held
-
-        cache = engine.cache
-        if cache is not None:
-            c = cache.counters
-            yield gauge("llamaslot_cache_bytes", "RAM prompt cache size in bytes", cache.nbytes)
-            yield gauge(
-                "llamaslot_cache_tokens", "Tokens held in the RAM prompt cache", cache.n_tokens
-            )
-            yield gauge(
-                "llamaslot_cache_entries", "Entries in the RAM prompt cache", len(cache.entries)
-            )
-            yield gauge(
-                "llamaslot_cache_limit_bytes",
-                "RAM prompt cache byte limit (-1: none)",
-                cache.limit_bytes,
-            )
-            yield counter("llamaslot_cache_saves", "Slot states saved into the RAM cache", c.saves)
-            yield counter(
-                "llamaslot_cache_loads", "Cache hits: entries restored into a slot", c.loads
-            )
-            yield counter(
-                "llamaslot_cache_misses",
-                "Lookups that found nothing better than the slot",
-                c.misses,
-            )
-            yield counter(
-                "llamaslot_cache_evictions", "Entries evicted from the RAM cache", c.evictions
-            )
-            yield counter(
-                "llamaslot_cache_restored_bytes",
-                "Bytes restored from the RAM cache",
-                c.bytes_restored,
-            )
+        yield from _llamacpp(engine, slots)
+        yield from _beyond(engine.stats)
+        yield from _per_slot(slots)
+        if engine.cache is not None:
+            yield from _cache(engine.cache)
 
 
 class ServerMetrics:
+    """The server's registry: the engine collector plus latency and token histograms that
+    the engine's observer feeds, and the request counter the middleware feeds."""
+
     def __init__(self, state: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(state))
@@ -235,8 +273,10 @@ class ServerMetrics:
             self.tokens.observe(value)
 
     def count_request(self, endpoint: str, status: int) -> None:
+        """Count a finished request under ``endpoint`` (see ``endpoint_label``) by status class."""
         outcome = "ok" if status < 400 else ("client_error" if status < 500 else "server_error")
         self.requests.labels(endpoint, outcome).inc()
 
     def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
         return generate_latest(self.registry)

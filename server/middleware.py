@@ -1,4 +1,6 @@
-"""Pure ASGI middlewares (they keep streaming responses and disconnect detection intact)."""
+"""Pure ASGI middlewares (they keep streaming responses and disconnect detection intact).
+
+They sit below the routes: they import nothing from ``server.routes``."""
 
 from __future__ import annotations
 
@@ -6,12 +8,21 @@ import hmac
 import json
 from typing import Any
 
-from .routes.metrics import KNOWN
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .errors import error_body
+from .metrics import ServerMetrics, endpoint_label
+
+# Load balancers probe these without credentials.
 PUBLIC_PATHS = {"/health", "/v1/health"}
 
+Headers = list[tuple[bytes, bytes]]
 
-async def send_json(send: Any, status: int, body: dict, headers: list | None = None) -> None:
+
+async def send_json(
+    send: Send, status: int, body: dict[str, Any], headers: Headers | None = None
+) -> None:
+    """Answer with ``body`` as JSON without calling the app."""
     data = json.dumps(body).encode()
     await send(
         {
@@ -27,7 +38,8 @@ async def send_json(send: Any, status: int, body: dict, headers: list | None = N
     await send({"type": "http.response.body", "body": data})
 
 
-def _header(scope: dict, name: bytes) -> bytes | None:
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case, as ASGI gives them), or None."""
     for k, v in scope.get("headers", []):
         if k == name:
             return v
@@ -41,17 +53,19 @@ class ApiKeyAuth:
     CORS preflights (OPTIONS) are answered by the CORS layer outside this one.
     """
 
-    def __init__(self, app: Any, keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys if k]
 
     def _valid(self, given: bytes) -> bool:
+        """Whether ``given`` is a configured key; the time taken does not say which or how
+        close (every key is compared, each in constant time)."""
         ok = False
         for k in self.keys:
             ok |= hmac.compare_digest(given, k)
         return ok
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
             or not self.keys
@@ -70,31 +84,22 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         await send_json(
-            send,
-            401,
-            {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},
-            [(b"www-authenticate", b"Bearer")],
+            send, 401, error_body(401, "Invalid API Key"), [(b"www-authenticate", b"Bearer")]
         )
 
 
 class BodyLimit:
     """Bodies over the limit get 413 before the app sees them (chunked bodies included)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        too_big = {
-            "error": {
-                "code": 413,
-                "message": f"request body exceeds {self.max_bytes} bytes",
-                "type": "invalid_request_error",
-            }
-        }
+        too_big = error_body(413, f"request body exceeds {self.max_bytes} bytes")
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await send_json(send, 413, too_big)
@@ -113,9 +118,11 @@ class BodyLimit:
             chunks.append(body)
             if not msg.get("more_body"):
                 break
+        # The app reads the body again: hand it over whole, then pass on what follows
+        # (the disconnect that streaming responses wait for).
         replayed = False
 
-        async def replay() -> dict:
+        async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
@@ -129,10 +136,10 @@ class JsonBody:
     """Read POST bodies as JSON whatever Content-Type says, as llama-server does
     (``curl -d`` sends application/x-www-form-urlencoded)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") == "POST":
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
             ctype = next((v for k, v in scope.get("headers", []) if k == b"content-type"), b"")
@@ -144,21 +151,18 @@ class JsonBody:
 class RequestCounter:
     """Counts requests by endpoint and outcome (status class)."""
 
-    def __init__(self, app: Any, metrics: Any) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        if path.startswith("/slots/"):
-            path = "/slots/{id}"
-        endpoint = path if path in KNOWN or path == "/slots/{id}" else "other"
-        status = 500
+        endpoint = endpoint_label(scope.get("path", ""))
+        status = 500  # what counts if the app fails before it starts a response
 
-        async def send_wrapper(message: dict) -> None:
+        async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]

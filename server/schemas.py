@@ -14,15 +14,22 @@ MAX_BIAS = 1024
 
 
 class _Req(BaseModel):
+    """Base of every request body."""
+
     # Unknown fields are ignored, as OpenAI-compatible servers do.
     model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Req):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with ``usage``."""
+
     include_usage: bool = False
 
 
 class SamplingFields(_Req):
+    """Fields every generating endpoint takes: sampler settings, stop strings, slot choice,
+    prompt caching and a per-request timeout (``service.submit`` reads them)."""
+
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
@@ -62,6 +69,8 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    """/v1/completions. ``max_tokens`` wins over llama-server's ``n_predict``."""
+
     model: str | None = None
     prompt: Prompt
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
@@ -75,17 +84,23 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(_Req):
+    """A chat content part; only ``text`` parts are served (others are a 400)."""
+
     type: str
     text: str | None = None
 
 
 class Message(_Req):
+    """A chat message; the role is checked against the template's roles when rendering."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class ChatRequest(SamplingFields):
+    """/v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``."""
+
     model: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
@@ -99,6 +114,8 @@ class ChatRequest(SamplingFields):
 
 
 class NativeCompletionRequest(SamplingFields):
+    """llama-server's /completion. ``max_tokens`` wins over ``n_predict``."""
+
     prompt: str | list[int]
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
@@ -106,6 +123,8 @@ class NativeCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Req):
+    """/tokenize (llama-server's defaults: no BOS, special tokens parsed)."""
+
     content: str
     add_special: bool = False
     parse_special: bool = True
@@ -113,10 +132,14 @@ class TokenizeRequest(_Req):
 
 
 class DetokenizeRequest(_Req):
+    """/detokenize."""
+
     tokens: list[int]
 
 
 class SlotActionBody(_Req):
+    """The body of /slots/{id}?action=save|restore: a file name within --slot-save-path."""
+
     filename: str
 
 

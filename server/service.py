@@ -1,13 +1,17 @@
-"""Glue between HTTP handlers and the engine: state, task submission, event streams."""
+"""Glue between HTTP handlers and the engine: state, task submission, event streams.
+
+Every generating endpoint goes through ``submit``: it tokenizes off the event loop, checks the
+prompts, builds the sampler and generation settings and hands the tasks to the engine. An
+endpoint describes only what is its own in a ``Submission``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .chat import ChatTemplate
 from .config import Settings
@@ -30,6 +34,11 @@ log = logging.getLogger("server.service")
 
 @dataclass
 class ServerState:
+    """What the routes share: settings, and once loaded the model, engine and chat template.
+
+    ``loading`` is true until the loader thread finished, successfully or not; on failure
+    ``load_error`` says why and ``engine`` stays None."""
+
     settings: Settings
     backend: Any = None
     engine: Engine | None = None
@@ -42,6 +51,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
     def require_engine(self) -> Engine:
+        """The running engine, or an APIError 503 saying why there is none."""
         if self.loading:
             raise APIError(503, "Loading model", "unavailable_error")
         if self.engine is None or not self.engine.alive:
@@ -54,6 +64,8 @@ class ServerState:
 
 
 def sampling_from(req: SamplingFields, backend: Any) -> SamplingParams:
+    """The request's sampler settings over llama-server's defaults; APIError 400 for a top_k
+    above the vocabulary or a bad logit_bias."""
     p = SamplingParams()
     for name in (
         "temperature",
@@ -77,6 +89,7 @@ def sampling_from(req: SamplingFields, backend: Any) -> SamplingParams:
 
 
 def _logit_bias(raw: dict[str, float] | list[list[Any]], backend: Any) -> dict[int, float]:
+    """``{"id": bias}`` or ``[[id, bias], ...]`` (``false`` bans the token) as token -> bias."""
     items = raw.items() if isinstance(raw, dict) else [(x[0], x[1]) for x in raw if len(x) == 2]
     out: dict[int, float] = {}
     for k, v in items:
@@ -101,12 +114,14 @@ def _logit_bias(raw: dict[str, float] | list[list[Any]], backend: Any) -> dict[i
 
 
 def stops_from(req: SamplingFields) -> list[str]:
+    """``stop`` as a list (a single string is one stop string)."""
     if req.stop is None:
         return []
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
 def check_tokens(tokens: list[int], backend: Any) -> None:
+    """APIError 400 unless every token id is in the vocabulary (llama.cpp does not check)."""
     n = backend.n_vocab
     for t in tokens:
         if not 0 <= t < n:
@@ -114,6 +129,7 @@ def check_tokens(tokens: list[int], backend: Any) -> None:
 
 
 def check_fits(prompt: list[int], backend: Any) -> None:
+    """APIError 400 for an empty prompt or one that leaves no room in a slot's context."""
     if not prompt:
         raise APIError(400, "the prompt is empty")
     if len(prompt) >= backend.n_ctx_slot:
@@ -141,7 +157,8 @@ class TaskGroup:
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.tasks: list[Task] = []
 
-    def _emitter(self, index: int):
+    def _emitter(self, index: int) -> Callable[[Event], None]:
+        """The ``emit`` of the task at ``index``: thread-safe, never blocks."""
         loop, q = self.loop, self.queue
 
         def emit(ev: Event) -> None:
@@ -166,6 +183,7 @@ class TaskGroup:
         stream: bool = True,
         user_start: int = -1,
     ) -> Task:
+        """Add a task (not yet running: ``submit`` starts them all)."""
         task = Task(
             prompt=prompt,
             sampling=sampling,
@@ -180,6 +198,8 @@ class TaskGroup:
         return task
 
     def submit(self) -> None:
+        """Hand every task to the engine, or none: APIError 400 for an id_slot out of range,
+        503 when the queue is full or the engine stopped."""
         if any(t.id_slot >= len(self.engine.slots) for t in self.tasks):
             raise APIError(
                 400, f"id_slot must be below the number of slots ({len(self.engine.slots)})"
@@ -202,6 +222,7 @@ class TaskGroup:
             raise APIError(503, str(e), "unavailable_error") from e
 
     def cancel(self) -> None:
+        """Cancel every task (finished ones ignore it); safe to call more than once."""
         for t in self.tasks:
             t.cancel()
 
@@ -257,6 +278,7 @@ class TaskGroup:
         return [r for r in out if r is not None]
 
     async def _watch(self, request: Any) -> None:
+        # Polled: Starlette tells a non-streaming handler of a disconnect only when asked.
         while True:
             await asyncio.sleep(0.25)
             if await request.is_disconnected():
@@ -265,7 +287,86 @@ class TaskGroup:
                 return
 
 
+class Prompt(NamedTuple):
+    """One prompt's tokens; for chat, also where its last user turn starts."""
+
+    tokens: list[int]
+    user_start: int = -1  # token index of the last user turn (-1: unknown, or not chat)
+
+
+def _no_check() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What one endpoint asks of the engine, beyond the SamplingFields of its body.
+
+    ``prompts`` does the tokenizer work (it may render a chat template first) and runs in a
+    worker thread; it may raise APIError. ``check`` holds the endpoint's own body checks; it
+    runs after the shared prompt and sampler checks and before submitting, which is where
+    each endpoint made them before they shared this path (a request with several faults
+    still reports the same one). Each prompt runs ``n`` times (``n`` choices)."""
+
+    prompts: Callable[[], list[Prompt]]
+    max_tokens: int
+    stream: bool
+    n_probs: int = 0
+    logprobs: bool = False
+    n: int = 1
+    check: Callable[[], None] = _no_check
+
+
+def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
+    """``job.prompts()`` with every token id and every prompt's length checked."""
+    prompts = job.prompts()
+    for p in prompts:
+        check_tokens(p.tokens, backend)
+        check_fits(p.tokens, backend)
+    return prompts
+
+
+async def submit(st: ServerState, body: SamplingFields, job: Submission) -> TaskGroup:
+    """The one path from a generating request to running tasks.
+
+    Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
+    settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
+    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
+    engine = st.require_engine()
+    b = st.backend
+    # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
+    # streams of other requests keep flowing meanwhile.
+    prompts = await asyncio.to_thread(_checked_prompts, job, b)
+    sampling = sampling_from(body, b)
+    job.check()
+    gen = GenParams(
+        max_tokens=job.max_tokens,
+        stop=stops_from(body),
+        ignore_eos=body.ignore_eos,
+        n_probs=job.n_probs,
+        logprobs=job.logprobs,
+    )
+    group = TaskGroup(
+        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
+    )
+    for p in prompts:
+        for _ in range(job.n):
+            group.add(
+                p.tokens,
+                sampling,
+                gen,
+                id_slot=body.id_slot,
+                cache_prompt=body.cache_prompt,
+                stream=job.stream,
+                user_start=p.user_start,
+            )
+    group.submit()
+    return group
+
+
 def merged_timings(results: list[TaskResult]) -> Timings:
+    """One Timings for several choices: token counts add up; the choices ran in parallel, so
+    the times are the longest one's."""
     t = Timings()
     for r in results:
         t.cache_n += r.timings.cache_n
@@ -277,6 +378,7 @@ def merged_timings(results: list[TaskResult]) -> Timings:
 
 
 def usage_of(results: list[TaskResult]) -> dict[str, Any]:
+    """OpenAI's ``usage`` object over every choice."""
     prompt = sum(r.n_prompt for r in results)
     completion = sum(r.timings.predicted_n for r in results)
     cached = sum(r.timings.cache_n for r in results)
@@ -289,4 +391,5 @@ def usage_of(results: list[TaskResult]) -> dict[str, Any]:
 
 
 def finish_reason(r: TaskResult) -> str:
+    """OpenAI's finish_reason: "length" for a token limit or a full context, else "stop"."""
     return "length" if r.finish is FinishReason.LENGTH else "stop"

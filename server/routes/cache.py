@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
-from .openai import state_of
+from .common import state_of
+
+if TYPE_CHECKING:
+    from ..slots.engine import Engine
 
 router = APIRouter()
 
 
 @router.get("/cache")
 async def cache_info(request: Request) -> dict[str, Any]:
+    """The RAM prompt cache: ``{"enabled": false}`` without one, else its entries and limits."""
     engine = state_of(request).require_engine()
     if engine.cache is None:
         return {"enabled": False}
@@ -27,8 +31,9 @@ async def integrity(request: Request) -> dict[str, Any]:
     the sum of its entries, no entry is a prefix of another."""
     engine = state_of(request).require_engine()
 
-    def check(e) -> list[str]:
+    def check(e: Engine) -> list[str]:
         return e.check_integrity() + (e.cache.check_integrity() if e.cache is not None else [])
 
+    # engine.call runs check on the engine thread between steps: nothing moves meanwhile
     problems = await asyncio.wrap_future(engine.call(check))
     return {"ok": not problems, "problems": problems}

@@ -1,4 +1,4 @@
-"""GET /metrics (behind --metrics) and the ASGI middleware that counts requests."""
+"""GET /metrics (behind --metrics): the Prometheus exposition of ``server.metrics``."""
 
 from __future__ import annotations
 
@@ -7,32 +7,14 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import APIError
-from .openai import state_of
+from .common import state_of
 
 router = APIRouter()
-
-KNOWN = {
-    "/v1/completions",
-    "/completions",
-    "/v1/chat/completions",
-    "/chat/completions",
-    "/completion",
-    "/tokenize",
-    "/debug/integrity",
-    "/detokenize",
-    "/health",
-    "/v1/health",
-    "/props",
-    "/slots",
-    "/metrics",
-    "/cache",
-    "/v1/models",
-    "/models",
-}
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    """Prometheus text; 501 (llama-server's answer) unless started with --metrics."""
     st = state_of(request)
     if not st.settings.metrics:
         raise APIError(

@@ -7,20 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
-from ..service import TaskGroup, check_fits, check_tokens, sampling_from, stops_from
-from ..types import (
-    FinishReason,
-    GenParams,
-    SamplingParams,
-    Task,
-    TaskError,
-    TaskResult,
-    TextChunk,
-)
-from .openai import SSE_HEADERS, sse, state_of, token_logprobs
+from ..service import Prompt, ServerState, Submission, TaskGroup, check_tokens, submit
+from ..types import FinishReason, Task, TaskError, TaskResult, TextChunk
+from .common import SSE_HEADERS, generation_settings, sse, sse_error, state_of, token_logprobs
 
 router = APIRouter()
 
@@ -33,36 +25,9 @@ async def health(request: Request) -> dict[str, str]:
     return {"status": "ok"}
 
 
-def generation_settings(st: Any, task: Task | None = None) -> dict[str, Any]:
-    """The settings a task runs with (a running task's own, else the server defaults)."""
-    p = task.sampling if task is not None else SamplingParams()
-    out = {
-        "n_ctx": st.backend.n_ctx_slot,
-        "n_predict": task.gen.max_tokens if task is not None else st.settings.n_predict,
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        "repeat_penalty": p.repeat_penalty,
-        "repeat_last_n": p.repeat_last_n,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "seed": p.seed if task is not None else st.settings.seed,
-    }
-    if task is not None:
-        out.update(
-            stop=list(task.gen.stop),
-            ignore_eos=task.gen.ignore_eos,
-            n_probs=task.gen.n_probs,
-            cache_prompt=task.cache_prompt,
-            stream=task.stream,
-            logit_bias=[[t, b] for t, b in task.sampling.logit_bias.items()],
-        )
-    return out
-
-
 @router.get("/props")
 async def props(request: Request) -> dict[str, Any]:
+    """llama-server's /props: default settings, model and context facts, engine counters."""
     st = state_of(request)
     engine = st.require_engine()
     b = st.backend
@@ -95,15 +60,17 @@ async def props(request: Request) -> dict[str, Any]:
 
 
 def _llama_version() -> str:
+    """The installed llama-cpp-python's version (``unknown`` where metadata is missing)."""
     try:
         import importlib.metadata as md
 
         return md.version("llama_cpp_python")
-    except Exception:
+    except Exception:  # a vendored or source build has no metadata: not worth failing /props
         return "unknown"
 
 
 def _stop_type(r: TaskResult) -> str:
+    """llama-server's ``stop_type``: "eos", "word" (a stop string), "limit" or "none"."""
     if r.finish is FinishReason.STOP:
         return "word" if r.stop_word else "eos"
     if r.finish is FinishReason.LENGTH:
@@ -112,8 +79,11 @@ def _stop_type(r: TaskResult) -> str:
 
 
 def _final(
-    st: Any, r: TaskResult, content: str, prompt: Any, probs: bool = False
+    st: ServerState, task: Task, r: TaskResult, content: str, prompt: str, probs: bool = False
 ) -> dict[str, Any]:
+    """The last (or only) /completion object of ``task``: its content (empty when streamed),
+    counts, timings and the settings it ran with; ``probs`` adds the per-token probabilities
+    (streams sent them with each chunk)."""
     out = {
         "content": content,
         "id_slot": r.id_slot,
@@ -122,7 +92,7 @@ def _final(
         "tokens_predicted": r.timings.predicted_n,
         "tokens_evaluated": r.n_prompt,
         "tokens_cached": r.timings.cache_n,
-        "generation_settings": generation_settings(st),
+        "generation_settings": generation_settings(st, task),
         "prompt": prompt,
         "has_new_line": "\n" in content,
         "truncated": False,
@@ -135,59 +105,64 @@ def _final(
     return out
 
 
+def _native_prompt(st: ServerState, prompt: str | list[int]) -> list[Prompt]:
+    """Text is tokenized with BOS and special tokens parsed; token lists are taken as they are."""
+    if isinstance(prompt, str):
+        return [Prompt(st.backend.tokenize(prompt, True, True))]
+    return [Prompt(list(prompt))]
+
+
 @router.post("/completion")
-async def completion(body: NativeCompletionRequest, request: Request):
+async def completion(body: NativeCompletionRequest, request: Request) -> Response:
+    """llama-server's completion: one prompt, one result object (or a stream of chunks)."""
     st = state_of(request)
-    engine = st.require_engine()
-    b = st.backend
-    if isinstance(body.prompt, str):
-        prompt = await asyncio.to_thread(b.tokenize, body.prompt, True, True)
-    else:
-        prompt = list(body.prompt)
-        check_tokens(prompt, b)
-    check_fits(prompt, b)
-    gen = GenParams(
+    job = Submission(
+        prompts=lambda: _native_prompt(st, body.prompt),
         max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
-        stop=stops_from(body),
-        ignore_eos=body.ignore_eos,
+        stream=body.stream,
         n_probs=body.n_probs,
         logprobs=body.n_probs > 0,
     )
-    group = TaskGroup(
-        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
-    )
-    group.add(
-        prompt,
-        sampling_from(body, b),
-        gen,
-        id_slot=body.id_slot,
-        cache_prompt=body.cache_prompt,
-        stream=body.stream,
-    )
-    group.submit()
+    group = await submit(st, body, job)
+    # llama-server echoes a text prompt only
     prompt_echo = body.prompt if isinstance(body.prompt, str) else ""
-
     if not body.stream:
         (r,) = await group.results(request)
-        return JSONResponse(_final(st, r, r.text, prompt_echo, probs=gen.n_probs > 0))
+        return JSONResponse(
+            _final(st, group.tasks[0], r, r.text, prompt_echo, probs=body.n_probs > 0)
+        )
+    return StreamingResponse(
+        _stream(st, group, prompt_echo), media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
-    async def gen_events() -> AsyncIterator[str]:
-        async for _, ev in group.events():
-            if isinstance(ev, TextChunk):
-                chunk = {"content": ev.text, "stop": False, "id_slot": -1, "tokens": ev.tokens}
-                if gen.n_probs:
-                    chunk["completion_probabilities"] = token_logprobs(b, ev.logprobs, with_id=True)
-                yield sse(chunk)
-            elif isinstance(ev, TaskResult):
-                yield sse(_final(st, ev, "", prompt_echo))
-            elif isinstance(ev, TaskError):
-                yield sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
 
-    return StreamingResponse(gen_events(), media_type="text/event-stream", headers=SSE_HEADERS)
+async def _stream(st: ServerState, group: TaskGroup, prompt_echo: str) -> AsyncIterator[str]:
+    """The SSE events of a streamed /completion: text chunks, then the final object or an
+    error event. Unlike the OpenAI streams there is no [DONE] (llama-server sends none)."""
+    (task,) = group.tasks
+    async for _, ev in group.events():
+        if isinstance(ev, TextChunk):
+            chunk: dict[str, Any] = {
+                "content": ev.text,
+                "stop": False,
+                "id_slot": -1,
+                "tokens": ev.tokens,
+            }
+            if task.gen.n_probs:
+                chunk["completion_probabilities"] = token_logprobs(
+                    st.backend, ev.logprobs, with_id=True
+                )
+            yield sse(chunk)
+        elif isinstance(ev, TaskResult):
+            yield sse(_final(st, task, ev, "", prompt_echo))
+        elif isinstance(ev, TaskError):
+            yield sse_error(ev)
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    """Token ids of ``content``; ``with_pieces`` pairs each with its text (its bytes as a
+    list where they are not valid UTF-8 alone, e.g. part of a multi-byte character)."""
     st = state_of(request)
     st.require_engine()
     b = st.backend
@@ -207,6 +182,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    """The text of ``tokens``; APIError 400 for an id outside the vocabulary."""
     st = state_of(request)
     st.require_engine()
     check_tokens(body.tokens, st.backend)

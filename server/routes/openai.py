@@ -1,44 +1,38 @@
-"""OpenAI API: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI API: /v1/completions, /v1/chat/completions, /v1/models.
+
+Both generating endpoints submit through ``service.submit`` and answer through ``respond``;
+what is their own is how the body becomes prompts and what a choice looks like."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ROLES, TemplateError
 from ..errors import APIError
 from ..schemas import ChatRequest, CompletionRequest
 from ..service import (
+    Prompt,
     ServerState,
+    Submission,
     TaskGroup,
-    check_fits,
-    check_tokens,
     finish_reason,
     merged_timings,
-    sampling_from,
-    stops_from,
+    submit,
     usage_of,
 )
-from ..types import GenParams, TaskError, TaskResult, TextChunk, TokenLogprob
+from ..types import TaskError, TaskResult, TextChunk, TokenLogprob
+from .common import SSE_DONE, SSE_HEADERS, sse, sse_error, state_of, token_logprobs
 
 router = APIRouter()
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def state_of(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+Choice = dict[str, Any]
 
 
 def _piece(backend: Any, tok: int) -> str:
@@ -46,6 +40,8 @@ def _piece(backend: Any, tok: int) -> str:
 
 
 def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object; ``offset0`` is the choice's text length so
+    far (streamed chunks continue the offsets of the ones before)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     off = offset0
     for lp in lps:
@@ -63,52 +59,39 @@ def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0)
     }
 
 
-def token_logprobs(
-    backend: Any, lps: list[TokenLogprob], with_id: bool = False
-) -> list[dict[str, Any]]:
-    """Per token: text, log-probability, bytes (and id), with the top alternatives alike.
-    The shape of OpenAI's chat ``logprobs.content`` and llama-server's ``completion_probabilities``."""
-
-    def entry(tok: int, lp: float) -> dict[str, Any]:
-        raw = backend.token_to_piece(tok)
-        e = {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
-        return {"id": tok, **e} if with_id else e
-
-    return [
-        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-        for lp in lps
-    ]
-
-
 def chat_logprobs(backend: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object."""
     return {"content": token_logprobs(backend, lps)}
 
 
-def _prompts(st: ServerState, prompt: Any) -> list[list[int]]:
+def _prompts(st: ServerState, prompt: Any) -> list[Prompt]:
+    """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each."""
     b = st.backend
     if isinstance(prompt, str):
-        return [b.tokenize(prompt, add_special=True, parse_special=True)]
+        return [Prompt(b.tokenize(prompt, add_special=True, parse_special=True))]
     if not prompt:
         raise APIError(400, "the prompt is empty")
     if all(isinstance(x, int) for x in prompt):
-        return [list(prompt)]
-    out = []
-    for p in prompt:
-        out.append(
+        return [Prompt(list(prompt))]
+    return [
+        Prompt(
             b.tokenize(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
         )
-    return out
+        for p in prompt
+    ]
 
 
-def _prompt_text(backend: Any, raw: Any, prompts: list[list[int]], i: int) -> str:
+def _prompt_text(backend: Any, raw: Any, tokens: list[int], i: int) -> str:
+    """The text of prompt ``i`` as the client sent it (detokenized if it sent tokens)."""
     if isinstance(raw, str):
         return raw
     if isinstance(raw, list) and raw and isinstance(raw[i], str):
         return raw[i]
-    return backend.detokenize(prompts[i])
+    return backend.detokenize(tokens)
 
 
 def _max_tokens(*values: int | None) -> int:
+    """The first limit the client set, by precedence; -1 (no limit) if none."""
     for v in values:
         if v is not None:
             return v
@@ -118,7 +101,9 @@ def _max_tokens(*values: int | None) -> int:
 @router.get("/v1/models")
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
+    """The one model this server serves, with llama-server's ``meta``."""
     st = state_of(request)
+    b = st.backend
     return {
         "object": "list",
         "data": [
@@ -128,89 +113,100 @@ async def models(request: Request) -> dict[str, Any]:
                 "created": int(st.started),
                 "owned_by": "llamacpp",
                 "meta": {
-                    "n_vocab": st.backend.n_vocab if st.backend else None,
-                    "n_ctx_train": st.backend.n_ctx_train if st.backend else None,
-                    "n_params": st.backend.n_params if st.backend else None,
-                    "size": st.backend.model_size if st.backend else None,
+                    "n_vocab": b.n_vocab if b else None,
+                    "n_ctx_train": b.n_ctx_train if b else None,
+                    "n_params": b.n_params if b else None,
+                    "size": b.model_size if b else None,
                 },
             }
         ],
     }
 
 
-@router.post("/v1/completions")
-@router.post("/completions")
-async def completions(body: CompletionRequest, request: Request):
-    st = state_of(request)
-    engine = st.require_engine()
-    b = st.backend
-    # tokenizing a long prompt takes a while: off the event loop, so streams keep flowing
-    prompts = await asyncio.to_thread(_prompts, st, body.prompt)
-    for p in prompts:
-        check_tokens(p, b)
-        check_fits(p, b)
-    sampling = sampling_from(body, b)
-    n_probs = body.logprobs or 0
-    gen = GenParams(
-        max_tokens=_max_tokens(body.max_tokens, body.n_predict),
-        stop=stops_from(body),
-        ignore_eos=body.ignore_eos,
-        n_probs=n_probs,
-        logprobs=body.logprobs is not None,
-    )
-    group = TaskGroup(
-        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
-    )
-    for p in prompts:
-        for _ in range(body.n):
-            group.add(
-                p,
-                sampling,
-                gen,
-                id_slot=body.id_slot,
-                cache_prompt=body.cache_prompt,
-                stream=body.stream,
-            )
-    if body.echo and gen.logprobs:
-        raise APIError(400, "echo with logprobs is not supported (no prompt log-probabilities)")
-    group.submit()
-    offsets = [0] * len(group.tasks)
-    # echo: the prompt's text opens each choice (in its first chunk when streaming)
-    echo = [
-        _prompt_text(b, body.prompt, prompts, i // body.n) if body.echo else ""
-        for i in range(len(group.tasks))
-    ]
+@dataclass
+class Shape:
+    """How one OpenAI endpoint shapes its responses.
 
-    def text_choice(index: int, ev: TextChunk) -> dict[str, Any]:
-        lp = completion_logprobs(b, ev.logprobs, offsets[index]) if gen.logprobs else None
-        offsets[index] += len(ev.text)
-        head, echo[index] = echo[index], ""
-        return {"index": index, "text": head + ev.text, "logprobs": lp, "finish_reason": None}
+    ``text_choice(index, chunk)`` is a streamed text delta; ``final_choice(index, result,
+    whole)`` ends a choice, holding the whole text when ``whole`` (not streaming) and only
+    the finish reason otherwise. ``opening`` chunks start a stream."""
 
-    def final_choice(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
-        lp = completion_logprobs(b, r.logprobs) if whole and gen.logprobs else None
-        head, echo[index] = echo[index], ""
+    id_prefix: str
+    obj: str
+    chunk_obj: str
+    text_choice: Callable[[int, TextChunk], Choice]
+    final_choice: Callable[[int, TaskResult, bool], Choice]
+    opening: list[Choice] = field(default_factory=list)
+
+
+class _CompletionChoices:
+    """The choices of /v1/completions. Stateful per request: a streamed choice's log-prob
+    offsets continue from its previous chunk, and its echoed prompt opens its first chunk."""
+
+    def __init__(self, backend: Any, body: CompletionRequest, group: TaskGroup) -> None:
+        self.b = backend
+        self.logprobs = body.logprobs is not None
+        self.offsets = [0] * len(group.tasks)
+        # choice i runs prompt i // n (service.submit's order)
+        self.echo = [
+            _prompt_text(backend, body.prompt, t.prompt, i // body.n) if body.echo else ""
+            for i, t in enumerate(group.tasks)
+        ]
+
+    def _head(self, index: int) -> str:
+        # the echo goes out once: with the first chunk of the choice
+        head, self.echo[index] = self.echo[index], ""
+        return head
+
+    def text(self, index: int, ev: TextChunk) -> Choice:
+        lp = (
+            completion_logprobs(self.b, ev.logprobs, self.offsets[index]) if self.logprobs else None
+        )
+        self.offsets[index] += len(ev.text)
         return {
             "index": index,
-            "text": head + (r.text if whole else ""),
+            "text": self._head(index) + ev.text,
+            "logprobs": lp,
+            "finish_reason": None,
+        }
+
+    def final(self, index: int, r: TaskResult, whole: bool) -> Choice:
+        lp = completion_logprobs(self.b, r.logprobs) if whole and self.logprobs else None
+        return {
+            "index": index,
+            "text": self._head(index) + (r.text if whole else ""),
             "logprobs": lp,
             "finish_reason": finish_reason(r),
         }
 
-    return await respond(
-        request,
-        group,
-        body,
-        "cmpl-",
-        "text_completion",
-        "text_completion",
-        st.model_name,
-        text_choice,
-        final_choice,
+
+@router.post("/v1/completions")
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """Legacy text completions: every prompt ``n`` times, choices prompt-major."""
+    st = state_of(request)
+
+    def no_echo_logprobs() -> None:
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (no prompt log-probabilities)")
+
+    job = Submission(
+        prompts=lambda: _prompts(st, body.prompt),
+        max_tokens=_max_tokens(body.max_tokens, body.n_predict),
+        stream=body.stream,
+        n_probs=body.logprobs or 0,
+        logprobs=body.logprobs is not None,
+        n=body.n,
+        check=no_echo_logprobs,
     )
+    group = await submit(st, body, job)
+    choices = _CompletionChoices(st.backend, body, group)
+    shape = Shape("cmpl-", "text_completion", "text_completion", choices.text, choices.final)
+    return await respond(request, group, body, shape, st.model_name)
 
 
 def _messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: text parts joined, developer as system."""
     out = []
     for m in req.messages:
         if m.role not in ROLES:
@@ -232,7 +228,7 @@ def _messages(req: ChatRequest) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(st: ServerState, req: ChatRequest) -> tuple[list[int], int]:
+def render_chat(st: ServerState, req: ChatRequest) -> Prompt:
     """Prompt tokens and the token index where the last user turn starts (-1 if unknown)."""
     b = st.backend
     try:
@@ -250,48 +246,20 @@ def render_chat(st: ServerState, req: ChatRequest) -> tuple[list[int], int]:
         head = rendered.prompt[: rendered.last_user_offset]
         if has_bos:
             head = head[len(b.bos_text) :]
-        n_head = len(b.tokenize(head, add_special=True, parse_special=True))
-        if tokens[:n_head] == b.tokenize(head, add_special=True, parse_special=True):
-            user_start = n_head
-    return tokens, user_start
+        head_tokens = b.tokenize(head, add_special=True, parse_special=True)
+        # The boundary counts only where the head tokenizes alike alone and within the
+        # whole prompt (a token may straddle it).
+        if tokens[: len(head_tokens)] == head_tokens:
+            user_start = len(head_tokens)
+    return Prompt(tokens, user_start)
 
 
-@router.post("/v1/chat/completions")
-@router.post("/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request):
-    st = state_of(request)
-    engine = st.require_engine()
-    b = st.backend
-    prompt, user_start = await asyncio.to_thread(render_chat, st, body)
-    check_fits(prompt, b)
-    sampling = sampling_from(body, b)
-    n_probs = body.top_logprobs or 0
-    if n_probs and not body.logprobs:
-        raise APIError(400, "top_logprobs requires logprobs to be true")
-    gen = GenParams(
-        max_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
-        stop=stops_from(body),
-        ignore_eos=body.ignore_eos,
-        n_probs=n_probs,
-        logprobs=body.logprobs,
-    )
-    group = TaskGroup(
-        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
-    )
-    for _ in range(body.n):
-        group.add(
-            prompt,
-            sampling,
-            gen,
-            id_slot=body.id_slot,
-            cache_prompt=body.cache_prompt,
-            stream=body.stream,
-            user_start=user_start,
-        )
-    group.submit()
+def _chat_shape(backend: Any, body: ChatRequest, n_choices: int) -> Shape:
+    """The chat response's choices: a message each, or role, content deltas, finish."""
+    want_lp = body.logprobs
 
-    def text_choice(index: int, ev: TextChunk) -> dict[str, Any]:
-        lp = chat_logprobs(b, ev.logprobs) if gen.logprobs else None
+    def text_choice(index: int, ev: TextChunk) -> Choice:
+        lp = chat_logprobs(backend, ev.logprobs) if want_lp else None
         return {
             "index": index,
             "delta": {"content": ev.text},
@@ -299,7 +267,7 @@ async def chat_completions(body: ChatRequest, request: Request):
             "finish_reason": None,
         }
 
-    def final_choice(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
+    def final_choice(index: int, r: TaskResult, whole: bool) -> Choice:
         if not whole:
             return {
                 "index": index,
@@ -310,7 +278,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         return {
             "index": index,
             "message": {"role": "assistant", "content": r.text},
-            "logprobs": chat_logprobs(b, r.logprobs) if gen.logprobs else None,
+            "logprobs": chat_logprobs(backend, r.logprobs) if want_lp else None,
             "finish_reason": finish_reason(r),
         }
 
@@ -321,39 +289,49 @@ async def chat_completions(body: ChatRequest, request: Request):
             "logprobs": None,
             "finish_reason": None,
         }
-        for i in range(len(group.tasks))
+        for i in range(n_choices)
     ]
-    return await respond(
-        request,
-        group,
-        body,
-        "chatcmpl-",
-        "chat.completion",
-        "chat.completion.chunk",
-        st.model_name,
-        text_choice,
-        final_choice,
-        opening,
+    return Shape(
+        "chatcmpl-", "chat.completion", "chat.completion.chunk", text_choice, final_choice, opening
     )
+
+
+@router.post("/v1/chat/completions")
+@router.post("/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    """Chat completions: the messages rendered by the chat template, ``n`` choices."""
+    st = state_of(request)
+
+    def top_logprobs_needs_logprobs() -> None:
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true")
+
+    job = Submission(
+        prompts=lambda: [render_chat(st, body)],
+        max_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
+        stream=body.stream,
+        n_probs=body.top_logprobs or 0,
+        logprobs=body.logprobs,
+        n=body.n,
+        check=top_logprobs_needs_logprobs,
+    )
+    group = await submit(st, body, job)
+    shape = _chat_shape(st.backend, body, len(group.tasks))
+    return await respond(request, group, body, shape, st.model_name)
 
 
 async def respond(
     request: Request,
     group: TaskGroup,
     body: CompletionRequest | ChatRequest,
-    id_prefix: str,
-    obj: str,
-    chunk_obj: str,
+    shape: Shape,
     fingerprint: str,
-    text_choice: Callable[[int, TextChunk], dict[str, Any]],
-    final_choice: Callable[[int, TaskResult, bool], dict[str, Any]],
-    opening: list[dict[str, Any]] = (),
-):
+) -> Response:
     """The response of an OpenAI completion or chat request: one JSON body, or an SSE stream
     (opening chunks, text chunks, a final chunk per choice with ``timings``, usage, [DONE])."""
     head = {
-        "id": id_prefix + uuid.uuid4().hex,
-        "object": obj,
+        "id": shape.id_prefix + uuid.uuid4().hex,
+        "object": shape.obj,
         "created": int(time.time()),
         "model": body.model or fingerprint,
         "system_fingerprint": fingerprint,
@@ -363,34 +341,38 @@ async def respond(
         return JSONResponse(
             {
                 **head,
-                "choices": [final_choice(i, r, True) for i, r in enumerate(results)],
+                "choices": [shape.final_choice(i, r, True) for i, r in enumerate(results)],
                 "usage": usage_of(results),
                 "timings": merged_timings(results).as_dict(),
             }
         )
-    base = {**head, "object": chunk_obj}
+    base = {**head, "object": shape.chunk_obj}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return StreamingResponse(
+        _stream(group, shape, base, include_usage),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
 
-    async def events() -> AsyncIterator[str]:
-        for choice in opening:
-            yield sse({**base, "choices": [choice]})
-        results: list[TaskResult] = []
-        async for index, ev in group.events():
-            if isinstance(ev, TextChunk):
-                yield sse({**base, "choices": [text_choice(index, ev)]})
-            elif isinstance(ev, TaskResult):
-                results.append(ev)
-                yield sse(
-                    {
-                        **base,
-                        "choices": [final_choice(index, ev, False)],
-                        "timings": ev.timings.as_dict(),
-                    }
-                )
-            elif isinstance(ev, TaskError):
-                yield sse({"error": {"code": ev.status, "message": ev.message, "type": ev.type}})
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": usage_of(results)})
-        yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+async def _stream(
+    group: TaskGroup, shape: Shape, base: dict[str, Any], include_usage: bool
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed OpenAI response; ``base`` is every chunk's envelope.
+    A failed choice sends an error event (the status line went out already) and the stream
+    still ends with [DONE], as OpenAI clients expect."""
+    for choice in shape.opening:
+        yield sse({**base, "choices": [choice]})
+    results: list[TaskResult] = []
+    async for index, ev in group.events():
+        if isinstance(ev, TextChunk):
+            yield sse({**base, "choices": [shape.text_choice(index, ev)]})
+        elif isinstance(ev, TaskResult):
+            results.append(ev)
+            final = shape.final_choice(index, ev, False)
+            yield sse({**base, "choices": [final], "timings": ev.timings.as_dict()})
+        elif isinstance(ev, TaskError):
+            yield sse_error(ev)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage_of(results)})
+    yield SSE_DONE

@@ -20,8 +20,7 @@ from ..service import ServerState
 from ..slots.engine import Engine, EngineDead
 from ..slots.slot import Slot
 from ..types import Checkpoint
-from .native import generation_settings
-from .openai import state_of
+from .common import generation_settings, state_of
 
 router = APIRouter()
 log = logging.getLogger("server.slots")

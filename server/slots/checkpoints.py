@@ -16,6 +16,9 @@ from ..types import Checkpoint
 # its last two prompt checkpoints, which this keeps apart).
 NEAR = 4
 
+# A prefill with at most this many tokens left skips the checkpoints near the prompt's end.
+SHORT_TAIL = 64
+
 
 @dataclass
 class CheckpointPolicy:
@@ -29,27 +32,37 @@ class CheckpointPolicy:
         decode, no more than the extra decode that splitting off a checkpoint would cost now."""
         return self.enabled and n_prompt > self.n_ubatch
 
-    def boundaries(self, n_prompt: int, user_start: int) -> list[int]:
+    def boundaries(self, n_prompt: int, user_start: int, n_start: int = 0) -> list[int]:
         """Prompt positions where a prefill chunk must end so a checkpoint lands there:
-        the start of the last user message, and 4 + n_ubatch and 4 tokens before the end."""
+        the start of the last user message, and 4 + n_ubatch and 4 tokens before the end.
+
+        ``n_start`` is where this prefill began (the cached tokens). When at most SHORT_TAIL
+        tokens are left to compute, the marks near the end are skipped: each costs a decode
+        of its own now, while the prompt-end checkpoint serves follow-ups and losing one of
+        those marks costs a later cut at most SHORT_TAIL tokens of recompute.
+        """
         if not self.applies(n_prompt):
             return []
-        marks = {user_start, n_prompt - 4 - self.n_ubatch, n_prompt - 4}
-        return sorted(m for m in marks if 0 < m < n_prompt)
+        marks = {user_start}
+        if n_prompt - n_start > SHORT_TAIL:
+            marks |= {n_prompt - 4 - self.n_ubatch, n_prompt - 4}
+        return sorted(m for m in marks if max(0, n_start) < m < n_prompt)
 
-    def chunk_end(self, cur: int, n_prompt: int, user_start: int) -> int:
-        for m in self.boundaries(n_prompt, user_start):
+    def chunk_end(self, cur: int, n_prompt: int, user_start: int, n_start: int = 0) -> int:
+        for m in self.boundaries(n_prompt, user_start, n_start):
             if m > cur:
                 return m
         return n_prompt
 
-    def wants(self, cur: int, n_prompt: int, user_start: int, have: list[Checkpoint]) -> bool:
+    def wants(
+        self, cur: int, n_prompt: int, user_start: int, have: list[Checkpoint], n_start: int = 0
+    ) -> bool:
         """Whether to checkpoint a slot that holds ``cur`` prompt tokens before its next chunk."""
         if not self.applies(n_prompt) or cur <= 0 or cur >= n_prompt:
             return False
         if have and have[-1].n_tokens == cur:
             return False
-        if cur in self.boundaries(n_prompt, user_start):
+        if cur in self.boundaries(n_prompt, user_start, n_start):
             return True
         last = have[-1].n_tokens if have else 0
         return cur - last >= self.min_step

@@ -416,8 +416,9 @@ class Engine:
         if marks:
             end = min(end, min((m for m in marks if m > cur), default=end))
         if self.ckpt.enabled:
-            end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start))
-            if self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints):
+            n_start = s.run.n_cached
+            end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
+            if self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start):
                 self._take_checkpoint(s)
         s.pending = prompt[cur:end]
         last = end == len(prompt)

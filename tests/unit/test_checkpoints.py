@@ -19,6 +19,11 @@ def test_boundaries_and_chunk_ends():
     assert p.chunk_end(0, 1000, 600) == 600
     assert p.chunk_end(600, 1000, 600) == 868
     assert p.chunk_end(996, 1000, 600) == 1000
+    # resumed with little left to compute: no extra decodes near the end
+    assert p.boundaries(1000, 600, n_start=940) == []
+    assert p.chunk_end(940, 1000, 600, n_start=940) == 1000
+    assert p.boundaries(1000, 990, n_start=940) == [990]
+    assert p.boundaries(1000, 600, n_start=900) == [996]
 
 
 def test_checkpoints_land_at_user_start_and_near_the_end():

@@ -1,0 +1,79 @@
+"""Helpers shared by the route modules: the server state of a request, SSE framing, token
+log-probabilities and the generation settings that /props, /slots and /completion report."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+
+from ..errors import error_body
+from ..service import ServerState
+from ..types import SamplingParams, Task, TaskError, TokenLogprob
+
+# Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def state_of(request: Request) -> ServerState:
+    """The ServerState that ``create_app`` attached to the application."""
+    return request.app.state.server
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON (non-ASCII text kept as is)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_error(err: TaskError) -> str:
+    """A task's error as an SSE event: the same body a non-streaming request gets with its
+    status (a stream has already sent 200, so the error travels in the stream)."""
+    return sse(error_body(err.status, err.message, err.type, **err.extra))
+
+
+def token_logprobs(
+    backend: Any, lps: list[TokenLogprob], with_id: bool = False
+) -> list[dict[str, Any]]:
+    """Per token: text, log-probability, bytes (and id), with the top alternatives alike.
+    The shape of OpenAI's chat ``logprobs.content`` and llama-server's ``completion_probabilities``."""
+
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        raw = backend.token_to_piece(tok)
+        e = {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
+        return {"id": tok, **e} if with_id else e
+
+    return [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+        for lp in lps
+    ]
+
+
+def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, Any]:
+    """The settings a task runs with: ``task``'s own, or without one the server defaults.
+    Only a task adds the per-request fields (stop strings, logit bias, streaming, ...)."""
+    p = task.sampling if task is not None else SamplingParams()
+    out: dict[str, Any] = {
+        "n_ctx": st.backend.n_ctx_slot,
+        "n_predict": task.gen.max_tokens if task is not None else st.settings.n_predict,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_penalty": p.repeat_penalty,
+        "repeat_last_n": p.repeat_last_n,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "seed": p.seed if task is not None else st.settings.seed,
+    }
+    if task is not None:
+        out.update(
+            stop=list(task.gen.stop),
+            ignore_eos=task.gen.ignore_eos,
+            n_probs=task.gen.n_probs,
+            cache_prompt=task.cache_prompt,
+            stream=task.stream,
+            logit_bias=[[t, b] for t, b in task.sampling.logit_bias.items()],
+        )
+    return out
