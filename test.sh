@@ -4,6 +4,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 "$ROOT/scripts/bootstrap.sh" --dev
 "$ROOT/scripts/system-deps.sh"
+# llama.cpp's own llama-server, built once from the same vendored llama.cpp (cached under
+# ~/.cache): the slot-file interchange test runs against it.
+PYTHON="${VENV:-$ROOT/.venv}/bin/python" "$ROOT/bench/build_llama_server.sh" >/dev/null
 cd "$ROOT"
 PY="${VENV:-$ROOT/.venv}/bin/python"
 "$PY" -m ruff check server tests bench

