@@ -42,7 +42,7 @@ log = logging.getLogger("server.slots.engine")
 
 @dataclass
 class EngineOptions:
-    """Scheduler settings (``server.config.engine_options`` builds them from Settings)."""
+    """Scheduler settings (``server.app.engine_options`` builds them from Settings)."""
 
     slot_prompt_similarity: float = 0.10
     n_predict: int = -1  # server-wide cap on generated tokens (-1: none)
@@ -308,7 +308,8 @@ class Engine:
         )
         if plan.checkpoint >= 0:
             n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
-            self.stats.checkpoints_restored += n_past > 0
+            if n_past > 0:
+                self.stats.checkpoints_restored += 1
         else:
             n_past = self.store.cut(slot, plan.n_past)
         wait = None

@@ -59,14 +59,15 @@ class SlotStore:
         is cleared and nothing is kept (never count tokens that are not in memory).
         Checkpoints past the kept tokens go too.
         """
-        if n_past < len(slot.tokens) or n_past == 0:
-            ok = self.b.seq_rm(slot.id, n_past, -1)
-            if n_past > 0 and (not ok or self.b.seq_pos_max(slot.id) != n_past - 1):
-                log.debug("slot %d: partial removal at %d failed; clearing", slot.id, n_past)
-                n_past = 0
-        if n_past == 0:
+        if n_past <= 0:
             self.clear(slot)
             return 0
+        if n_past < len(slot.tokens):
+            ok = self.b.seq_rm(slot.id, n_past, -1)
+            if not ok or self.b.seq_pos_max(slot.id) != n_past - 1:
+                log.debug("slot %d: partial removal at %d failed; clearing", slot.id, n_past)
+                self.clear(slot)
+                return 0
         del slot.tokens[n_past:]
         slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
         return n_past
@@ -134,13 +135,11 @@ class SlotStore:
 
     def snapshot(self, slot: Slot) -> Snapshot:
         """The slot's whole state for the RAM cache (the slot keeps it too). Every checkpoint
-        goes along: a restored state holds only its last window (see checkpoints.py)."""
+        goes along: a restored state holds only its last window (see checkpoints.py). The
+        lists are the slot's own: the cache copies what it keeps."""
         size = self.b.state_size(slot.id)
         return Snapshot(
-            list(slot.tokens),
-            size,
-            lambda: self.b.state_get(slot.id, size=size),
-            list(slot.checkpoints),
+            slot.tokens, size, lambda: self.b.state_get(slot.id, size=size), slot.checkpoints
         )
 
     def save_file(self, slot: Slot, path: str) -> list[Checkpoint] | None:
