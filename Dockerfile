@@ -53,7 +53,7 @@ RUN apt-get update \
     && groupadd --system --gid 10001 llama \
     && useradd --system --uid 10001 --gid llama --home-dir /home/llama --create-home \
        --shell /usr/sbin/nologin llama \
-    && mkdir -p /data/slots \
+    && mkdir -p /data/slots /data/prompt-cache \
     && chown -R llama:llama /data
 # Same path as in the builder: the backend directory is compiled into libggml.
 COPY --from=builder /opt/venv /opt/venv

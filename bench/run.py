@@ -112,10 +112,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="before each sample, wait up to this many seconds for other processes to leave "
         f"the CPUs (< {NOISY_CORES} cores busy); 0 = don't wait (default 60)",
     )
+    _gpu_args(p)
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be at least 1")
     return args
+
+
+def _gpu_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("GPU (bench/gpu.py)")
+    g.add_argument(
+        "--gpu",
+        action="store_true",
+        help="CUDA side by side: llama-server, llama-server -bs and ours -bs (builds once)",
+    )
+    g.add_argument("--dry-run", action="store_true", help="with --gpu: print the plan only")
+    g.add_argument(
+        "--cuda-arch", help="CMAKE_CUDA_ARCHITECTURES (default: the GPU's, e.g. 90-real)"
+    )
+    g.add_argument("--sdist", help="llama-cpp-python sdist (.tar.gz or extracted directory)")
+    g.add_argument("--jobs", type=int, help="build jobs (default: all cores)")
+    g.add_argument(
+        "--streams",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[1, 8, 32, 64],
+        help="concurrent streams to measure (default 1,8,32,64)",
+    )
+    g.add_argument("--gpu-slots", type=int, default=64, help="slots of every server (64)")
+    g.add_argument("--gpu-ctx", type=int, default=32768, help="context of every server (32768)")
 
 
 def _workload_list(text: str) -> list[int]:
@@ -389,6 +413,10 @@ def report_only(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.report_only:
         return report_only(args)
+    if args.gpu:
+        from .gpu import run_gpu
+
+        return run_gpu(args, args.model or default_model())
     wids = args.only or sorted(WORKLOADS)
     sizes = QUICK if args.quick else FULL
     model = args.model or default_model()

@@ -23,6 +23,7 @@ from .client import (
     stream_completion,
 )
 from .prompts import PromptBook, short_text
+from .restart import restart_follow_up
 from .servers import ServerProcess
 
 
@@ -55,6 +56,9 @@ class Sizes:
     w8_start: int = 950
     w8_user_words: int = 30
     w8_out: int = 16
+    w9_prompt: int = 4000
+    w9_user_words: int = 30
+    w9_out: int = 16
 
 
 FULL = Sizes()
@@ -570,4 +574,45 @@ W8 = Workload(
     w8_long_multi_turn,
 )
 
-WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8)}
+# --- 9: a follow-up turn after a restart (ours: --cache-disk; llama-server: cold) --------------
+
+
+async def w9_restart_follow_up(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    conversation = await ctx.book.text(f"w9-r{rep}", s.w9_prompt) + _next_turn(
+        f"w9-r{rep}-t0", s.w9_user_words
+    )
+    disk = next(iter(ctx.save_dirs.values()), Path("/tmp")).parent / f"w9-disk-{srv.name}"
+    r = await restart_follow_up(
+        ctx.client,
+        srv,
+        conversation,
+        _next_turn(f"w9-r{rep}-t1", s.w9_user_words),
+        s.w9_out,
+        disk,
+    )
+    return Sample(metrics=r.metrics, ttft_ms=r.ttft_ms, info=r.info)
+
+
+W9 = Workload(
+    9,
+    "Follow-up turn after a restart",
+    lambda s: (
+        f"a ~{s.w9_prompt}-token conversation, then SIGTERM and a new server process, then "
+        f"its next turn (~{s.w9_user_words} words): ours restarts with --cache-disk (the idle "
+        f"slot is written at SIGTERM, the follow-up restored from disk), llama-server restarts "
+        f"cold; the same follow-up with cache_prompt=false is the cold reference"
+    ),
+    (
+        Metric("ttft_after_restart_ms", "TTFT of the follow-up after the restart", "ms", False),
+        Metric("ttft_cold_ms", "TTFT of the follow-up computed cold", "ms", False, chart=False),
+        Metric("ratio", "after restart / cold", "x", False),
+        Metric("restart_s", "SIGTERM to ready again", "s", False, chart=False),
+        Metric(
+            "prompt_n_after_restart", "prompt tokens computed after the restart", "tokens", False
+        ),
+    ),
+    w9_restart_follow_up,
+)
+
+WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9)}

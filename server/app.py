@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,11 +16,12 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from . import errors
+from .cache.disk import DiskTier, FileCheck
 from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
 from .config import Settings, load_api_keys
 from .metrics import ServerMetrics
-from .middleware import ApiKeyAuth, BodyLimit, JsonBody, RequestCounter
+from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
 from .routes import cache as cache_routes
 from .routes import metrics as metrics_routes
 from .routes import native, openai, slots
@@ -52,6 +55,7 @@ def model_options(s: Settings, path: str) -> Any:
         swa_full=s.swa_full,
         flash_attn=s.flash_attn,
         seed=s.seed,
+        backend_sampling=s.backend_sampling,
     )
 
 
@@ -67,6 +71,56 @@ def prompt_cache(s: Settings, n_ctx: int) -> PromptCache | None:
     )
 
 
+def disk_tier(s: Settings, cache: PromptCache | None, backend: Any, model: str) -> DiskTier | None:
+    """The disk tier under the RAM cache (--cache-disk DIR, --cache-disk-mib N), started:
+    its index rebuilt from DIR's file headers. None when off."""
+    if not s.cache_disk or s.cache_disk_mib == 0:
+        return None
+    if cache is None:
+        log.warning("--cache-disk needs the RAM cache (--cache-ram 0 turned it off)")
+        return None
+    check = FileCheck(
+        version=backend.state_file_version,
+        n_ctx=backend.n_ctx_slot,
+        n_vocab=backend.n_vocab,
+        # states are only valid for the same weights: name and size tell models apart
+        # (replicas mount the same file), the vocabulary size is checked as well
+        model=f"{os.path.basename(model)}:{os.path.getsize(model)}:{backend.n_vocab}",
+    )
+    disk = DiskTier(s.cache_disk, s.cache_disk_mib * MiB, check)
+    disk.start()
+    cache.on_evict = disk.put  # entries leaving RAM go to the writer thread
+    return disk
+
+
+# SIGTERM: how long the idle slots and the RAM cache may take to reach the disk tier.
+SPILL_S = 8.0
+
+
+def spill_to_disk(st: ServerState, timeout: float = SPILL_S) -> None:
+    """Warm restart: queue the RAM cache and the idle slots for the disk tier and wait, at
+    most ``timeout`` seconds in all, for them to be written. Before the engine stops."""
+    engine = st.engine
+    if engine is None or engine.disk is None or not engine.alive:
+        return
+    from .slots import disk_glue
+
+    disk, t0 = engine.disk, time.monotonic()
+    try:
+        fut = engine.call(lambda e: disk_glue.spill(e.store, e.cache, disk))
+        n = fut.result(timeout)
+    except Exception as e:  # a dead or stuck engine: nothing more to save
+        log.warning("disk cache: could not spill at shutdown: %s", e)
+        return
+    done = disk.flush(max(0.0, timeout - (time.monotonic() - t0)))
+    log.info(
+        "disk cache: %d entries queued at shutdown, %s in %.1f s",
+        n,
+        "all written" if done else "not all written",
+        time.monotonic() - t0,
+    )
+
+
 def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     """The scheduler's options from the settings."""
     return EngineOptions(
@@ -77,6 +131,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
         cache_idle_slots=s.cache_idle_slots and has_cache,
         prefix_share=s.prefix_share,
         prefix_share_min=s.prefix_share_min,
+        sample_threads=s.sample_threads,
     )
 
 
@@ -106,9 +161,11 @@ def load(st: ServerState) -> None:
             architecture=backend.architecture,
             bos_token=backend.bos_text,
             eos_token=backend.eos_text,
+            jinja=s.jinja,
         )
         cache = prompt_cache(s, backend.n_ctx)
-        engine = Engine(backend, engine_options(s, cache is not None), cache=cache)
+        disk = disk_tier(s, cache, backend, path)
+        engine = Engine(backend, engine_options(s, cache is not None), cache=cache, disk=disk)
         if s.prefix_share and not backend.kv_unified:
             log.warning("prefix sharing is off: it needs unified KV (--kv-unified)")
         engine.stats.observers.append(st.metrics.observe)
@@ -116,7 +173,8 @@ def load(st: ServerState) -> None:
         st.engine = engine
         log.info(
             "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
-            "chat template %s, checkpoints %s, RAM cache %s",
+            "chat template %s, checkpoints %s, RAM cache %s, disk cache %s, backend sampling %s, "
+            "CPU sampling threads %d",
             path,
             backend.n_ctx,
             backend.n_ctx_slot,
@@ -127,6 +185,9 @@ def load(st: ServerState) -> None:
             st.template.name,
             "on" if engine.ckpt.enabled else "off",
             f"{s.cache_ram} MiB" if cache else "off",
+            f"{s.cache_disk_mib} MiB in {s.cache_disk}" if disk else "off",
+            "on" if s.backend_sampling else "off",
+            engine.par.workers,
         )
     except Exception as e:
         log.exception("failed to load the model")
@@ -151,7 +212,10 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
             load(st)
         yield
         if st.engine is not None:
+            await asyncio.to_thread(spill_to_disk, st)
             st.engine.stop()
+            if st.engine.disk is not None:
+                st.engine.disk.close()
         if st.backend is not None and (st.engine is None or not st.engine._thread.is_alive()):
             st.backend.close()
 
@@ -163,10 +227,18 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
     app.include_router(metrics_routes.router)
-    # Outermost last: count -> CORS (answers preflights) -> key -> body limit -> JSON body.
-    app.add_middleware(JsonBody)
+    # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
+    # bodies) -> key -> body limit.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
-    app.add_middleware(ApiKeyAuth, keys=load_api_keys(settings))
+    keys = load_api_keys(settings)
+    if settings.cache_isolation == "key" and not keys:
+        log.warning("--cache-isolation key without --api-key: every client is one tenant")
+    app.add_middleware(ApiKeyAuth, keys=keys)
+    app.add_middleware(
+        RequestGuard,
+        cors_origins=_csv(settings.cors_origins),
+        allowed_hosts=_csv(settings.allowed_hosts or ""),
+    )
     app.add_middleware(
         CORSMiddleware,
         allow_origins=_csv(settings.cors_origins),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -46,6 +47,7 @@ BUILTIN_TEMPLATES: dict[str, str] = {
         "{% for message in messages %}"
         "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
         "{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}{% set ns.system = '' %}"
+        "{% elif message['role'] == 'tool' %}{{ '[TOOL_RESULTS]' + message['content'] + '[/TOOL_RESULTS]' }}"
         "{% else %}{{ message['content'] + eos_token }}{% endif %}"
         "{% endfor %}"
     ),
@@ -93,7 +95,14 @@ class ChatTemplate:
         self.name = name or "custom"
         self.bos_token = bos_token
         self.eos_token = eos_token
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
+        # loopcontrols ({% break %}, {% continue %}): Hugging Face renders with it, and
+        # templates use it (Command R7B, Kimi K3, ...)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            autoescape=False,
+            extensions=["jinja2.ext.loopcontrols"],
+        )
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(
             v, ensure_ascii=False, indent=indent
         )
@@ -101,6 +110,8 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self._tpl = env.from_string(source)
+            # the variables the template reads (``tools`` marks Hugging Face tool support)
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template does not parse: {e}") from e
 
@@ -146,8 +157,15 @@ def pick_template(
     architecture: str,
     bos_token: str,
     eos_token: str,
+    jinja: bool = True,
 ) -> ChatTemplate:
-    """--chat-template-file, then --chat-template NAME, then the model's own, then by architecture."""
+    """--chat-template-file, then --chat-template NAME, then the model's own, then by architecture.
+
+    With ``jinja`` off (--no-jinja) no Jinja template from a file, the flag or the model is
+    rendered: as llama-server does, the built-in template that template is recognised as is
+    used (by its markers; failing that, by the model's architecture)."""
+    if not jinja:
+        return _builtin_for(name, file, model_template, architecture, bos_token, eos_token)
     if file:
         with open(file, encoding="utf-8") as f:
             return ChatTemplate(f.read(), bos_token, eos_token, name=file)
@@ -163,4 +181,39 @@ def pick_template(
     if model_template:
         return ChatTemplate(model_template, bos_token, eos_token, name="model")
     builtin = ARCH_TEMPLATES.get(architecture, "chatml")
+    return ChatTemplate(BUILTIN_TEMPLATES[builtin], bos_token, eos_token, name=builtin)
+
+
+# Markers that identify a Jinja template as one of the built-ins (llama.cpp's
+# llm_chat_detect_template does the same for --no-jinja).
+_MARKERS = (
+    ("<start_of_turn>", "gemma"),
+    ("<|start_header_id|>", "llama3"),
+    ("<|im_start|>", "chatml"),
+    ("[INST]", "mistral"),
+)
+
+
+def _builtin_for(
+    name: str | None,
+    file: str | None,
+    model_template: str | None,
+    architecture: str,
+    bos_token: str,
+    eos_token: str,
+) -> ChatTemplate:
+    if name in BUILTIN_TEMPLATES:
+        builtin = name
+    else:
+        source = name or model_template or ""
+        if file:
+            with open(file, encoding="utf-8") as f:
+                source = f.read()
+        found = [b for marker, b in _MARKERS if marker in source]
+        if (name or file) and not found:  # only the model's own falls back, as there
+            raise ValueError(
+                f"--no-jinja: chat template {file or name!r} is none of the built-ins "
+                f"({', '.join(BUILTIN_TEMPLATES)})"
+            )
+        builtin = found[0] if found else ARCH_TEMPLATES.get(architecture, "chatml")
     return ChatTemplate(BUILTIN_TEMPLATES[builtin], bos_token, eos_token, name=builtin)

@@ -1,13 +1,34 @@
-"""Settings: one field per llama-server flag, with its default; also read from LLAMA_ARG_* variables."""
+"""Settings: one field per implemented llama-server flag, with its default; also read from
+LLAMA_ARG_* variables. The flag tables are in ``server.flags``; the rest of llama-server's
+flags are accepted, checked and ignored (``Settings.compat``, one warning: ``warn_ignored``)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from .flags import ANY, BOOL, COMPAT, COMPAT_GROUPS, INT_PAIR, OPTIONS, SWITCH, Compat, Opt
+
+__all__ = [
+    "OPTIONS",
+    "COMPAT",
+    "Opt",
+    "Compat",
+    "Settings",
+    "build_parser",
+    "parse_settings",
+    "ignored_flags",
+    "warn_ignored",
+    "load_api_keys",
+]
+
+# llama-server's "auto" slot count (-np -1) in unified-KV mode.
+AUTO_PARALLEL = 4
 
 
 class Settings(BaseModel):
@@ -15,7 +36,7 @@ class Settings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     ctx_size: int = Field(8192, ge=0)
-    parallel: int = Field(4, ge=1, le=256)
+    parallel: int = Field(AUTO_PARALLEL, ge=1, le=256)
     batch_size: int = Field(2048, ge=1)
     ubatch_size: int = Field(512, ge=1)
     threads: int = -1
@@ -24,16 +45,38 @@ class Settings(BaseModel):
     kv_unified: bool = True
     swa_full: bool = False
     flash_attn: str = "auto"
+    backend_sampling: bool = False  # -bs: sampler chains in the decode graph when they can
+    sample_threads: int = Field(-1, ge=-1)  # CPU sampling workers (-1: auto, 0: off)
     slot_prompt_similarity: float = Field(0.10, ge=0.0, le=1.0)
     n_predict: int = -1
     alias: str | None = None
+    jinja: bool = True
     chat_template: str | None = None
     chat_template_file: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: str = "auto"
+    reasoning: str = "auto"
+    reasoning_effort: str | None = None
+    # Default sampling: a request gets these for the fields it leaves out (the ranges are the
+    # request fields' own, server.schemas.SamplingFields).
     seed: int = -1
+    temperature: float = Field(0.8, ge=0.0, le=100.0)
+    top_k: int = Field(40, ge=0, le=1_000_000)
+    top_p: float = Field(0.95, ge=0.0, le=1.0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    repeat_last_n: int = Field(64, ge=-1, le=1_000_000)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    keep: int = Field(0, ge=-1)  # a request's n_keep default (context shift)
     slots: bool = True
+    props: bool = False
     cache_ram: int = Field(8192, ge=-1)
     cache_ram_tokens: int = Field(0, ge=0)
     cache_idle_slots: bool = True
+    cache_disk: str | None = None
+    cache_disk_mib: int = Field(16384, ge=0)
+    cache_isolation: str = "none"
     ctx_checkpoints: int = Field(32, ge=0)
     checkpoint_min_step: int = Field(8192, ge=0)
     metrics: bool = False
@@ -41,335 +84,271 @@ class Settings(BaseModel):
     prefix_share_min: int = Field(128, ge=0)
     api_key: str | None = None
     api_key_file: str | None = None
+    allowed_hosts: str | None = None
     cors_origins: str = "*"
     cors_methods: str = "*"
     cors_headers: str = "*"
+    ssl_key_file: str | None = None
+    ssl_cert_file: str | None = None
     max_body_mb: float = Field(16, gt=0)
     max_queue: int = Field(256, ge=0)
     timeout: float = Field(600, gt=0)
     slot_save_path: str | None = None
     verbose: bool = False
+    log_verbosity: int = 3
+    log_disable: bool = False
+    log_file: str | None = None
+    # Accepted-and-ignored llama-server flags that were given: Compat.name -> value.
+    compat: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _auto_parallel(cls, v: Any) -> Any:
+        return AUTO_PARALLEL if v == -1 else v
 
-@dataclass(frozen=True)
-class Opt:
-    flags: tuple[str, ...]
-    dest: str
-    env: str
-    help: str
-    kind: Any = str  # a type, or "bool" for a --x / --no-x pair
-    neg: tuple[str, ...] = ()
-    choices: tuple[str, ...] | None = None
-
-
-OPTIONS: list[Opt] = [
-    Opt(
-        ("-m", "--model"),
-        "model",
-        "LLAMA_ARG_MODEL",
-        "GGUF model path (default: the embedded Gemma 3 270M package)",
-    ),
-    Opt(("--host",), "host", "LLAMA_ARG_HOST", "address to listen on (default: 127.0.0.1)"),
-    Opt(("--port",), "port", "LLAMA_ARG_PORT", "port to listen on (default: 8080)", int),
-    Opt(
-        ("-c", "--ctx-size"),
-        "ctx_size",
-        "LLAMA_ARG_CTX_SIZE",
-        "total KV context size in tokens (default: 8192; 0 = the model's training context)",
-        int,
-    ),
-    Opt(
-        ("-np", "--parallel"),
-        "parallel",
-        "LLAMA_ARG_N_PARALLEL",
-        "number of slots (default: 4)",
-        int,
-    ),
-    Opt(
-        ("-b", "--batch-size"),
-        "batch_size",
-        "LLAMA_ARG_BATCH",
-        "logical batch: most tokens decoded in one step (default: 2048)",
-        int,
-    ),
-    Opt(
-        ("-ub", "--ubatch-size"),
-        "ubatch_size",
-        "LLAMA_ARG_UBATCH",
-        "physical batch size (default: 512)",
-        int,
-    ),
-    Opt(
-        ("-t", "--threads"),
-        "threads",
-        "LLAMA_ARG_THREADS",
-        "threads for generation (default: all cores)",
-        int,
-    ),
-    Opt(
-        ("-tb", "--threads-batch"),
-        "threads_batch",
-        "LLAMA_ARG_THREADS_BATCH",
-        "threads for prompt processing (default: same as --threads)",
-        int,
-    ),
-    Opt(
-        ("-ngl", "--n-gpu-layers", "--gpu-layers"),
-        "n_gpu_layers",
-        "LLAMA_ARG_N_GPU_LAYERS",
-        "layers to offload to the GPU (default: all)",
-        int,
-    ),
-    Opt(
-        ("-kvu", "--kv-unified"),
-        "kv_unified",
-        "LLAMA_ARG_KV_UNIFIED",
-        "one KV buffer shared by all slots (default: on)",
-        "bool",
-        neg=("--no-kv-unified", "-no-kvu"),
-    ),
-    Opt(
-        ("--swa-full",),
-        "swa_full",
-        "LLAMA_ARG_SWA_FULL",
-        "full-size KV cache for sliding-window layers (default: off)",
-        "bool",
-    ),
-    Opt(
-        ("-fa", "--flash-attn"),
-        "flash_attn",
-        "LLAMA_ARG_FLASH_ATTN",
-        "flash attention: on, off or auto (default: auto)",
-        str,
-        choices=("on", "off", "auto"),
-    ),
-    Opt(
-        ("-sps", "--slot-prompt-similarity"),
-        "slot_prompt_similarity",
-        "LLAMA_ARG_SLOT_PROMPT_SIMILARITY",
-        "how much of a prompt must match a slot's tokens to pick that slot (default: 0.10, 0 = off)",
-        float,
-    ),
-    Opt(
-        ("-n", "--n-predict"),
-        "n_predict",
-        "LLAMA_ARG_N_PREDICT",
-        "most tokens to generate per request (default: -1, unlimited)",
-        int,
-    ),
-    Opt(("-a", "--alias"), "alias", "LLAMA_ARG_ALIAS", "model name reported by the API"),
-    Opt(
-        ("--chat-template",),
-        "chat_template",
-        "LLAMA_ARG_CHAT_TEMPLATE",
-        "built-in chat template name (chatml, gemma, llama3, mistral) or a Jinja template",
-    ),
-    Opt(
-        ("--chat-template-file",),
-        "chat_template_file",
-        "LLAMA_ARG_CHAT_TEMPLATE_FILE",
-        "file holding a Jinja chat template",
-    ),
-    Opt(
-        ("-s", "--seed"),
-        "seed",
-        "LLAMA_ARG_SEED",
-        "default sampling seed (default: -1, random)",
-        int,
-    ),
-    Opt(
-        ("--slots",),
-        "slots",
-        "LLAMA_ARG_ENDPOINT_SLOTS",
-        "expose the /slots endpoint (default: on)",
-        "bool",
-        neg=("--no-slots",),
-    ),
-    Opt(
-        ("-cram", "--cache-ram"),
-        "cache_ram",
-        "LLAMA_ARG_CACHE_RAM",
-        "RAM prompt cache size in MiB (default: 8192, -1 = no limit, 0 = off)",
-        int,
-    ),
-    Opt(
-        ("--cache-ram-tokens",),
-        "cache_ram_tokens",
-        "LLAMA_ARG_CACHE_RAM_TOKENS",
-        "RAM prompt cache token limit (default: the context size; raised to what the byte "
-        "limit holds)",
-        int,
-    ),
-    Opt(
-        ("--cache-idle-slots",),
-        "cache_idle_slots",
-        "LLAMA_ARG_CACHE_IDLE_SLOTS",
-        "save idle slots to the RAM cache when a task starts, and clear them in unified KV mode "
-        "(default: on; needs --cache-ram)",
-        "bool",
-        neg=("--no-cache-idle-slots",),
-    ),
-    Opt(
-        ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),
-        "ctx_checkpoints",
-        "LLAMA_ARG_CTX_CHECKPOINTS",
-        "most context checkpoints per slot for SWA/recurrent models (default: 32, 0 = off)",
-        int,
-    ),
-    Opt(
-        ("-cms", "--checkpoint-min-step"),
-        "checkpoint_min_step",
-        "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT",
-        "least spacing in tokens between mid-prompt checkpoints (default: 8192)",
-        int,
-    ),
-    Opt(
-        ("--slot-save-path",),
-        "slot_save_path",
-        "LLAMA_ARG_SLOT_SAVE_PATH",
-        "directory for POST /slots/{id}?action=save|restore (default: off)",
-    ),
-    Opt(
-        ("--api-key",),
-        "api_key",
-        "LLAMA_API_KEY",
-        "API key(s), comma-separated; every endpoint but /health then needs one (default: none)",
-    ),
-    Opt(
-        ("--api-key-file",),
-        "api_key_file",
-        "LLAMA_ARG_API_KEY_FILE",
-        "file with API keys, one per line",
-    ),
-    Opt(
-        ("--cors-origins",),
-        "cors_origins",
-        "LLAMA_ARG_CORS_ORIGINS",
-        "allowed CORS origins, comma-separated (default: *)",
-    ),
-    Opt(
-        ("--cors-methods",),
-        "cors_methods",
-        "LLAMA_ARG_CORS_METHODS",
-        "allowed CORS methods, comma-separated (default: *)",
-    ),
-    Opt(
-        ("--cors-headers",),
-        "cors_headers",
-        "LLAMA_ARG_CORS_HEADERS",
-        "allowed CORS request headers, comma-separated (default: *)",
-    ),
-    Opt(
-        ("--max-body-mb",),
-        "max_body_mb",
-        "LLAMA_ARG_MAX_BODY_MB",
-        "largest request body in MiB; larger ones get 413 (default: 16)",
-        float,
-    ),
-    Opt(
-        ("--max-queue",),
-        "max_queue",
-        "LLAMA_ARG_MAX_QUEUE",
-        "most requests waiting for a slot; beyond it 503 with Retry-After (default: 256)",
-        int,
-    ),
-    Opt(
-        ("-to", "--timeout"),
-        "timeout",
-        "LLAMA_ARG_TIMEOUT",
-        'seconds a request may run before it is ended (default: 600; per request: "timeout")',
-        float,
-    ),
-    Opt(
-        ("--prefix-share",),
-        "prefix_share",
-        "LLAMA_ARG_PREFIX_SHARE",
-        "share prompt prefixes between slots with seq_cp, also while another request is "
-        "still computing them (default: on; needs unified KV)",
-        "bool",
-        neg=("--no-prefix-share",),
-    ),
-    Opt(
-        ("--prefix-share-min",),
-        "prefix_share_min",
-        "LLAMA_ARG_PREFIX_SHARE_MIN",
-        "least shared prefix (tokens) worth waiting for while another request computes it "
-        "(default: 128; 0 = never wait)",
-        int,
-    ),
-    Opt(
-        ("--metrics",),
-        "metrics",
-        "LLAMA_ARG_ENDPOINT_METRICS",
-        "expose Prometheus metrics at /metrics (default: off)",
-        "bool",
-    ),
-    Opt(("-v", "--verbose"), "verbose", "LLAMA_ARG_VERBOSE", "debug logging", "bool"),
-]
 
 _TRUE = {"1", "true", "yes", "on", "enabled"}
 _FALSE = {"0", "false", "no", "off", "disabled"}
 
+EPILOG = (
+    "The groups 'accepted and ignored' hold the rest of llama-server's flags ("
+    + ", ".join(COMPAT_GROUPS)
+    + "): they are accepted, so a llama-server command line starts this server unchanged, and "
+    "their values are checked, but they change nothing; one warning at start-up names those "
+    "given that would have changed what llama-server does."
+)
+
+
+# ---- print-and-exit flags ---------------------------------------------------------------
+
+
+def _version(_: argparse.ArgumentParser) -> str:
+    def ver(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    return (
+        f"version: llama-slot-server {ver('llama-slot-server')}\n"
+        f"built with llama.cpp from llama-cpp-python {ver('llama-cpp-python')}\n"
+    )
+
+
+def _completion_bash(parser: argparse.ArgumentParser) -> str:
+    words = " ".join(sorted(parser._option_string_actions))
+    return (
+        "_llama_slot_server_completions() {\n"
+        f'    COMPREPLY=( $(compgen -W "{words}" -- "${{COMP_WORDS[COMP_CWORD]}}") )\n'
+        "}\n"
+        "complete -F _llama_slot_server_completions llama-slot-server llama-server\n"
+    )
+
+
+def _cache_list(_: argparse.ArgumentParser) -> str:
+    # llama-server lists the models it downloaded; this server downloads none.
+    return "number of models in cache: 0\n"
+
+
+def _list_devices(_: argparse.ArgumentParser) -> str:
+    lines = ["Available devices:"]
+    try:
+        import llama_cpp
+
+        gpu = bool(llama_cpp.llama_supports_gpu_offload())
+        lines.append("  GPU offload supported" if gpu else "  (CPU only: no GPU offload)")
+    except Exception as e:  # a broken install still answers
+        lines.append(f"  (llama.cpp not loadable: {e})")
+    return "\n".join(lines) + "\n"
+
+
+class _PrintAndExit(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, text: Any, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+        self.text = text
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(self.text(parser), end="")
+        parser.exit(0)
+
+
+# ---- the parser -------------------------------------------------------------------------
+
+
+def _add_opt(g: Any, o: Opt) -> None:
+    help = f"{o.help} [env {o.env}]"
+    if o.kind == "bool":
+        g.add_argument(*o.flags, dest=o.dest, action="store_true", default=None, help=help)
+        if o.neg:
+            g.add_argument(
+                *o.neg, dest=o.dest, action="store_false", default=None, help=f"off: {o.flags[-1]}"
+            )
+        return
+    g.add_argument(*o.flags, dest=o.dest, type=o.kind, default=None, choices=o.choices, help=help)
+
+
+def _compat_dest(c: Compat) -> str:
+    return f"compat:{c.name}"
+
+
+def _add_compat(g: Any, c: Compat) -> None:
+    kw: dict[str, Any] = {"dest": _compat_dest(c), "default": None}
+    kw["help"] = f"[env {c.env}]" if c.env else None
+    if c.value in (SWITCH, BOOL):
+        g.add_argument(*c.flags, action="store_true", **kw)
+        if c.neg:
+            g.add_argument(*c.neg, action="store_false", **{**kw, "help": None})
+    elif c.value == INT_PAIR:
+        g.add_argument(*c.flags, type=int, nargs=2, metavar=("START", "END"), **kw)
+    elif isinstance(c.value, tuple):
+        g.add_argument(*c.flags, choices=c.value, **kw)
+    else:
+        g.add_argument(*c.flags, type=c.value, metavar="VALUE", **kw)
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag: the implemented ones, the print-and-exit ones, then the ignored groups.
+    Names must match exactly (no abbreviations); for a flag given twice the last one wins."""
     p = argparse.ArgumentParser(
         prog="python -m server",
-        description="OpenAI-compatible llama.cpp server with slot-level KV reuse. "
-        "Every flag can also be set with the environment variable shown.",
+        usage="%(prog)s [flags]  (llama-server's flags; see below)",
+        description="OpenAI-compatible llama.cpp server with slot-level KV reuse, started with "
+        "llama-server's command line. Every flag can also be set with the environment "
+        "variable shown.",
+        epilog=EPILOG,
+        add_help=False,
+        allow_abbrev=False,
     )
+    info = p.add_argument_group("information (print and exit)")
+    info.add_argument("-h", "--help", "--usage", action="help", help="this help")
+    for flags, text, what in (
+        (("--version",), _version, "version and build"),
+        (("--completion-bash",), _completion_bash, "a bash completion script"),
+        (("-cl", "--cache-list"), _cache_list, "downloaded models (none: no downloads here)"),
+        (("--list-devices",), _list_devices, "devices llama.cpp can offload to"),
+    ):
+        info.add_argument(*flags, action=_PrintAndExit, text=text, help=what)
+    impl = p.add_argument_group("server")
     for o in OPTIONS:
-        if o.kind == "bool":
-            g = p.add_mutually_exclusive_group()
-            g.add_argument(
-                *o.flags,
-                dest=o.dest,
-                action="store_true",
-                default=None,
-                help=f"{o.help} [env {o.env}]",
-            )
-            if o.neg:
-                g.add_argument(
-                    *o.neg,
-                    dest=o.dest,
-                    action="store_false",
-                    default=None,
-                    help=f"turn off {o.flags[-1]}",
-                )
-        else:
-            p.add_argument(
-                *o.flags,
-                dest=o.dest,
-                type=o.kind,
-                default=None,
-                choices=o.choices,
-                help=f"{o.help} [env {o.env}]",
-            )
+        _add_opt(impl, o)
+    groups = {name: p.add_argument_group(f"accepted and ignored: {name}") for name in COMPAT_GROUPS}
+    for c in COMPAT:
+        _add_compat(groups[c.group], c)
     return p
 
 
-def _env_value(o: Opt, raw: str) -> Any:
-    if o.kind == "bool":
-        v = raw.strip().lower()
-        if v in _TRUE:
-            return True
-        if v in _FALSE:
-            return False
-        raise ValueError(f"{o.env}: expected a boolean, got {raw!r}")
-    return raw if o.kind is str else o.kind(raw)
+# ---- environment variables ----------------------------------------------------------------
 
 
-def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Settings:
-    """Flags win over environment variables, which win over defaults."""
-    env = os.environ if env is None else env
-    args = build_parser().parse_args(argv)
+def _bool(env: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{env}: expected a boolean, got {raw!r}")
+
+
+def _env_value(env: str, raw: str, kind: Any, choices: tuple[str, ...] | None) -> Any:
+    """An environment variable's text as the flag's value; ValueError naming the variable."""
+    if kind in ("bool", SWITCH, BOOL):
+        return _bool(env, raw)
+    if choices is not None:
+        if raw not in choices:
+            raise ValueError(f"{env}: expected one of {', '.join(choices)}, got {raw!r}")
+        return raw
+    try:
+        if kind != INT_PAIR:
+            return kind(raw)
+        pair = [int(x) for x in raw.split()]
+        if len(pair) != 2:
+            raise ValueError("expected two integers")
+        return pair
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise ValueError(f"{env}: invalid value {raw!r} ({e})") from None
+
+
+def _set(env: Any, name: str) -> str | None:
+    raw = env.get(name) if name else None
+    return raw if raw else None
+
+
+def _option_values(args: argparse.Namespace, env: Any) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for o in OPTIONS:
-        if o.env in env and env[o.env] != "":
-            values[o.dest] = _env_value(o, env[o.env])
+        raw = _set(env, o.env)
+        if raw is not None:
+            values[o.dest] = _env_value(o.env, raw, o.kind, o.choices)
         cli = getattr(args, o.dest)
         if cli is not None:
             values[o.dest] = cli
-    return Settings(**values)
+    return values
+
+
+def _compat_values(args: argparse.Namespace, env: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for c in COMPAT:
+        raw = _set(env, c.env)
+        if raw is not None:
+            choices = c.value if isinstance(c.value, tuple) else None
+            v = _env_value(c.env, raw, c.value, choices)
+            # a switch's variable set to false is the switch not given
+            if not (c.value == SWITCH and v is False):
+                out[c.name] = v
+        cli = getattr(args, _compat_dest(c))
+        if cli is not None:
+            out[c.name] = cli
+    return out
+
+
+def _flag_of(field: str) -> str:
+    return next(("/".join(o.flags) for o in OPTIONS if o.dest == field), field)
+
+
+def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Settings:
+    """Flags win over environment variables, which win over defaults. A malformed value, on
+    the command line or in a variable, exits with status 2 and a message, as argparse does."""
+    env = os.environ if env is None else env
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        values = _option_values(args, env)
+        values["compat"] = _compat_values(args, env)
+        return Settings(**values)
+    except ValidationError as e:
+        msgs = [f"{_flag_of(str(err['loc'][0]))}: {err['msg']}" for err in e.errors()]
+        parser.error("; ".join(msgs))
+    except ValueError as e:
+        parser.error(str(e))
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+def ignored_flags(s: Settings) -> list[str]:
+    """The accepted-and-ignored flags given whose value would change what llama-server does
+    (a value equal to this server's own behaviour is not ignored, it is what happens)."""
+    by_name = {c.name: c for c in COMPAT}
+    out = []
+    for name, value in s.compat.items():
+        ours = by_name[name].ours
+        if ours != ANY and value != ours:
+            out.append(name)
+    return out
+
+
+def warn_ignored(s: Settings, log: logging.Logger | None = None) -> str | None:
+    """Log one warning naming the ignored flags (by group); the message, or None if none."""
+    names = ignored_flags(s)
+    if not names:
+        return None
+    by_name = {c.name: c for c in COMPAT}
+    spelled = ["/".join(f for f in by_name[n].flags if f.startswith("--")) for n in names]
+    groups = sorted({by_name[n].group for n in names}, key=COMPAT_GROUPS.index)
+    msg = (
+        f"ignoring llama-server flags this server does not implement: {' '.join(spelled)} "
+        f"({'; '.join(groups)})"
+    )
+    (log or logging.getLogger("server")).warning(msg)
+    return msg
 
 
 def load_api_keys(s: Settings) -> list[str]:

@@ -23,6 +23,7 @@ TYPES = {
     404: "not_found_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     501: "not_supported_error",
     503: "unavailable_error",
@@ -97,6 +98,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, _describe(list(exc.errors())))
+
+    @app.exception_handler(UnicodeError)
+    async def _unicode(_: Request, exc: UnicodeError) -> JSONResponse:
+        # JSON may carry "\ud800": a lone surrogate, which no tokenizer can encode
+        return error_response(400, f"the request holds text that is not valid Unicode: {exc}")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

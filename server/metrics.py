@@ -141,6 +141,11 @@ def _beyond(st: Any) -> Iterator[Metric]:
         "Time spent in engine steps that decoded",
         st.step_seconds_total,
     )
+    yield _counter(
+        "llamaslot_kv_exhausted",
+        "Requests ended with an error because the KV cache had no room for their next token",
+        st.kv_exhausted,
+    )
     yield _counter("llamaslot_slot_files_saved", "Slot files saved", st.slot_saves)
     yield _counter("llamaslot_slot_files_restored", "Slot files restored", st.slot_restores)
     yield _counter(
@@ -161,6 +166,23 @@ def _beyond(st: Any) -> Iterator[Metric]:
         "Prompt tokens shared from another sequence by seq_cp",
         st.prefix_shared_tokens,
     )
+
+
+def _sampling(st: Any) -> Iterator[Metric]:
+    """Where requests sampled under -bs (backend sampling)."""
+    yield _counter(
+        "llamaslot_backend_sampled_requests",
+        "Requests whose sampler chain ran on the backend (-bs)",
+        st.backend_sampled,
+    )
+    fb = CounterMetricFamily(
+        "llamaslot_backend_sampling_fallbacks",
+        "Requests that sampled on the CPU under -bs, by reason",
+        labels=["reason"],
+    )
+    for reason, n in list(st.sampling_fallbacks.items()):
+        fb.add_metric([reason], n)
+    yield fb
 
 
 def _per_slot(slots: list[Any]) -> Iterator[Metric]:
@@ -204,6 +226,34 @@ def _cache(cache: Any) -> Iterator[Metric]:
     )
 
 
+def _disk(disk: Any) -> Iterator[Metric]:
+    """The disk tier's size, limit, counters and load time."""
+    d = disk.describe()
+    c = d["counters"]
+    yield _gauge("llamaslot_disk_cache_bytes", "Disk cache size in bytes", d["n_bytes"])
+    yield _gauge("llamaslot_disk_cache_entries", "Entries in the disk cache", d["n_entries"])
+    yield _gauge("llamaslot_disk_cache_limit_bytes", "Disk cache byte limit", d["limit_bytes"])
+    yield _gauge("llamaslot_disk_cache_pending", "Entries waiting for the writer", d["n_pending"])
+    for key, doc in (
+        ("hits", "Disk cache hits: entries restored into a slot"),
+        ("misses", "Disk cache lookups that found nothing usable"),
+        ("writes", "Entries written to the disk cache"),
+        ("bytes_written", "Bytes written to the disk cache"),
+        ("write_failures", "Disk cache writes that failed"),
+        ("write_drops", "Entries not written: the writer was too far behind"),
+        ("evictions", "Disk cache entries evicted for the byte limit"),
+        ("load_failures", "Chosen disk cache entries that could not be loaded"),
+        ("bad_files", "Hostile or damaged files skipped in the disk cache directory"),
+        ("bytes_read", "Bytes restored from the disk cache"),
+    ):
+        yield _counter(f"llamaslot_disk_cache_{key}", doc, c[key])
+    yield _counter(
+        "llamaslot_disk_cache_load_seconds",
+        "Time spent restoring disk cache entries into slots",
+        c["load_ms_total"] / 1e3,
+    )
+
+
 class _EngineCollector:
     """Reads the engine's counters at each scrape (nothing before the engine exists)."""
 
@@ -218,9 +268,12 @@ class _EngineCollector:
         slots = list(engine.slots)
         yield from _llamacpp(engine, slots)
         yield from _beyond(engine.stats)
+        yield from _sampling(engine.stats)
         yield from _per_slot(slots)
         if engine.cache is not None:
             yield from _cache(engine.cache)
+        if getattr(engine, "disk", None) is not None:
+            yield from _disk(engine.disk)
 
 
 class ServerMetrics:

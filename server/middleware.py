@@ -4,6 +4,7 @@ They sit below the routes: they import nothing from ``server.routes``."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from typing import Any
@@ -65,6 +66,13 @@ class ApiKeyAuth:
             ok |= hmac.compare_digest(given, k)
         return ok
 
+    @staticmethod
+    def _remember(scope: Scope, key: bytes) -> None:
+        """The request's key, as a tenant name (--cache-isolation key): a digest, so the key
+        itself never reaches logs or /slots."""
+        digest = hashlib.sha256(key).hexdigest()[:16]
+        scope.setdefault("state", {})["api_key_id"] = digest
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
@@ -81,6 +89,7 @@ class ApiKeyAuth:
         else:
             given = (_header(scope, b"x-api-key") or b"").strip()
         if given and self._valid(given):
+            self._remember(scope, given)
             await self.app(scope, receive, send)
             return
         await send_json(
@@ -132,19 +141,84 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-class JsonBody:
-    """Read POST bodies as JSON whatever Content-Type says, as llama-server does
-    (``curl -d`` sends application/x-www-form-urlencoded)."""
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
+# Endpoints that change server state (files, slots, settings): not for any web page.
+_STATE_PREFIXES = ("/slots", "/cache", "/props")
 
-    def __init__(self, app: ASGIApp) -> None:
+
+def _hostname(authority: str) -> str:
+    """``host[:port]`` (or ``[v6]:port``) without the port, lower case."""
+    a = authority.strip().lower()
+    if a.startswith("["):
+        return a[: a.find("]") + 1] if "]" in a else a
+    return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
+
+
+def _origin_host(origin: str) -> str:
+    return _hostname(origin.split("://", 1)[1]) if "://" in origin else ""
+
+
+def _json_type(ctype: bytes) -> bool:
+    media = ctype.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or media.endswith(b"+json")
+
+
+class RequestGuard:
+    """What a web page must not do to a server it can reach (DNS rebinding, cross-site
+    requests that need no CORS preflight):
+
+    - with ``allowed_hosts``, the Host header must name one of them (403);
+    - a request with an ``Origin`` must come from an allowed origin: one of ``cors_origins``
+      when set; when it is ``*`` (the default), any origin may generate, but only local
+      pages (localhost, 127.0.0.1, [::1]) may reach the endpoints that change state (403);
+    - a POST body must be JSON (``application/json`` or ``+json``, else 415); a missing type
+      and curl's form type pass only without an Origin, so ``curl -d`` keeps working.
+
+    Bodies that pass are handed on as JSON (llama-server reads them whatever the type).
+    """
+
+    def __init__(self, app: ASGIApp, cors_origins: list[str], allowed_hosts: list[str]) -> None:
         self.app = app
+        self.any_origin = cors_origins in ([], ["*"])
+        self.origins = {o.rstrip("/").lower() for o in cors_origins}
+        self.hosts = {_hostname(h) for h in allowed_hosts}
+
+    def _refusal(self, scope: Scope) -> tuple[int, str] | None:
+        if self.hosts:
+            host = (_header(scope, b"host") or b"").decode("latin-1")
+            if _hostname(host) not in self.hosts:
+                return 403, f"host {host!r} is not allowed (--allowed-hosts)"
+        origin_raw = _header(scope, b"origin")
+        origin = origin_raw.decode("latin-1").rstrip("/").lower() if origin_raw else None
+        if origin is not None and scope.get("method") != "OPTIONS":
+            if not self.any_origin and origin not in self.origins:
+                return 403, f"origin {origin!r} is not allowed (--cors-origins)"
+            path = scope.get("path", "")
+            local = _origin_host(origin) in _LOCAL_HOSTS
+            if self.any_origin and path.startswith(_STATE_PREFIXES) and not local:
+                return 403, f"origin {origin!r} may not change server state; see --cors-origins"
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            ctype = _header(scope, b"content-type")
+            lenient = origin is None and (
+                ctype is None or ctype.startswith(b"application/x-www-form-urlencoded")
+            )
+            has_body = _header(scope, b"content-length") not in (None, b"0")
+            if not lenient and (ctype is not None or has_body) and not _json_type(ctype or b""):
+                kind = (ctype or b"none").decode("latin-1")
+                return 415, f"the body must be JSON (Content-Type application/json), not {kind}"
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST":
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await send_json(send, refusal[0], error_body(*refusal))
+            return
+        if scope.get("method") == "POST":
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
-            ctype = next((v for k, v in scope.get("headers", []) if k == b"content-type"), b"")
-            if b"json" not in ctype:
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top log-probabilities per token
@@ -18,6 +19,41 @@ class _Req(BaseModel):
 
     # Unknown fields are ignored, as OpenAI-compatible servers do.
     model_config = ConfigDict(extra="ignore")
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+def _not_true(v: Any) -> bool:
+    return v is None or v is False
+
+
+# Fail closed: OpenAI request fields this server knows but does not implement. A value that
+# asks for their behaviour is a 400 naming the field, never silently dropped (README "Fields
+# that are refused"); the value each one may take where it asks for nothing is accepted.
+# Fields unknown to the server are still ignored, as llama-server does.
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "audio": (_absent, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], 'only ["text"] is supported'),
+    "prediction": (_absent, "predicted outputs are not supported"),
+    "web_search_options": (_absent, "web search is not supported"),
+    "functions": (_absent, "the legacy functions field is not supported (use tools)"),
+    "function_call": (_absent, "the legacy function_call field is not supported (use tool_choice)"),
+    "store": (_not_true, "stored completions are not supported"),
+    "verbosity": (_absent, "verbosity is not supported"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "only the default tier exists"),
+    "suffix": (lambda v: not v, "suffix (insertion) is not supported"),
+    "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not supported"),
+}
+
+
+def _refuse_unsupported(v: Any, info: ValidationInfo) -> Any:
+    """The field validator of the UNSUPPORTED fields a request model declares."""
+    ok, why = UNSUPPORTED[info.field_name]
+    if not ok(v):
+        raise PydanticCustomError("unsupported_field", f"{why} (this server refuses the field)")
+    return v
 
 
 class StreamOptions(_Req):
@@ -46,6 +82,11 @@ class SamplingFields(_Req):
     cache_prompt: bool = True
     n_probs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] = 0
     timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None  # seconds
+    # vLLM's field: names the tenant whose cached prefixes this request may reuse
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # llama-server's constrained decoding (server.constrained.request_constraint reads them)
+    json_schema: Any = None
+    grammar: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -81,6 +122,10 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     user: str | None = None
+    suffix: Any = None  # refused (UNSUPPORTED)
+    best_of: Any = None  # refused above 1 (UNSUPPORTED)
+
+    _refused = field_validator("suffix", "best_of")(_refuse_unsupported)
 
 
 class ContentPart(_Req):
@@ -90,12 +135,33 @@ class ContentPart(_Req):
     text: str | None = None
 
 
+class CalledFunction(_Req):
+    """The function of an assistant message's tool call: OpenAI sends ``arguments`` as JSON
+    text (an object is accepted too)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Req):
+    """A tool call in the history (an assistant message's ``tool_calls``)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Req):
-    """A chat message; the role is checked against the template's roles when rendering."""
+    """A chat message; the role is checked against the template's roles when rendering.
+    Assistant messages may carry ``tool_calls`` (content then null), ``tool`` messages the
+    ``tool_call_id`` they answer; ``reasoning_content`` goes to templates that show it."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatRequest(SamplingFields):
@@ -111,6 +177,36 @@ class ChatRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None
+    response_format: Any = None  # server.constrained.request_constraint reads it
+    # tool calling and reasoning (server.tools checks them: 400 for malformed tools)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_format: Literal["none", "auto", "deepseek"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    # refused when they ask for something (UNSUPPORTED)
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    store: Any = None
+    verbosity: Any = None
+    service_tier: Any = None
+
+    _refused = field_validator(
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "functions",
+        "function_call",
+        "store",
+        "verbosity",
+        "service_tier",
+    )(_refuse_unsupported)
 
 
 class NativeCompletionRequest(SamplingFields):

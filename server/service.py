@@ -7,6 +7,7 @@ endpoint describes only what is its own in a ``Submission``."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple
 
 from .chat import ChatTemplate
 from .config import Settings
+from .constrained import CompiledConstraint, Constraint, ConstraintError, request_constraint
 from .errors import APIError
 from .schemas import SamplingFields
 from .slots.engine import Engine, EngineDead
@@ -49,6 +51,9 @@ class ServerState:
     load_error: str = ""
     metrics: Any = None
     started: float = field(default_factory=time.time)
+    # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
+    # with an error event (streams) or a 503.
+    drain_deadline: float | None = None
 
     def require_engine(self) -> Engine:
         """The running engine, or an APIError 503 saying why there is none."""
@@ -63,21 +68,55 @@ class ServerState:
         return self.engine
 
 
-def sampling_from(req: SamplingFields, backend: Any) -> SamplingParams:
-    """The request's sampler settings over llama-server's defaults; APIError 400 for a top_k
-    above the vocabulary or a bad logit_bias."""
-    p = SamplingParams()
-    for name in (
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "seed",
-        "repeat_penalty",
-        "repeat_last_n",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
+def tenant_of(st: ServerState, request: Any, cache_salt: str | None = None) -> str:
+    """Whose cached prefixes a request may reuse (--cache-isolation):
+
+    - ``none``: everyone's, except that a ``cache_salt`` keeps a request to its salt's;
+    - ``key``: its API key's (and, within it, its salt's);
+    - ``salt``: its salt's; a request without one shares with nobody.
+    """
+    mode = st.settings.cache_isolation
+    salt = f"salt:{cache_salt}" if cache_salt else ""
+    if mode == "key":
+        key = getattr(getattr(request, "state", None), "api_key_id", "")
+        return f"key:{key}" + (f"/{salt}" if salt else "")
+    if mode == "salt" and not salt:
+        return f"private:{next(_private_tenants)}"
+    return salt
+
+
+_private_tenants = itertools.count(1)
+
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def default_sampling(s: Settings | None) -> SamplingParams:
+    """The server's default sampler settings: llama-server's, or those of the flags
+    (--temp, --top-k, ..., -s) when ``s`` is given."""
+    if s is None:
+        return SamplingParams()
+    return SamplingParams(**{name: getattr(s, name) for name in SAMPLING_FIELDS})
+
+
+def sampling_from(
+    req: SamplingFields, backend: Any, settings: Settings | None = None
+) -> SamplingParams:
+    """The request's sampler settings over the server defaults (``default_sampling``): a field
+    the request leaves out (or sets to null) gets the default. APIError 400 for a top_k above
+    the vocabulary or a bad logit_bias."""
+    p = default_sampling(settings)
+    for name in SAMPLING_FIELDS:
         v = getattr(req, name)
         if v is not None:
             setattr(p, name, v)
@@ -113,6 +152,28 @@ def _logit_bias(raw: dict[str, float] | list[list[Any]], backend: Any) -> dict[i
     return out
 
 
+def constraint_of(
+    *, response_format: Any = None, json_schema: Any = None, grammar: Any = None
+) -> Constraint | None:
+    """The constraint a request's fields ask for (``constrained.request_constraint``);
+    APIError 400 naming the field and the offending part of its schema or grammar."""
+    try:
+        return request_constraint(
+            response_format=response_format, json_schema=json_schema, grammar=grammar
+        )
+    except ConstraintError as e:
+        raise APIError(400, f"cannot constrain the output: {e}") from None
+
+
+def compile_constraint(backend: Any, c: Constraint) -> CompiledConstraint:
+    """``c`` bound to the model's vocabulary (cached per constraint); APIError 400 naming the
+    offending part when it cannot be compiled: never unconstrained decoding instead."""
+    try:
+        return backend.constraint_compiler().compile(c)
+    except ConstraintError as e:
+        raise APIError(400, f"cannot constrain the output: {e}") from None
+
+
 def stops_from(req: SamplingFields) -> list[str]:
     """``stop`` as a list (a single string is one stop string)."""
     if req.stop is None:
@@ -143,19 +204,42 @@ def check_fits(prompt: list[int], backend: Any) -> None:
         )
 
 
+# Events a streaming reader may lag behind before its tasks stop generating (each is about
+# one token's text): a client that reads nothing holds its slot, not unbounded memory.
+MAX_BACKLOG = 256
+
+
 class TaskGroup:
     """Runs tasks on the engine and yields ``(index, event)`` as they come.
 
     Leaving the iteration early (client gone) cancels every task still running.
     """
 
-    def __init__(self, engine: Engine, *, timeout: float = 600.0, max_queue: int = 256) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        timeout: float = 600.0,
+        max_queue: int = 256,
+        drain_deadline: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.engine = engine
+        self.drain_deadline = drain_deadline
         self.timeout = timeout
         self.max_queue = max_queue
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.tasks: list[Task] = []
+        self.n_read: list[int] = []  # events of each task read so far (by ``events``)
+
+    def _lagging(self, index: int) -> Callable[[], bool]:
+        """Whether the reader is more than MAX_BACKLOG of task ``index``'s events behind
+        (called on the engine thread; each counter has one writer)."""
+
+        def lagging() -> bool:
+            return self.tasks[index].n_sent - self.n_read[index] > MAX_BACKLOG
+
+        return lagging
 
     def _emitter(self, index: int) -> Callable[[Event], None]:
         """The ``emit`` of the task at ``index``: thread-safe, never blocks."""
@@ -182,6 +266,7 @@ class TaskGroup:
         cache_prompt: bool = True,
         stream: bool = True,
         user_start: int = -1,
+        tenant: str = "",
     ) -> Task:
         """Add a task (not yet running: ``submit`` starts them all)."""
         task = Task(
@@ -193,8 +278,11 @@ class TaskGroup:
             cache_prompt=cache_prompt,
             stream=stream,
             user_start=user_start,
+            tenant=tenant,
+            lagging=self._lagging(len(self.tasks)) if stream else None,
         )
         self.tasks.append(task)
+        self.n_read.append(0)
         return task
 
     def submit(self) -> None:
@@ -226,26 +314,37 @@ class TaskGroup:
         for t in self.tasks:
             t.cancel()
 
+    def _ended(self, deadline: float) -> TaskError | None:
+        """Why the unfinished tasks must end now, if they must: the server drains for a
+        shutdown and its grace time is over, or the request ran out of time."""
+        drain = self.drain_deadline()
+        now = time.monotonic()
+        if drain is not None and now >= drain:
+            return TaskError(503, "the server is shutting down", "unavailable_error")
+        if now >= deadline:
+            return TaskError(
+                408, f"the request timed out after {self.timeout:g} s", "timeout_error"
+            )
+        return None
+
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        """Events until every task ended. A timeout or a dead engine ends the unfinished tasks
-        with a TaskError each (so streams can still report it)."""
+        """Events until every task ended. A timeout, a shutdown's end of grace or a dead
+        engine ends the unfinished tasks with a TaskError each (so streams can report it)."""
         open_ = set(range(len(self.tasks)))
         deadline = time.monotonic() + self.timeout
         try:
             while open_:
-                failure: TaskError | None = None
-                try:
-                    wait = max(0.0, min(1.0, deadline - time.monotonic()))
-                    index, ev = await asyncio.wait_for(self.queue.get(), timeout=wait)
-                except asyncio.TimeoutError:
-                    if time.monotonic() >= deadline:
-                        failure = TaskError(
-                            408, f"the request timed out after {self.timeout:g} s", "timeout_error"
-                        )
-                    elif not self.engine.alive:
-                        failure = TaskError(500, "the engine stopped", "server_error")
-                    else:
-                        continue
+                failure = self._ended(deadline)
+                if failure is None:
+                    try:
+                        wait = max(0.0, min(1.0, deadline - time.monotonic()))
+                        index, ev = await asyncio.wait_for(self.queue.get(), timeout=wait)
+                    except asyncio.TimeoutError:
+                        failure = self._ended(deadline)
+                        if failure is None and not self.engine.alive:
+                            failure = TaskError(500, "the engine stopped", "server_error")
+                        if failure is None:
+                            continue
                 if failure is not None:
                     self.cancel()
                     for i in sorted(open_):
@@ -254,6 +353,7 @@ class TaskGroup:
                     return
                 if isinstance(ev, TaskResult | TaskError):
                     open_.discard(index)
+                self.n_read[index] += 1
                 yield index, ev
         finally:
             if open_:
@@ -315,6 +415,7 @@ class Submission:
     logprobs: bool = False
     n: int = 1
     check: Callable[[], None] = _no_check
+    constraint: Constraint | None = None  # structured output / forced format (server.constrained)
 
 
 def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
@@ -326,7 +427,9 @@ def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
     return prompts
 
 
-async def submit(st: ServerState, body: SamplingFields, job: Submission) -> TaskGroup:
+async def submit(
+    st: ServerState, body: SamplingFields, job: Submission, tenant: str = ""
+) -> TaskGroup:
     """The one path from a generating request to running tasks.
 
     Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
@@ -337,8 +440,11 @@ async def submit(st: ServerState, body: SamplingFields, job: Submission) -> Task
     # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
     # streams of other requests keep flowing meanwhile.
     prompts = await asyncio.to_thread(_checked_prompts, job, b)
-    sampling = sampling_from(body, b)
+    sampling = sampling_from(body, b, st.settings)
     job.check()
+    if job.constraint is not None:
+        # binding to the vocabulary takes milliseconds to tens of them: off the event loop
+        sampling.constraint = await asyncio.to_thread(compile_constraint, b, job.constraint)
     gen = GenParams(
         max_tokens=job.max_tokens,
         stop=stops_from(body),
@@ -347,7 +453,10 @@ async def submit(st: ServerState, body: SamplingFields, job: Submission) -> Task
         logprobs=job.logprobs,
     )
     group = TaskGroup(
-        engine, timeout=body.timeout or st.settings.timeout, max_queue=st.settings.max_queue
+        engine,
+        timeout=body.timeout or st.settings.timeout,
+        max_queue=st.settings.max_queue,
+        drain_deadline=lambda: st.drain_deadline,
     )
     for p in prompts:
         for _ in range(job.n):
@@ -359,6 +468,7 @@ async def submit(st: ServerState, body: SamplingFields, job: Submission) -> Task
                 cache_prompt=body.cache_prompt,
                 stream=job.stream,
                 user_start=p.user_start,
+                tenant=tenant,
             )
     group.submit()
     return group

@@ -10,7 +10,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 # Sequence state bytes live in one buffer (a ctypes array or a bytearray), never a list.
 StateBuf = ctypes.Array | bytearray
@@ -47,6 +47,37 @@ class Checkpoint:
 
 
 @dataclass
+class CacheCells:
+    """The cells one KV cache holds (``kind`` "full" or "swa"): cell i is at ``pos[i]`` and
+    belongs to the sequences ``seqs[i]``. Read from llama.cpp's state bytes."""
+
+    kind: str
+    pos: list[int] = field(default_factory=list)
+    seqs: list[tuple[int, ...]] = field(default_factory=list)
+
+    def positions_of(self, seq: int) -> list[int]:
+        return [p for p, ss in zip(self.pos, self.seqs, strict=True) if seq in ss]
+
+
+class TokenMatcher(Protocol):
+    """One task's position in its constraint (server.constrained.Matcher): the engine
+    thread asks and advances it token by token."""
+
+    def allows(self, token: int) -> bool: ...
+    def accept(self, token: int) -> bool: ...
+    def mask_logits(self, logits: Any) -> int: ...
+    def is_done(self) -> bool: ...
+    def is_error(self) -> bool: ...
+    def error(self) -> str: ...
+
+
+class TokenConstraint(Protocol):
+    """A constraint bound to the model's vocabulary; ``matcher()`` starts one task on it."""
+
+    def matcher(self) -> TokenMatcher: ...
+
+
+@dataclass
 class SamplingParams:
     """Sampler settings; defaults are llama-server's."""
 
@@ -60,6 +91,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Constrained decoding (a server.constrained.CompiledConstraint): every sampled token
+    # must keep the output inside it; None samples freely.
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -164,6 +198,13 @@ class Task:
     id: int = field(default_factory=lambda: next(_task_ids))
     t_enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    # Whose cached prefixes the task may reuse (--cache-isolation): KV, RAM-cache entries and
+    # prefix sharing match only within one tenant. "" is the shared default tenant.
+    tenant: str = ""
+    # True while the task's reader lags too far behind its events (a slow client): the
+    # engine then skips the task's next tokens, so its queue stays bounded. Any thread.
+    lagging: Callable[[], bool] | None = None
+    n_sent: int = 0  # events the engine has sent (engine thread only writes it)
 
     def cancel(self) -> None:
         """Safe from any thread: the engine drops the task at its next step."""

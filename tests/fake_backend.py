@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from server.types import SamplingParams, TokenLogprob
+from server.types import CacheCells, SamplingParams, TokenLogprob
 
 EOG = 999
 
@@ -39,6 +39,16 @@ class FakeBatch:
             self.seq.append(seq)
             self.logits.append(logits_last and i == len(tokens) - 1)
         return self.n - 1
+
+    def add_tokens(self, tokens: list[int], pos: list[int], seqs: list[int]) -> int:
+        i0 = self.n
+        if i0 + len(tokens) > self.capacity:
+            raise ValueError("batch overflow")
+        self.tokens += tokens
+        self.pos += pos
+        self.seq += seqs
+        self.logits += [True] * len(tokens)
+        return i0
 
 
 class FakeSampler:
@@ -88,7 +98,11 @@ class FakeBackend:
         self.scripts: dict[int, list[int]] = {}  # prompt length -> scripted tokens (by first task)
         self.fail_next: list[int] = []  # decode return codes to inject
         self.samplers: list[FakeSampler] = []
+        self.backend_sampling = False  # -bs: attach_sampler accepts chains
+        self.attached: dict[int, FakeSampler] = {}  # seq -> chain sampling "on the backend"
         self.oom_on_state_get = False
+        # cells the KV holds that no slot accounts for (seq, pos): a leak, for integrity tests
+        self.stray_cells: list[tuple[int, int]] = []
 
     # ---- tokenizer ----
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
@@ -147,6 +161,17 @@ class FakeBackend:
         if sampler.script:
             return sampler.script.pop(0)
         return next_token(tok, pos)
+
+    def attach_sampler(self, sampler: FakeSampler, seq: int) -> bool:
+        if not self.backend_sampling:
+            return False
+        self.attached[seq] = sampler
+        return True
+
+    def sample_many(self, items: list[tuple[FakeSampler, int]], pool) -> list[int]:
+        if pool is None:
+            return [self.sample(s, i) for s, i in items]
+        return list(pool.map(lambda it: self.sample(*it), items))
 
     def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:
         return TokenLogprob(token, -0.5, [(token, -0.5)][:n])
@@ -211,3 +236,28 @@ class FakeBackend:
         else:
             self.kv[seq] = cells
         return 5 + 8 * n
+
+    def state_cells(self, data, nbytes: int, start: int = 0):
+        raw = bytes(data[start:nbytes])
+        if len(raw) < 5:
+            raise ValueError("truncated state")
+        _kind, n = struct.unpack_from("<BI", raw, 0)
+        if len(raw) < 5 + 8 * n:
+            raise ValueError("truncated state")
+        cells = CacheCells("swa" if self.n_swa else "full")
+        for i in range(n):
+            p, _t = struct.unpack_from("<ii", raw, 5 + 8 * i)
+            cells.pos.append(p)
+            cells.seqs.append((0,))
+        return [cells], start + 5 + 8 * n
+
+    def kv_cells(self):
+        cells = CacheCells("swa" if self.n_swa else "full")
+        for s, m in self.kv.items():
+            for p in m:
+                cells.pos.append(p)
+                cells.seqs.append((s,))
+        for s, p in self.stray_cells:
+            cells.pos.append(p)
+            cells.seqs.append((s,))
+        return [cells]

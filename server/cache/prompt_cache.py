@@ -26,6 +26,7 @@ class CacheEntry:
     data_dft: bytes | bytearray = b""  # draft model state; empty without a draft model
     checkpoints: list[Checkpoint] = field(default_factory=list)
     created: float = field(default_factory=time.time)
+    tenant: str = ""  # only this tenant's prompts may load the entry (--cache-isolation)
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +70,9 @@ class PromptCache:
         self._n_bytes = 0
         self._n_tokens = 0
         self.counters = CacheCounters()
+        # Called with each entry leaving by eviction (and with a state too large for the
+        # limit, read for it): the disk tier's writer takes it (server.cache.disk).
+        self.on_evict: Callable[[CacheEntry], object] | None = None
 
     # ---- accounting ---------------------------------------------------------------
 
@@ -134,20 +138,25 @@ class PromptCache:
         read_state: Callable[[], StateBuf],
         checkpoints: Sequence[Checkpoint] = (),
         read_draft: Callable[[], bytes | bytearray] | None = None,
+        tenant: str = "",
     ) -> SaveOutcome:
         """Store a slot's state. ``size`` is the state size (known before copying); the bytes
-        are read only once the entry is sure to be kept."""
+        are read only once the entry is sure to be kept. Entries cover each other only within
+        one ``tenant``."""
         if not tokens:
             return self._skip("empty")
-        for e in self.entries:
-            if len(e.tokens) >= len(tokens) and lcp(e.tokens, tokens) == len(tokens):
+        mine = [e.tenant == tenant for e in self.entries]
+        for e, same in zip(self.entries, mine, strict=True):
+            if same and len(e.tokens) >= len(tokens) and lcp(e.tokens, tokens) == len(tokens):
                 return self._skip("covered")  # the longer entry serves this prompt too
         need = size + sum(c.nbytes for c in checkpoints)
         if self.limit_bytes >= 0 and need > self.limit_bytes:
+            if self.on_evict is not None:  # straight to the next tier
+                self._spill(tokens, read_state, checkpoints, read_draft, tenant)
             return self._skip("too-large")  # never evict for an entry that cannot fit anyway
         evicted = 0
         for i in range(len(self.entries) - 1, -1, -1):  # the new entry serves its prefixes
-            if lcp(self.entries[i].tokens, tokens) == len(self.entries[i].tokens):
+            if mine[i] and lcp(self.entries[i].tokens, tokens) == len(self.entries[i].tokens):
                 self._drop(i)
                 evicted += 1
         if self.limit_bytes >= 0:
@@ -164,7 +173,7 @@ class PromptCache:
             )
             self.update()
             return self._skip("no-memory")
-        self._append(CacheEntry(list(tokens), data, dft, list(checkpoints)))
+        self._append(CacheEntry(list(tokens), data, dft, list(checkpoints), tenant=tenant))
         self.counters.saves += 1
         log.debug(
             "cache: saved %d tokens, %.2f MiB (%d entries)",
@@ -178,26 +187,49 @@ class PromptCache:
         self.counters.save_skips += 1
         return SaveOutcome(False, reason)
 
+    def _spill(
+        self,
+        tokens: Sequence[int],
+        read_state: Callable[[], StateBuf],
+        checkpoints: Sequence[Checkpoint],
+        read_draft: Callable[[], bytes | bytearray] | None,
+        tenant: str,
+    ) -> None:
+        """Hand a state too large for RAM to ``on_evict`` (copied: the slot keeps its own)."""
+        try:
+            dft = read_draft() if read_draft is not None else b""
+            e = CacheEntry(list(tokens), read_state(), dft, list(checkpoints), tenant=tenant)
+        except MemoryError:
+            return
+        self.on_evict(e)  # type: ignore[misc]
+
     def _evict_oldest(self, why: str) -> None:
         e = self._drop(0)
         self.counters.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(e)
         log.debug("cache: evicted %d tokens, %.2f MiB (%s)", len(e.tokens), e.nbytes / MiB, why)
 
     # ---- load ---------------------------------------------------------------------
 
-    def find(self, slot_tokens: Sequence[int], prompt: Sequence[int]) -> LoadChoice | None:
-        """The entry that beats the slot's own state on both f_keep and f_sim, if any.
+    def find(
+        self, slot_tokens: Sequence[int], prompt: Sequence[int], tenant: str = "", own: bool = True
+    ) -> LoadChoice | None:
+        """The entry of ``tenant`` that beats the slot's own state (when ``own``: the slot
+        holds this tenant's tokens) on both f_keep and f_sim, if any.
 
         An entry sharing less than a quarter of itself with the prompt is never taken
         ("don't trash large prompts").
         """
         if not prompt:
             return None
-        n = lcp(slot_tokens, prompt)
+        n = lcp(slot_tokens, prompt) if own else 0
         best_keep = n / len(slot_tokens) if slot_tokens else -1.0
         best_sim = n / len(prompt)
         best: LoadChoice | None = None
         for i, e in enumerate(self.entries):
+            if e.tenant != tenant:
+                continue
             m = lcp(e.tokens, prompt)
             f_keep = m / len(e.tokens)
             f_sim = m / len(prompt)

@@ -168,6 +168,35 @@ def _take_buffer(buf: memoryview, pos: int) -> tuple[memoryview, int]:
     return buf[pos : pos + length], pos + length
 
 
+# the least bytes one checkpoint record takes: n_tokens, pos_min, pos_max, three lengths
+_CKPT_MIN_BYTES = struct.calcsize("<qii") + 3 * 8
+
+
+def _checkpoints(
+    view: memoryview, p: int, n_tokens: int, warnings: list[str]
+) -> tuple[list[Checkpoint], int]:
+    """The SCKP appendix's checkpoints. A count the remaining bytes cannot hold is refused
+    before any is read (a crafted count must not cost time), and the checkpoints that do not
+    match the slot are dropped with one summary warning."""
+    (count,), p = _take(view, p, "<I")
+    if count > (len(view) - p) // _CKPT_MIN_BYTES:
+        raise SlotFileError(f"it declares {count} checkpoints, more than its bytes can hold")
+    ckpts, dropped = [], 0
+    for _ in range(count):
+        (nt, pmin, pmax), p = _take(view, p, "<qii")
+        tgt, p = _take_buffer(view, p)
+        dft, p = _take_buffer(view, p)
+        _spec, p = _take_buffer(view, p)
+        if 0 < nt <= n_tokens and len(tgt):
+            # copied out: the slot keeps them after the file mapping is gone
+            ckpts.append(Checkpoint(nt, pmin, pmax, bytearray(tgt), bytes(dft)))
+        else:
+            dropped += 1
+    if dropped:
+        warnings.append(f"{dropped} of {count} checkpoints do not match the slot; dropped")
+    return ckpts, p
+
+
 def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> Appendices:
     """Appendices after the state. A bad magic means "none"; a bad version is skipped with a
     warning; a truncated or oversized appendix is dropped. Never raises."""
@@ -182,21 +211,7 @@ def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> App
             break  # its layout is unknown, so nothing after it can be located either
         try:
             if magic == SCKP_MAGIC:
-                (count,), p = _take(view, pos + 8, "<I")
-                ckpts = []
-                for _ in range(count):
-                    (nt, pmin, pmax), p = _take(view, p, "<qii")
-                    tgt, p = _take_buffer(view, p)
-                    dft, p = _take_buffer(view, p)
-                    _spec, p = _take_buffer(view, p)
-                    if 0 < nt <= n_tokens and len(tgt):
-                        # copied out: the slot keeps them after the file mapping is gone
-                        ckpts.append(Checkpoint(nt, pmin, pmax, bytearray(tgt), bytes(dft)))
-                    else:
-                        out.warnings.append(
-                            f"checkpoint at {nt} tokens does not match the slot; dropped"
-                        )
-                out.checkpoints = ckpts
+                out.checkpoints, p = _checkpoints(view, pos + 8, n_tokens, out.warnings)
             else:
                 tgt, p = _take_buffer(view, pos + 8)
                 dft, p = _take_buffer(view, p)

@@ -10,14 +10,16 @@ import ctypes
 import logging
 import os
 import threading
-from array import array
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as L
 import numpy as np
 
-from ..types import SamplingParams, StateBuf, TokenLogprob
+from ..constrained import ConstraintCompiler, ConstraintVocab
+from ..types import CacheCells, SamplingParams, StateBuf, TokenLogprob, TokenMatcher
+from .kv_state import StateFormatError, read_caches
 
 log = logging.getLogger("server.llama")
 
@@ -59,17 +61,39 @@ class ModelOptions:
     swa_full: bool = False
     flash_attn: str = "auto"  # on | off | auto
     seed: int = -1
+    # -bs: a slot's sampler chain runs inside the decode graph when every stage of it can
+    # (greedy, temperature, top-k, top-p, min-p, dist); only the chosen token comes back
+    backend_sampling: bool = False
 
 
 class LlamaBatch:
-    """A reusable llama_batch of fixed capacity; one sequence id per token."""
+    """A reusable llama_batch of fixed capacity; one sequence id per token.
+
+    Its token, position, sequence and output-flag arrays are filled through numpy views: a
+    span or a whole step's generating slots cost a few array copies, not a Python loop over
+    tokens. Each token's ``seq_id`` pointer points into one contiguous int32 array (the
+    pointers llama_batch_init allocated are kept, and restored before llama_batch_free)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.raw = L.llama_batch_init(capacity, 0, 1)
         self.n = 0
+        raw = self.raw
         ones = (ctypes.c_int32 * capacity)(*([1] * capacity))
-        ctypes.memmove(self.raw.n_seq_id, ones, ctypes.sizeof(ones))
+        ctypes.memmove(raw.n_seq_id, ones, ctypes.sizeof(ones))
+        self._tok = np.ctypeslib.as_array(raw.token, shape=(capacity,))
+        self._pos = np.ctypeslib.as_array(raw.pos, shape=(capacity,))
+        self._logits = np.ctypeslib.as_array(
+            ctypes.cast(raw.logits, ctypes.POINTER(ctypes.c_int8)), shape=(capacity,)
+        )
+        self._seq = np.zeros(capacity, dtype=np.int32)
+        assert ctypes.sizeof(ctypes.c_void_p) == 8
+        ptrs = np.ctypeslib.as_array(
+            ctypes.cast(raw.seq_id, ctypes.POINTER(ctypes.c_uint64)), shape=(capacity,)
+        )
+        self._own_seq_ptrs = ptrs.copy()
+        ptrs[:] = self._seq.ctypes.data + 4 * np.arange(capacity, dtype=np.uint64)
+        self._seq_ptrs = ptrs
 
     def clear(self) -> None:
         self.n = 0
@@ -78,21 +102,31 @@ class LlamaBatch:
         """Append tokens at positions pos0.. for seq; returns the batch index of the last one."""
         n = len(tokens)
         i0 = self.n
-        if i0 + n > self.capacity:
+        i1 = i0 + n
+        if i1 > self.capacity:
             raise ValueError("batch overflow")
-        raw = self.raw
-        tok = array("i", tokens)
-        pos = array("i", range(pos0, pos0 + n))
-        ctypes.memmove(ctypes.addressof(raw.token.contents) + 4 * i0, tok.buffer_info()[0], 4 * n)
-        ctypes.memmove(ctypes.addressof(raw.pos.contents) + 4 * i0, pos.buffer_info()[0], 4 * n)
-        ctypes.memset(ctypes.addressof(raw.logits.contents) + i0, 0, n)
-        seq_ids = raw.seq_id
-        for i in range(i0, i0 + n):
-            seq_ids[i][0] = seq
+        self._tok[i0:i1] = tokens
+        self._pos[i0:i1] = range(pos0, pos0 + n)
+        self._seq[i0:i1] = seq
+        self._logits[i0:i1] = 0
         if logits_last:
-            raw.logits[i0 + n - 1] = 1
-        self.n = i0 + n
-        return self.n - 1
+            self._logits[i1 - 1] = 1
+        self.n = i1
+        return i1 - 1
+
+    def add_tokens(self, tokens: list[int], pos: list[int], seqs: list[int]) -> int:
+        """Append one token per entry (token, position, sequence), each with its logits
+        requested: a step's generating slots in one go. Returns the index of the first."""
+        i0 = self.n
+        i1 = i0 + len(tokens)
+        if i1 > self.capacity:
+            raise ValueError("batch overflow")
+        self._tok[i0:i1] = tokens
+        self._pos[i0:i1] = pos
+        self._seq[i0:i1] = seqs
+        self._logits[i0:i1] = 1
+        self.n = i1
+        return i0
 
     def view(self, start: int, count: int) -> L.llama_batch:
         """A llama_batch over [start, start+count) of this batch's arrays (no copy)."""
@@ -120,18 +154,56 @@ class LlamaBatch:
 
     def free(self) -> None:
         if self.raw is not None:
+            self._seq_ptrs[:] = self._own_seq_ptrs  # llama_batch_free frees these
             L.llama_batch_free(self.raw)
             self.raw = None
+
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
+
+
+class _Candidates:
+    """A reusable llama_token_data_array over the whole vocabulary, filled from a logits
+    row with numpy (no Python loop), for sampling from logits the server has modified."""
+
+    def __init__(self, n_vocab: int) -> None:
+        assert ctypes.sizeof(L.llama_token_data) == _TOKEN_DATA.itemsize
+        self.n = n_vocab
+        self.data = (L.llama_token_data * n_vocab)()
+        self.view = np.frombuffer(self.data, dtype=_TOKEN_DATA)
+        self.ids = np.arange(n_vocab, dtype=np.int32)
+        self.arr = L.llama_token_data_array(data=self.data, size=n_vocab, selected=-1, sorted=False)
+
+    def sample(self, chain: L.llama_sampler_p, logits: np.ndarray) -> int:
+        """What ``llama_sampler_sample`` does, from ``logits``, without accepting the token."""
+        v = self.view
+        v["id"] = self.ids  # samplers reorder the array in place
+        v["logit"] = logits
+        v["p"] = 0.0
+        a = self.arr
+        a.data = ctypes.cast(self.data, ctypes.POINTER(L.llama_token_data))
+        a.size, a.selected, a.sorted = self.n, -1, False
+        L.llama_sampler_apply(chain, ctypes.byref(a))
+        return int(a.data[a.selected].id)
 
 
 class Sampler:
     """One llama_sampler chain for one task; freed when the task ends."""
 
-    def __init__(self, ptr: L.llama_sampler_p) -> None:
+    def __init__(self, ptr: L.llama_sampler_p, stateful: bool = False) -> None:
         self.ptr = ptr
+        # whether accepting a token changes the chain (penalties remember recent tokens)
+        self.stateful = stateful
+        # the context and sequence the chain is attached to for backend sampling (-bs)
+        self._ctx: Any = None
+        self.seq = -1
 
     def free(self) -> None:
         if self.ptr:
+            if self._ctx is not None:
+                # the context holds the chain while attached: detach before freeing it
+                L.llama_set_sampler(self._ctx, self.seq, None)
+                self._ctx, self.seq = None, -1
             L.llama_sampler_free(self.ptr)
             self.ptr = None
 
@@ -150,11 +222,36 @@ def _context_params(opts: ModelOptions, n_ctx_train: int) -> tuple[Any, int]:
     cparams.swa_full = opts.swa_full
     cparams.no_perf = True
     cparams.flash_attn_type = {"on": 1, "off": 0}.get(opts.flash_attn, -1)
+    if opts.backend_sampling:
+        # as llama-server: one output per slot per decode. The output buffer then holds
+        # n_parallel rows of sampled logits, probabilities and candidates, not n_batch rows
+        # (which would be gigabytes for a 262k-token vocabulary)
+        cparams.n_outputs_max = opts.n_parallel
+        cparams.n_outputs_max_per_seq = 1
     return cparams, threads
+
+
+def _slot_context(n_ctx_seq: int, n_ctx_train: int) -> int:
+    """As llama-server: a slot never holds more than the model was trained on (the KV cache
+    keeps its size: more slots fit at once)."""
+    if 0 < n_ctx_train < n_ctx_seq:
+        log.warning(
+            "the slot context (%d) exceeds the training context of the model (%d) - capping",
+            n_ctx_seq,
+            n_ctx_train,
+        )
+        return n_ctx_train
+    return n_ctx_seq
 
 
 class LlamaBackend:
     """Model + context + vocabulary; implements the engine's Backend protocol."""
+
+    # constrained decoding, prepared on first use: the token array of sample_constrained,
+    # and the vocabulary's compiler (constraint_compiler; the lock guards its lazy build)
+    _candidates: _Candidates | None = None
+    _constraints: ConstraintCompiler | None = None
+    _constraints_lock = threading.Lock()
 
     def __init__(self, opts: ModelOptions) -> None:
         _init_backend()
@@ -180,14 +277,21 @@ class LlamaBackend:
         self.n_ubatch = L.llama_n_ubatch(self.ctx)
         self.n_seq = opts.n_parallel
         self.kv_unified = opts.kv_unified
-        self.n_ctx_slot = self.n_ctx if opts.kv_unified else self.n_ctx // opts.n_parallel
+        self.n_ctx_slot = _slot_context(
+            self.n_ctx if opts.kv_unified else self.n_ctx // opts.n_parallel, self.n_ctx_train
+        )
         n_swa_model = L.llama_model_n_swa(self.model)
         self.n_swa = 0 if opts.swa_full else n_swa_model
         self.is_recurrent = bool(
             L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
         )
+        # the caches a state holds, in llama.cpp's order (None: recurrent memory's format)
+        self.kv_kinds: tuple[str, ...] | None = (
+            None if self.is_recurrent else ("full", "swa") if n_swa_model > 0 else ("full",)
+        )
         self.n_threads = threads
         self.seed = opts.seed
+        self.backend_sampling = opts.backend_sampling
         self.batch = LlamaBatch(self.n_batch)
         self.state_file_version = L.LLAMA_STATE_SEQ_VERSION
         self._piece_cache: dict[int, bytes] = {}
@@ -310,10 +414,80 @@ class LlamaBackend:
             add(chain, L.llama_sampler_init_temp(p.temperature))
             seed = p.seed if p.seed >= 0 else (self.seed if self.seed >= 0 else 0xFFFFFFFF)
             add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return Sampler(chain)
+        return Sampler(chain, stateful=penalties and p.repeat_last_n != 0)
 
     def sample(self, sampler: Sampler, idx: int) -> int:
+        # a chain attached to the backend returns the token the graph sampled
         return L.llama_sampler_sample(sampler.ptr, self.ctx, idx)
+
+    def attach_sampler(self, sampler: Sampler, seq: int) -> bool:
+        """Run ``sampler``'s chain inside the decode graph for sequence ``seq`` (-bs) until
+        it is freed. The caller checks that every stage can run there (no bias, penalties or
+        grammar: see server.slots.sampling); False when llama.cpp refuses it (the chain then
+        samples on the CPU as before)."""
+        if not self.backend_sampling or not sampler.ptr:
+            return False
+        if not L.llama_set_sampler(self.ctx, seq, sampler.ptr):
+            return False
+        sampler._ctx, sampler.seq = self.ctx, seq
+        return True
+
+    def sample_many(self, items: list[tuple[Sampler, int]], pool: Executor | None) -> list[int]:
+        """``sample`` for each (sampler, output) pair, concurrently on ``pool`` when given:
+        ctypes releases the GIL during llama_sampler_sample, and distinct chains share no
+        state. What the context does lazily on the first read of an output (synchronize, and
+        put the output rows back in batch order) is done first, on this thread: the workers
+        then only read the context."""
+        if pool is None or len(items) < 2:
+            return [L.llama_sampler_sample(s.ptr, self.ctx, i) for s, i in items]
+        L.llama_get_logits_ith(self.ctx, items[0][1])  # synchronize + output_reorder
+        ctx, fn = self.ctx, L.llama_sampler_sample
+        return list(pool.map(lambda it: fn(it[0].ptr, ctx, it[1]), items))
+
+    def sample_constrained(
+        self, sampler: Sampler, idx: int, matcher: TokenMatcher, full_mask: bool = False
+    ) -> int:
+        """A token of output ``idx`` that ``matcher`` allows, sampled by ``sampler`` from the
+        distribution restricted to the allowed tokens; -1 when none is allowed. The matcher is
+        not advanced. As llama.cpp's common_sampler does: sample without the constraint first
+        and compute the full mask only when that token is refused (the result has the same
+        distribution); ``full_mask`` masks first, so that the logits that ``top_logprobs``
+        reads afterwards are the constrained ones."""
+        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+        if not sampler.stateful:
+            # accepting a token is a no-op for this chain: llama_sampler_sample may accept
+            # the refused first pick, and resamples from the masked row in place
+            if not full_mask:
+                tok = L.llama_sampler_sample(sampler.ptr, self.ctx, idx)
+                if matcher.allows(tok):
+                    return tok
+            if matcher.mask_logits(logits) == 0:
+                return -1
+            return L.llama_sampler_sample(sampler.ptr, self.ctx, idx)
+        # penalties count accepted tokens: sample without accepting, accept the final pick
+        if self._candidates is None:
+            self._candidates = _Candidates(self.n_vocab)
+        cand = self._candidates
+        if not full_mask:
+            tok = cand.sample(sampler.ptr, logits)
+            if matcher.allows(tok):
+                L.llama_sampler_accept(sampler.ptr, tok)
+                return tok
+        # masked in place: the context's logits row now holds the constrained distribution
+        if matcher.mask_logits(logits) == 0:
+            return -1
+        tok = cand.sample(sampler.ptr, logits)
+        L.llama_sampler_accept(sampler.ptr, tok)
+        return tok
+
+    def constraint_compiler(self) -> ConstraintCompiler:
+        """The vocabulary's constraint compiler, built on first use (about 1.3 s for a
+        262k-token vocabulary: only servers that get constrained requests pay). Any thread."""
+        with self._constraints_lock:
+            if self._constraints is None:
+                eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
+                self._constraints = ConstraintCompiler(ConstraintVocab.from_llama(self.vocab, eog))
+            return self._constraints
 
     def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:
         """Log-probabilities of ``token`` and of the ``n`` likeliest tokens at output ``idx``."""
@@ -325,7 +499,8 @@ class LlamaBackend:
         if n > 0:
             ids = np.argpartition(logits, -n)[-n:]
             ids = ids[np.argsort(-logits[ids])]
-            top = [(int(i), float(logits[i]) - lse) for i in ids]
+            # a constrained row holds -inf for refused tokens: they are no alternatives
+            top = [(int(i), float(logits[i]) - lse) for i in ids if logits[i] > -np.inf]
         return TokenLogprob(token, float(logits[token]) - lse, top)
 
     # ---- memory -------------------------------------------------------------------
@@ -372,6 +547,31 @@ class LlamaBackend:
             return 0
         ptr = data if isinstance(data, ctypes.Array) else (ctypes.c_uint8 * size).from_buffer(data)
         return int(L.llama_state_seq_set_data_ext(self.ctx, ptr, size, seq, flags))
+
+    def state_cells(
+        self, data: StateBuf, nbytes: int, start: int = 0
+    ) -> tuple[list[CacheCells], int] | None:
+        """The cells a one-sequence state's bytes (from ``start``) describe, read without
+        loading them, and the offset where the state ends; None when this memory's format is
+        not a KV cache's. Raises StateFormatError (a ValueError). Any thread."""
+        if self.kv_kinds is None:
+            return None
+        return read_caches(memoryview(data).cast("B"), self.kv_kinds, start=start, end=nbytes)
+
+    def kv_cells(self) -> list[CacheCells] | None:
+        """Every cell of the KV cache, per cache (a copy of the whole context's state: for
+        integrity checks, not for the hot path); None for recurrent memory."""
+        if self.kv_kinds is None:
+            return None
+        size = L.llama_state_get_size(self.ctx)
+        buf = (ctypes.c_uint8 * size)()
+        n = L.llama_state_get_data(self.ctx, buf, size)
+        try:
+            return read_caches(memoryview(buf).cast("B"), self.kv_kinds, end=n, whole_context=True)[
+                0
+            ]
+        except StateFormatError as e:
+            raise RuntimeError(f"cannot read the KV cache's state: {e}") from e
 
     def state_save_file(self, path: str, seq: int, tokens: list[int]) -> int:
         arr = (L.llama_token * max(1, len(tokens)))(*tokens)

@@ -17,11 +17,18 @@ router = APIRouter()
 
 @router.get("/cache")
 async def cache_info(request: Request) -> dict[str, Any]:
-    """The RAM prompt cache: ``{"enabled": false}`` without one, else its entries and limits."""
+    """The RAM prompt cache: ``{"enabled": false}`` without one, else its entries and limits,
+    and under ``disk`` the disk tier's (``{"enabled": false}`` without one)."""
     engine = state_of(request).require_engine()
     if engine.cache is None:
         return {"enabled": False}
-    return {"enabled": True, "idle_slots": engine.opts.cache_idle_slots, **engine.cache.describe()}
+    disk = engine.disk.describe() if engine.disk is not None else {"enabled": False}
+    return {
+        "enabled": True,
+        "idle_slots": engine.opts.cache_idle_slots,
+        **engine.cache.describe(),
+        "disk": disk,  # the tier under RAM (--cache-disk)
+    }
 
 
 @router.get("/debug/integrity")

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import Request
 
 from ..errors import error_body
-from ..service import ServerState
-from ..types import SamplingParams, Task, TaskError, TokenLogprob
+from ..service import ServerState, default_sampling
+from ..types import Task, TaskError, TokenLogprob
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -53,7 +53,7 @@ def token_logprobs(
 def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, Any]:
     """The settings a task runs with: ``task``'s own, or without one the server defaults.
     Only a task adds the per-request fields (stop strings, logit bias, streaming, ...)."""
-    p = task.sampling if task is not None else SamplingParams()
+    p = task.sampling if task is not None else default_sampling(st.settings)
     out: dict[str, Any] = {
         "n_ctx": st.backend.n_ctx_slot,
         "n_predict": task.gen.max_tokens if task is not None else st.settings.n_predict,

@@ -9,8 +9,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..errors import APIError
 from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
-from ..service import Prompt, ServerState, Submission, TaskGroup, check_tokens, submit
+from ..service import (
+    Prompt,
+    ServerState,
+    Submission,
+    TaskGroup,
+    check_tokens,
+    constraint_of,
+    submit,
+    tenant_of,
+)
 from ..types import FinishReason, Task, TaskError, TaskResult, TextChunk
 from .common import SSE_HEADERS, generation_settings, sse, sse_error, state_of, token_logprobs
 
@@ -39,6 +49,7 @@ async def props(request: Request) -> dict[str, Any]:
         "total_slots": len(engine.slots),
         "n_ctx": b.n_ctx,
         "n_ctx_slot": b.n_ctx_slot,
+        "n_ctx_train": b.n_ctx_train,
         "n_swa": b.n_swa,
         "kv_unified": b.kv_unified,
         "model_path": st.model_path,
@@ -56,7 +67,22 @@ async def props(request: Request) -> dict[str, Any]:
             "decode_seconds_total": engine.stats.decode_seconds_total,
             "n_decode_total": engine.stats.n_decode_total,
         },
+        "endpoint_slots": st.settings.slots,
+        "endpoint_props": st.settings.props,
+        "endpoint_metrics": st.settings.metrics,
     }
+
+
+@router.post("/props")
+async def change_props(request: Request) -> dict[str, Any]:
+    """llama-server's POST /props: 501 unless started with --props; with it, accepted and (as
+    there) nothing is changed yet."""
+    if not state_of(request).settings.props:
+        raise APIError(
+            501,
+            "This server does not support changing global properties. Start it with `--props`",
+        )
+    return {"success": True}
 
 
 def _llama_version() -> str:
@@ -122,8 +148,9 @@ async def completion(body: NativeCompletionRequest, request: Request) -> Respons
         stream=body.stream,
         n_probs=body.n_probs,
         logprobs=body.n_probs > 0,
+        constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
     )
-    group = await submit(st, body, job)
+    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     # llama-server echoes a text prompt only
     prompt_echo = body.prompt if isinstance(body.prompt, str) else ""
     if not body.stream:

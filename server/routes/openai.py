@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ROLES, TemplateError
+from ..constrained import Constraint
 from ..errors import APIError
 from ..schemas import ChatRequest, CompletionRequest
 from ..service import (
@@ -22,11 +23,17 @@ from ..service import (
     ServerState,
     Submission,
     TaskGroup,
+    constraint_of,
     finish_reason,
     merged_timings,
     submit,
+    tenant_of,
     usage_of,
 )
+from ..tools.parse import Delta, Message, parse_message
+from ..tools.plan import ChatPlan, deltas_of, message_of, plan_chat
+from ..tools.prompt import prepare, thinking_forced_open
+from ..tools.spec import ToolSpecError
 from ..types import TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import SSE_DONE, SSE_HEADERS, sse, sse_error, state_of, token_logprobs
 
@@ -129,13 +136,15 @@ class Shape:
 
     ``text_choice(index, chunk)`` is a streamed text delta; ``final_choice(index, result,
     whole)`` ends a choice, holding the whole text when ``whole`` (not streaming) and only
-    the finish reason otherwise. ``opening`` chunks start a stream."""
+    the finish reason otherwise. ``opening`` chunks start a stream. Streamed, either may
+    give a list (chat: a parser releases none or several deltas; the last final one holds
+    the finish reason)."""
 
     id_prefix: str
     obj: str
     chunk_obj: str
-    text_choice: Callable[[int, TextChunk], Choice]
-    final_choice: Callable[[int, TaskResult, bool], Choice]
+    text_choice: Callable[[int, TextChunk], Choice | list[Choice]]
+    final_choice: Callable[[int, TaskResult, bool], Choice | list[Choice]]
     opening: list[Choice] = field(default_factory=list)
 
 
@@ -198,8 +207,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         logprobs=body.logprobs is not None,
         n=body.n,
         check=no_echo_logprobs,
+        constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
     )
-    group = await submit(st, body, job)
+    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     choices = _CompletionChoices(st.backend, body, group)
     shape = Shape("cmpl-", "text_completion", "text_completion", choices.text, choices.final)
     return await respond(request, group, body, shape, st.model_name)
@@ -224,17 +234,27 @@ def _messages(req: ChatRequest) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 
 
-def render_chat(st: ServerState, req: ChatRequest) -> Prompt:
-    """Prompt tokens and the token index where the last user turn starts (-1 if unknown)."""
+def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
+    """Prompt tokens and the token index where the last user turn starts (-1 if unknown).
+    Tools and tool history go in as ``plan`` says (server.tools.prompt); whether the
+    template opened a ``<think>`` is noted in ``plan.forced_open``."""
     b = st.backend
     try:
-        rendered = st.template.render_chat(_messages(req))
+        prepared = prepare(st.template, _messages(req), plan.spec, plan.kwargs)
+        rendered = st.template.render_chat(prepared.messages, **prepared.extra)
     except TemplateError as e:
         raise APIError(400 if e.client else 500, str(e)) from e
+    plan.forced_open = thinking_forced_open(rendered.prompt)
     text = rendered.prompt
     # Templates emit BOS themselves; tokenizing with add_special would add a second one.
     has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
@@ -254,38 +274,60 @@ def render_chat(st: ServerState, req: ChatRequest) -> Prompt:
     return Prompt(tokens, user_start)
 
 
-def _chat_shape(backend: Any, body: ChatRequest, n_choices: int) -> Shape:
-    """The chat response's choices: a message each, or role, content deltas, finish."""
+def _chat_finish(r: TaskResult, has_calls: bool) -> str:
+    """The finish reason, "tool_calls" when the answer called tools and was not cut short."""
+    reason = finish_reason(r)
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan) -> Shape:
+    """The chat response's choices: a message each, or role, deltas, finish. The output goes
+    through one parser per choice (reasoning, tool calls: server.tools) unless plain."""
     want_lp = body.logprobs
+    parsers = [plan.parser() for _ in range(n_choices)]
+    calls_mode = plan.spec.parse_calls
+    said = [False] * n_choices  # a choice's stream carried content
 
-    def text_choice(index: int, ev: TextChunk) -> Choice:
+    def chunks(index: int, d: Delta, lp: Any) -> list[Choice]:
+        deltas = deltas_of(d) or ([{}] if lp else [])
+        return [
+            {"index": index, "delta": x, "logprobs": lp if i == 0 else None, "finish_reason": None}
+            for i, x in enumerate(deltas)
+        ]
+
+    def text_choice(index: int, ev: TextChunk) -> list[Choice]:
         lp = chat_logprobs(backend, ev.logprobs) if want_lp else None
-        return {
-            "index": index,
-            "delta": {"content": ev.text},
-            "logprobs": lp,
-            "finish_reason": None,
-        }
+        d = Delta(content=ev.text) if plan.plain else parsers[index].feed(ev.text)
+        said[index] = said[index] or bool(d.content)
+        return chunks(index, d, lp)
 
-    def final_choice(index: int, r: TaskResult, whole: bool) -> Choice:
+    def final_choice(index: int, r: TaskResult, whole: bool) -> list[Choice] | Choice:
         if not whole:
-            return {
-                "index": index,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": finish_reason(r),
-            }
+            p = parsers[index]
+            rest = Delta() if plan.plain else p.finish()
+            calls = p.tools is not None and p.tools.n_calls > 0
+            flush = chunks(index, rest, None)
+            end = {"index": index, "delta": {}, "logprobs": None}
+            if calls_mode and not calls and not said[index] and not rest.content:
+                flush.append({**end, "delta": {"content": ""}, "finish_reason": None})
+            return [*flush, {**end, "finish_reason": _chat_finish(r, calls)}]
+        m = Message(content=r.text) if plan.plain else parse_message(r.text, plan.parser())
         return {
             "index": index,
-            "message": {"role": "assistant", "content": r.text},
+            "message": message_of(m),
             "logprobs": chat_logprobs(backend, r.logprobs) if want_lp else None,
-            "finish_reason": finish_reason(r),
+            "finish_reason": _chat_finish(r, bool(m.tool_calls)),
         }
 
+    # With tools the content starts null (a message of only calls has content null), and
+    # turns "" at the end if neither content nor calls came: as the non-streamed message.
+    first: dict[str, Any] = (
+        {"role": "assistant"} if calls_mode else {"role": "assistant", "content": ""}
+    )
     opening = [
         {
             "index": i,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": first,
             "logprobs": None,
             "finish_reason": None,
         }
@@ -294,6 +336,45 @@ def _chat_shape(backend: Any, body: ChatRequest, n_choices: int) -> Shape:
     return Shape(
         "chatcmpl-", "chat.completion", "chat.completion.chunk", text_choice, final_choice, opening
     )
+
+
+def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:
+    """The request's tools and reasoning handling; APIError 400 for malformed tool fields
+    or a forced call together with another constraint on the output."""
+    st.require_engine()  # the template comes with the model
+    # Server defaults (llama-server's --reasoning-format, --chat-template-kwargs, -rea and
+    # --reasoning-effort) under the request's own values.
+    s = st.settings
+    effort = s.reasoning_effort
+    server_kwargs = dict(s.chat_template_kwargs or {})
+    if s.reasoning != "auto":  # -rea on|off: the template's thinking switch
+        server_kwargs.setdefault("enable_thinking", s.reasoning == "on")
+    try:
+        plan = plan_chat(
+            st.template,
+            tools=body.tools,
+            tool_choice=body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            reasoning_format=body.reasoning_format,
+            # llama-server's deepseek-legacy also keeps the tags in content: not done here
+            default_reasoning_format=s.reasoning_format.replace("deepseek-legacy", "deepseek"),
+            chat_template_kwargs={**server_kwargs, **(body.chat_template_kwargs or {})},
+            reasoning_effort=body.reasoning_effort or effort,
+        )
+    except ToolSpecError as e:
+        raise APIError(400, str(e)) from None
+    if plan.spec.forced and (body.response_format or body.json_schema or body.grammar):
+        field = "response_format" if body.response_format else "json_schema or grammar"
+        raise APIError(400, f"{field} cannot be combined with a forced tool_choice")
+    return plan
+
+
+def _tool_constraint(plan: ChatPlan) -> Constraint | None:
+    """The forced call's constraint (None unless tool_choice forces one)."""
+    try:
+        return plan.constraint()
+    except ToolSpecError as e:
+        raise APIError(400, str(e)) from None
 
 
 @router.post("/v1/chat/completions")
@@ -306,17 +387,22 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true")
 
+    plan = _plan(st, body)
     job = Submission(
-        prompts=lambda: [render_chat(st, body)],
+        prompts=lambda: [render_chat(st, body, plan)],
         max_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
         stream=body.stream,
         n_probs=body.top_logprobs or 0,
         logprobs=body.logprobs,
         n=body.n,
         check=top_logprobs_needs_logprobs,
+        constraint=_tool_constraint(plan)
+        or constraint_of(
+            response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
+        ),
     )
-    group = await submit(st, body, job)
-    shape = _chat_shape(st.backend, body, len(group.tasks))
+    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
+    shape = _chat_shape(st.backend, body, len(group.tasks), plan)
     return await respond(request, group, body, shape, st.model_name)
 
 
@@ -355,6 +441,11 @@ async def respond(
     )
 
 
+def _listed(choices: Choice | list[Choice]) -> list[Choice]:
+    """A shape's streamed choices: one, or several (a parser may release none or many)."""
+    return choices if isinstance(choices, list) else [choices]
+
+
 async def _stream(
     group: TaskGroup, shape: Shape, base: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[str]:
@@ -366,10 +457,13 @@ async def _stream(
     results: list[TaskResult] = []
     async for index, ev in group.events():
         if isinstance(ev, TextChunk):
-            yield sse({**base, "choices": [shape.text_choice(index, ev)]})
+            for choice in _listed(shape.text_choice(index, ev)):
+                yield sse({**base, "choices": [choice]})
         elif isinstance(ev, TaskResult):
             results.append(ev)
-            final = shape.final_choice(index, ev, False)
+            *flush, final = _listed(shape.final_choice(index, ev, False))
+            for choice in flush:
+                yield sse({**base, "choices": [choice]})
             yield sse({**base, "choices": [final], "timings": ev.timings.as_dict()})
         elif isinstance(ev, TaskError):
             yield sse_error(ev)

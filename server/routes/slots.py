@@ -7,6 +7,7 @@ import ctypes
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ from pydantic import ValidationError
 from ..cache import slot_file
 from ..errors import APIError
 from ..schemas import SlotActionBody
-from ..service import ServerState
+from ..service import ServerState, tenant_of
+from ..slots.audit import seq_state_problem
 from ..slots.engine import Engine, EngineDead
 from ..slots.slot import Slot
 from ..types import Checkpoint
@@ -26,7 +28,9 @@ router = APIRouter()
 log = logging.getLogger("server.slots")
 
 
-def slot_json(st: Any, s: Slot) -> dict[str, Any]:
+def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
+    """One slot as llama-server shows it. With ``viewer`` (cache isolation on), another
+    tenant's request parameters (stop strings, logit bias, seed...) are not shown."""
     # Read without locks from the event loop: each field is a consistent snapshot of
     # itself (the GIL), the whole object may straddle one engine step.
     task = s.task
@@ -51,7 +55,7 @@ def slot_json(st: Any, s: Slot) -> dict[str, Any]:
             else -1,
             "n_decoded": n_decoded,
         },
-        "params": generation_settings(st, task),
+        "params": generation_settings(st, task) if viewer is None or viewer == s.tenant else {},
         "checkpoints": {
             "count": len(ckpts),
             "bytes": sum(c.nbytes for c in ckpts),
@@ -72,7 +76,9 @@ async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[st
     engine = st.require_engine()
     if fail_on_no_slot and all(not s.idle for s in engine.slots):
         raise APIError(503, "no slot available", "unavailable_error")
-    return [slot_json(st, s) for s in engine.slots]
+    isolated = st.settings.cache_isolation != "none"
+    viewer = tenant_of(st, request, request.query_params.get("cache_salt")) if isolated else None
+    return [slot_json(st, s, viewer) for s in engine.slots]
 
 
 def _save_op(slot_id: int, tmp: Path):
@@ -89,27 +95,58 @@ def _save_op(slot_id: int, tmp: Path):
     return op
 
 
-def _restore_op(slot_id: int, parsed: slot_file.ParsedFile):
+def _restore_op(slot_id: int, parsed: slot_file.ParsedFile, plan: RestorePlan, tenant: str):
     def op(engine: Engine) -> tuple[int, list[str]]:
         s = engine.slots[slot_id]
-        size = len(parsed.buf) - parsed.state_off
+        size = plan.state_end - parsed.state_off
         region = (ctypes.c_uint8 * size).from_buffer(parsed.buf, parsed.state_off)
         n = len(parsed.tokens)
-        # the appendices follow the state: they are parsed once its length is known
         consumed = engine.store.restore(
-            s, region, list(parsed.tokens), [], nbytes=size, whole=False
+            s, region, list(parsed.tokens), [], nbytes=size, whole=plan.known, untrusted=True
         )
         if consumed == 0:
             raise slot_file.SlotFileError(
                 "the slot file's state does not fit this model or context (another model, a "
                 "truncated or corrupt file, or a token list that does not match the state)"
             )
-        app = slot_file.parse_appendices(parsed.buf, parsed.state_off + consumed, n)
+        app = plan.appendices
+        if app is None:  # a memory whose state length only llama.cpp knows: parse here
+            app = slot_file.parse_appendices(parsed.buf, parsed.state_off + consumed, n)
         engine.store.set_checkpoints(s, app.checkpoints)
+        s.tenant = tenant  # the restoring request's, whoever saved the file
         s.last_used = time.perf_counter()  # most recently used: kept by the LRU choice
         return n, app.warnings
 
     return op
+
+
+@dataclass
+class RestorePlan:
+    """What is known of a slot file before the engine loads it: where its state ends (the
+    file's end when unknown) and its appendices, parsed off the engine thread."""
+
+    known: bool
+    state_end: int
+    appendices: slot_file.Appendices | None
+
+
+def plan_restore(backend: Any, parsed: slot_file.ParsedFile) -> RestorePlan:
+    """Read the state's cells without loading them (any thread): a state that is not exactly
+    the KV of the file's tokens is refused here, with a 400, and never reaches llama.cpp."""
+    size = len(parsed.buf)
+    try:
+        read = backend.state_cells(parsed.buf, size, start=parsed.state_off)
+    except ValueError as e:
+        raise slot_file.SlotFileError(f"the slot file's state is not readable: {e}") from None
+    if read is None:
+        return RestorePlan(False, size, None)
+    caches, end = read
+    problem = seq_state_problem(caches, len(parsed.tokens), backend.n_swa)
+    if problem:
+        raise slot_file.SlotFileError(
+            f"the slot file's state does not match its {len(parsed.tokens)} tokens: {problem}"
+        )
+    return RestorePlan(True, end, slot_file.parse_appendices(parsed.buf, end, len(parsed.tokens)))
 
 
 def _erase_op(slot_id: int):
@@ -144,15 +181,20 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         raise APIError(400, f"invalid slot id {sid}: this server has {len(engine.slots)} slots")
     if action not in ("save", "restore", "erase"):
         raise APIError(400, f"invalid action {action!r}: use save, restore or erase")
+    if not st.settings.slot_save_path:  # llama-server gates every slot action so
+        raise APIError(
+            501,
+            "This server does not support slot save/restore/erase. Start it with --slot-save-path",
+            "not_supported_error",
+        )
+    tenant = tenant_of(st, request, request.query_params.get("cache_salt"))
+    held = engine.slots[sid]
+    isolated = st.settings.cache_isolation != "none"
+    if action == "save" and isolated and held.tokens and held.tenant != tenant:
+        raise APIError(403, f"slot {sid} holds another tenant's prompt")
     if action == "erase":
         n = await asyncio.wrap_future(engine.call(_erase_op(sid), slot=sid))
         return {"id_slot": sid, "n_erased": n}
-    if not st.settings.slot_save_path:
-        raise APIError(
-            501,
-            "This server does not support slot save/restore. Start it with --slot-save-path",
-            "not_supported_error",
-        )
     try:
         body = SlotActionBody.model_validate(json.loads(await request.body() or b"{}"))
     except (ValueError, ValidationError):
@@ -161,7 +203,7 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         path = slot_file.resolve(st.settings.slot_save_path, body.filename)
         if action == "save":
             return await _save(engine, sid, path, body.filename)
-        return await _restore(st, engine, sid, path, body.filename)
+        return await _restore(st, engine, sid, path, body.filename, tenant)
     except slot_file.SlotFileError as e:
         _record(engine, failures=1)
         raise APIError(e.status, str(e)) from None
@@ -192,14 +234,17 @@ async def _save(engine: Engine, sid: int, path: Path, name: str) -> dict[str, An
 
 
 async def _restore(
-    st: ServerState, engine: Engine, sid: int, path: Path, name: str
+    st: ServerState, engine: Engine, sid: int, path: Path, name: str, tenant: str
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     b = st.backend
     parsed = await asyncio.to_thread(
         slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
     )
-    n, warnings = await asyncio.wrap_future(engine.call(_restore_op(sid, parsed), slot=sid))
+    plan = await asyncio.to_thread(plan_restore, b, parsed)
+    n, warnings = await asyncio.wrap_future(
+        engine.call(_restore_op(sid, parsed, plan, tenant), slot=sid)
+    )
     for w in warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)
     _record(engine, restores=1, bytes_read=parsed.n_read)

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
 from ..types import (
     Event,
@@ -28,10 +29,11 @@ from ..types import (
     Timings,
     TokenLogprob,
 )
-from . import ram
+from . import disk_glue, ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
+from .sampling import ParallelSampling, cpu_reason
 from .sharing import PrefixSharing
 from .slot import Slot, SlotRun, SlotState
 from .stats import EngineStats
@@ -52,6 +54,10 @@ class EngineOptions:
     prefix_share: bool = True  # needs unified KV
     prefix_share_min: int = 128  # least gain worth waiting for an in-flight prefix
     coalesce_ms: float = 2.0  # after idle, wait in slices this long for concurrent arrivals
+    # workers sampling the CPU-sampled slots of one step concurrently (-1: auto, by the
+    # cores; 0: off); used from ``sample_parallel_min`` such slots (see slots/sampling.py)
+    sample_threads: int = -1
+    sample_parallel_min: int = 4
 
 
 class EngineDead(RuntimeError):
@@ -60,11 +66,16 @@ class EngineDead(RuntimeError):
 
 class Engine:
     def __init__(
-        self, backend: Backend, opts: EngineOptions, cache: PromptCache | None = None
+        self,
+        backend: Backend,
+        opts: EngineOptions,
+        cache: PromptCache | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.b = backend
         self.opts = opts
         self.cache = cache
+        self.disk = disk  # the tier under the RAM cache: consulted when the RAM cache misses
         self.waiting: collections.deque[Task] = collections.deque()
         self.stats = EngineStats()
         self.ckpt = CheckpointPolicy(
@@ -87,6 +98,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.par = ParallelSampling(opts.sample_threads, opts.sample_parallel_min)
 
     @property
     def slots(self) -> list[Slot]:
@@ -105,6 +117,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.par.close()
 
     @property
     def alive(self) -> bool:
@@ -144,7 +157,9 @@ class Engine:
                     self._wake.clear()
                     self._coalesce()
                     continue
-                self.step(flush=False)
+                if not self.step(flush=False):
+                    self._wake.wait(0.002)  # work, but none decodable now (lagging readers)
+                    self._wake.clear()
         except BaseException as e:  # the engine must never die silently
             log.exception("engine thread died")
             self.error = e
@@ -197,8 +212,8 @@ class Engine:
                     op.future.set_exception(e)
         self._ops = keep
 
-    def step(self, flush: bool = True) -> None:
-        """One scheduling + decode step. Called only from the engine thread (or tests).
+    def step(self, flush: bool = True) -> bool:
+        """One scheduling + decode step; whether it decoded. Engine thread only (or tests).
 
         Events are delivered right before the next llama_decode; with ``flush`` also at the
         end of this step (the engine thread passes False and flushes when it goes idle).
@@ -216,9 +231,11 @@ class Engine:
         finally:
             if flush or not decoded:  # no decode ahead to piggyback on
                 self._flush()
+        return decoded
 
     def _send(self, task: Task, ev: Event) -> None:
         """Queue an event for its task; see ``_flush`` for when it is delivered."""
+        task.n_sent += 1
         self._outbox.append((task.emit, ev))
 
     def _flush(self) -> None:
@@ -258,8 +275,10 @@ class Engine:
         launched = False
         while self.waiting:
             task = self.waiting.popleft()
-            views = [SlotView(s.id, s.idle, s.tokens, s.last_used) for s in self.slots]
-            choice = choose_slot(views, task.prompt, task.id_slot, self.opts.slot_prompt_similarity)
+            views = [SlotView(s.id, s.idle, s.tokens, s.last_used, s.tenant) for s in self.slots]
+            choice = choose_slot(
+                views, task.prompt, task.id_slot, self.opts.slot_prompt_similarity, task.tenant
+            )
             if choice is None:
                 deferred.append(task)
                 if task.id_slot < 0:
@@ -280,8 +299,11 @@ class Engine:
             if self.cache is not None and choice.update_cache:
                 if choice.save_first:
                     ram.save(self.store, self.cache, slot)
-                if ram.load(self.store, self.cache, slot, task.prompt):
-                    n_lcp = None
+                loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant)
+                if not loaded and self.disk is not None:  # the tier under RAM
+                    loaded = disk_glue.load(self.store, self.disk, slot, task.prompt, task.tenant)
+                if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
+                    n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
                 self.cache.update()
             self._launch(slot, task, n_lcp)
             return True
@@ -314,14 +336,18 @@ class Engine:
             n_past = self.store.cut(slot, plan.n_past)
         wait = None
         if task.cache_prompt:
-            held = self.sharing.held_source(slot, task.prompt, n_past)
+            held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant)
             if held is not None:
                 n_past = self.sharing.copy(self.slots[held.slot], slot, held.n_tokens)
-            wait = self.sharing.inflight_source(slot, task.prompt, n_past)
+            wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
         run = slot.start(task, n_past)
         if wait is not None:
             self.sharing.wait_on(slot, wait)
         run.sampler = self.b.new_sampler(task.sampling, task.prompt)
+        if task.sampling.constraint is not None:
+            run.matcher = task.sampling.constraint.matcher()
+        if self.b.backend_sampling:
+            self._place_sampler(slot, run)
         t_wait = (run.t_start - task.t_enqueued) * 1e3
         self.stats.on_launch(t_wait)
         log.debug(
@@ -340,6 +366,8 @@ class Engine:
         """Build, decode and sample one batch; False when there was nothing to decode."""
         self.sharing.resolve_waiters()
         active = [s for s in self.slots if s.state in (SlotState.PREFILL, SlotState.GENERATE)]
+        # backpressure: a slot whose reader lags generates nothing until it catches up
+        active = [s for s in active if not _lagging(s)]
         if not active:
             return False
         budget = self.b.n_batch
@@ -377,11 +405,13 @@ class Engine:
             return budget, active
         victim = max(active, key=lambda s: len(s.tokens))
         log.error("llama_decode failed (%d); ending task on slot %d", ret, victim.id)
-        self._finish(
-            victim,
-            FinishReason.LENGTH if ret == 1 else FinishReason.ERROR,
-            error="" if ret == 1 else f"llama_decode failed ({ret})",
-        )
+        if ret == 1:
+            # an error, as llama-server sends one, never a quiet "length" with no text
+            self.stats.kv_exhausted += 1
+            error = "Context size has been exceeded: the KV cache has no room left"
+        else:
+            error = f"llama_decode failed ({ret})"
+        self._finish(victim, FinishReason.ERROR, error=error)
         return budget, [s for s in active if s is not victim]
 
     def _build_batch(self, active: list[Slot], budget: int) -> int:
@@ -391,15 +421,25 @@ class Engine:
         pre = sorted(
             (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.run.t_start
         )
-        # Generating slots first: a long prefill never starves them of their next token.
+        # Generating slots first: a long prefill never starves them of their next token. They
+        # go into the (empty) batch in one call: no per-token batch writes from Python.
+        toks: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
         for s in gen:
-            s.pending, s.i_batch = [], -1
-            if batch.n >= budget:
+            if len(toks) >= budget:
+                s.pending, s.i_batch = [], -1
                 continue
-            if s.run.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
+            run = s.run
+            if run.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
                 self._take_checkpoint(s)
-            s.pending = [s.run.next_token]
-            s.i_batch = batch.add_span(s.pending, len(s.tokens), s.id, True)
+            s.i_batch = len(toks)
+            s.pending = [run.next_token]
+            toks.append(run.next_token)
+            pos.append(len(s.tokens))
+            seqs.append(s.id)
+        if toks:
+            batch.add_tokens(toks, pos, seqs)
         for s in pre:
             s.pending, s.i_batch = [], -1
             if budget - batch.n > 0:
@@ -453,6 +493,7 @@ class Engine:
 
     def _after_decode(self, active: list[Slot]) -> None:
         now = time.perf_counter()
+        todo: list[tuple[Slot, int]] = []
         for s in active:
             if not s.pending:
                 continue
@@ -470,13 +511,38 @@ class Engine:
                 if self._token_limit(run.task) == 0:  # prompt only (n_predict 0): nothing sampled
                     self._finish(s, FinishReason.LENGTH)
                     continue
-            self._sample(s, idx)
+            todo.append((s, idx))
+        self._sample_all(todo)
 
-    def _sample(self, s: Slot, idx: int) -> None:
+    def _place_sampler(self, slot: Slot, run: SlotRun) -> None:
+        """-bs: run the slot's chain on the backend, or count why it stays on the CPU."""
+        reason = cpu_reason(run.task)
+        run.backend_sampled = not reason and self.b.attach_sampler(run.sampler, slot.id)
+        self.stats.on_sampler_placed(reason or ("" if run.backend_sampled else "refused"))
+
+    def _sample_all(self, todo: list[tuple[Slot, int]]) -> None:
+        """Sample every slot that got logits. The CPU-sampled slots without a constraint
+        are sampled together first (concurrently when the pool is worth it), then each slot
+        takes its token in turn."""
+        cpu = [(s, i) for s, i in todo if s.run.matcher is None and not s.run.backend_sampled]
+        picked: dict[int, int] = {}
+        if len(cpu) > 1:
+            pool = self.par.pool_for(len(cpu))
+            try:
+                toks = self.b.sample_many([(s.run.sampler, i) for s, i in cpu], pool)
+                picked = {s.id: t for (s, _), t in zip(cpu, toks, strict=True)}
+            except Exception:  # sampled one by one below, where a failure ends its slot only
+                log.exception("batched sampling failed")
+        for s, idx in todo:
+            self._sample(s, idx, picked.get(s.id, -1))
+
+    def _sample(self, s: Slot, idx: int, tok: int = -1) -> None:
+        """Take the slot's next token (``tok`` when already sampled) and emit its text."""
         run = s.run
         gen = run.task.gen
         try:
-            tok = self.b.sample(run.sampler, idx)
+            if tok < 0:
+                tok = self._pick(run, idx)
         except Exception as e:
             log.exception("sampling failed on slot %d", s.id)
             self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
@@ -497,11 +563,29 @@ class Engine:
         if rel.stop:
             self._finish(s, FinishReason.STOP, stop_word=rel.stop)
             return
+        if run.matcher is not None and run.matcher.is_done():
+            self._finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
+            return
         limit = self._token_limit(run.task)
         if (limit >= 0 and run.n_decoded >= limit) or len(s.tokens) + 1 >= s.n_ctx:
             self._finish(s, FinishReason.LENGTH)
             return
         run.next_token = tok
+
+    def _pick(self, run: SlotRun, idx: int) -> int:
+        """The run's next token: sampled, and for a constrained run one its matcher allows
+        (the matcher is advanced over it). Costs a constrained slot about 0.2 ms per token,
+        1-2 ms when the sampled token is refused (full-vocabulary mask): it never holds up
+        the batch for long. Raises RuntimeError when the constraint admits no token."""
+        m = run.matcher
+        if m is None:
+            return self.b.sample(run.sampler, idx)
+        gen = run.task.gen
+        # with log-probs wanted, always mask: they report the constrained distribution
+        tok = self.b.sample_constrained(run.sampler, idx, m, gen.logprobs or gen.n_probs > 0)
+        if tok < 0 or not m.accept(tok):
+            raise RuntimeError(f"the constraint admits no token: {m.error() or 'dead end'}")
+        return tok
 
     def _token_limit(self, task: Task) -> int:
         """Most tokens to generate: the request's max_tokens capped by --n-predict (-1: none)."""
@@ -616,3 +700,13 @@ class _Op:
     fn: Callable[[Engine], Any]
     slot: int
     future: Future
+
+
+def _lagging(s: Slot) -> bool:
+    task = s.task
+    return (
+        s.state is SlotState.GENERATE
+        and task is not None
+        and task.lagging is not None
+        and task.lagging()
+    )

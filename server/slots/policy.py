@@ -17,6 +17,12 @@ class SlotView(NamedTuple):
     idle: bool
     tokens: Sequence[int]
     last_used: float
+    tenant: str = ""
+
+
+def _lcp(s: SlotView, prompt: Sequence[int], tenant: str) -> int:
+    """What the slot holds of the prompt: nothing when it holds another tenant's tokens."""
+    return lcp(s.tokens, prompt) if s.tenant == tenant else 0
 
 
 @dataclass(frozen=True)
@@ -34,14 +40,19 @@ class SlotChoice:
 
 
 def choose_slot(
-    slots: Sequence[SlotView], prompt: Sequence[int], id_slot: int, similarity: float
+    slots: Sequence[SlotView],
+    prompt: Sequence[int],
+    id_slot: int,
+    similarity: float,
+    tenant: str = "",
 ) -> SlotChoice | None:
-    """DESIGN §5. Returns None when the task must wait (no idle slot, or its slot is busy)."""
+    """DESIGN §5. Returns None when the task must wait (no idle slot, or its slot is busy).
+    A slot holding another tenant's tokens matches nothing of the prompt."""
     if id_slot >= 0:
         s = slots[id_slot]
         if not s.idle:
             return None
-        n = lcp(s.tokens, prompt)
+        n = _lcp(s, prompt, tenant)
         return SlotChoice(s.id, n, "id_slot", _loses_most(n, s.tokens) or not s.tokens)
     idle = [s for s in slots if s.idle]
     if not idle:
@@ -52,7 +63,7 @@ def choose_slot(
         for s in idle:
             if not s.tokens:
                 continue
-            n = lcp(s.tokens, prompt)
+            n = _lcp(s, prompt, tenant)
             sim = n / len(prompt)
             if sim > similarity and sim > best_sim:
                 best_sim = sim
@@ -61,7 +72,7 @@ def choose_slot(
             return best
     # Least recently used; an empty slot counts as the least recently used of all.
     s = min(idle, key=lambda v: (bool(v.tokens), v.last_used))
-    n = lcp(s.tokens, prompt)
+    n = _lcp(s, prompt, tenant)
     return SlotChoice(s.id, n, "lru", bool(s.tokens) and n < len(s.tokens))
 
 

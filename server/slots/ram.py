@@ -17,22 +17,28 @@ def save(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
     if not slot.tokens:
         return False
     snap = store.snapshot(slot)
-    return cache.save(snap.tokens, snap.size, snap.read, snap.checkpoints).saved
+    return cache.save(snap.tokens, snap.size, snap.read, snap.checkpoints, tenant=slot.tenant).saved
 
 
-def load(store: SlotStore, cache: PromptCache, slot: Slot, prompt: list[int]) -> bool:
-    """Restore the best cache entry for ``prompt`` into ``slot``; True when one was loaded.
+def load(
+    store: SlotStore, cache: PromptCache, slot: Slot, prompt: list[int], tenant: str = ""
+) -> bool:
+    """Restore ``tenant``'s best cache entry for ``prompt`` into ``slot``; True when one was
+    loaded (the slot's tokens are then that tenant's).
 
     The entry is removed from the cache when loaded; a failed restore leaves it there and the
     slot empty.
     """
-    choice = cache.find(slot.tokens, prompt)
+    choice = cache.find(slot.tokens, prompt, tenant, own=slot.tenant == tenant)
     if choice is None:
         cache.counters.misses += 1
         return False
 
     def restore(entry: CacheEntry) -> bool:
-        return store.restore(slot, entry.data, entry.tokens, entry.checkpoints) > 0
+        if store.restore(slot, entry.data, entry.tokens, entry.checkpoints) == 0:
+            return False
+        slot.tenant = entry.tenant
+        return True
 
     return cache.take(choice, restore) is not None
 

@@ -38,14 +38,19 @@ class PrefixSharing:
         self.enabled = enabled
         self.min_wait = min_wait  # least gain worth waiting for (--prefix-share-min)
 
-    def held_source(self, dst: Slot, prompt: list[int], n_past: int) -> Source | None:
-        """The sequence holding the longest prefix of ``prompt`` beyond ``n_past`` tokens."""
+    def held_source(
+        self, dst: Slot, prompt: list[int], n_past: int, tenant: str = ""
+    ) -> Source | None:
+        """The sequence of ``tenant`` holding the longest prefix of ``prompt`` beyond
+        ``n_past`` tokens."""
         if not self.enabled:
             return None
         cap = len(prompt) - 1  # the last prompt token is always evaluated by its own slot
         best: Source | None = None
         for s in self.store.slots:
             if s is dst or not s.tokens or s.state is SlotState.WAIT or s.pending:
+                continue
+            if s.tenant != tenant:
                 continue
             m = min(lcp(s.tokens, prompt), cap)
             if m <= (best.n_tokens if best else n_past):
@@ -56,15 +61,19 @@ class PrefixSharing:
             best = Source(s.id, m)
         return best
 
-    def inflight_source(self, dst: Slot, prompt: list[int], n_past: int) -> Source | None:
-        """A prefilling slot whose prompt shares at least ``min_wait`` more tokens than
-        ``n_past`` with ``prompt``, which it has not decoded yet."""
+    def inflight_source(
+        self, dst: Slot, prompt: list[int], n_past: int, tenant: str = ""
+    ) -> Source | None:
+        """A prefilling slot of ``tenant`` whose prompt shares at least ``min_wait`` more
+        tokens than ``n_past`` with ``prompt``, which it has not decoded yet."""
         if not self.enabled or self.min_wait <= 0:
             return None
         cap = len(prompt) - 1
         best: Source | None = None
         for s in self.store.slots:
             if s is dst or s.state is not SlotState.PREFILL or s.task is None:
+                continue
+            if s.task.tenant != tenant:
                 continue
             c = min(lcp(s.task.prompt, prompt), cap)
             if c - n_past < self.min_wait or c <= len(s.tokens):
@@ -104,12 +113,12 @@ class PrefixSharing:
                 continue
             task = w.task
             w.state = SlotState.PREFILL
-            held = self.held_source(w, task.prompt, len(w.tokens))
+            held = self.held_source(w, task.prompt, len(w.tokens), task.tenant)
             if held is not None:
                 self.copy(self.store.slots[held.slot], w, held.n_tokens)
             run.n_cached = len(w.tokens)  # what this task will not compute itself
             if not computing:
                 # the source went away: wait on another computing slot, or take over
-                again = self.inflight_source(w, task.prompt, len(w.tokens))
+                again = self.inflight_source(w, task.prompt, len(w.tokens), task.tenant)
                 if again is not None:
                     self.wait_on(w, again)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..types import Checkpoint, Task, TokenLogprob
+from ..types import Checkpoint, Task, TokenLogprob, TokenMatcher
 from .text import TextStream
 
 
@@ -31,6 +31,8 @@ class SlotRun:
     n_emitted: int = 0  # generated tokens already sent in a TextChunk
     next_token: int = -1  # sampled, not yet decoded
     sampler: Any = None
+    matcher: TokenMatcher | None = None  # the task's constraint, when it has one
+    backend_sampled: bool = False  # -bs: the chain runs in the decode graph (slots/sampling.py)
     stream: TextStream = field(default_factory=lambda: TextStream([]))
     logprobs: list[TokenLogprob] = field(default_factory=list)
     out_text: list[str] = field(default_factory=list)
@@ -61,6 +63,7 @@ class Slot:
     run: SlotRun | None = None  # the current run, or the last one when idle
     pending: list[int] = field(default_factory=list)
     i_batch: int = -1  # output row of this step's batch, -1 when no logits are wanted
+    tenant: str = ""  # whose prompt ``tokens`` hold (see Task.tenant)
 
     @property
     def idle(self) -> bool:
@@ -72,6 +75,7 @@ class Slot:
         return None if self.idle or self.run is None else self.run.task
 
     def start(self, task: Task, n_past: int) -> SlotRun:
+        self.tenant = task.tenant  # the KV it holds from now on is this tenant's
         self.run = SlotRun(task, n_cached=n_past, stream=TextStream(task.gen.stop))
         self.state = SlotState.PREFILL
         self.pending = []

@@ -35,6 +35,10 @@ class EngineStats:
     slot_bytes_written: int = 0
     slot_bytes_read: int = 0
     prefix_shared_tokens: int = 0
+    kv_exhausted: int = 0  # requests ended because the KV cache had no room left
+    # -bs: tasks whose chain ran on the backend, and those that fell back to the CPU, by why
+    backend_sampled: int = 0
+    sampling_fallbacks: dict[str, int] = field(default_factory=dict)
     # Observers (metrics) called on the engine thread; must be cheap and never raise.
     observers: list[Callable[[str, float], None]] = field(default_factory=list)
 
@@ -64,6 +68,13 @@ class EngineStats:
     def on_step(self, seconds: float) -> None:
         self.n_steps += 1
         self.step_seconds_total += seconds
+
+    def on_sampler_placed(self, fallback: str) -> None:
+        """A task's sampler chain placed under -bs: "" on the backend, else why not."""
+        if fallback:
+            self.sampling_fallbacks[fallback] = self.sampling_fallbacks.get(fallback, 0) + 1
+        else:
+            self.backend_sampled += 1
 
     def on_launch(self, queue_ms: float) -> None:
         self._observe("queue_ms", queue_ms)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..types import Checkpoint, StateBuf
+from .audit import kv_problems, seq_state_problem
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .policy import window_intact
@@ -158,15 +159,20 @@ class SlotStore:
         *,
         nbytes: int | None = None,
         whole: bool = True,
+        untrusted: bool = False,
     ) -> int:
         """Load a sequence state into the slot with the tokens it describes.
 
         The state must prove it matches: it is consumed (whole, with ``whole``) and its
-        positions run exactly 0..len(tokens)-1. Otherwise the slot is cleared and 0 returned.
-        Returns the bytes consumed; the slot takes ``tokens`` and ``checkpoints`` as they are.
+        positions run exactly 0..len(tokens)-1. An ``untrusted`` state (a slot file) must
+        also describe, cell by cell, exactly those positions before it is loaded (see
+        audit.py). Otherwise the slot is cleared and 0 returned. Returns the bytes consumed;
+        the slot takes ``tokens`` and ``checkpoints`` as they are.
         """
         size = len(data) if nbytes is None else nbytes
         self.clear(slot)
+        if untrusted and self._state_problem(data, size, len(tokens)):
+            return 0
         consumed = self.b.state_set(slot.id, data, nbytes=nbytes)
         fits = consumed > 0 and (consumed == size or not whole)
         if not fits or not self._positions_match(slot, len(tokens)):
@@ -175,6 +181,18 @@ class SlotStore:
         slot.tokens = tokens
         slot.checkpoints = [c for c in checkpoints if c.n_tokens <= len(tokens)]
         return consumed
+
+    def _state_problem(self, data: StateBuf, size: int, n: int) -> str | None:
+        """Why the state bytes cannot be ``n`` tokens' KV, read before loading them."""
+        try:
+            read = self.b.state_cells(data, size)
+        except ValueError as e:
+            problem: str | None = f"unreadable state ({e})"
+        else:
+            problem = None if read is None else seq_state_problem(read[0], n, self.b.n_swa)
+        if problem:
+            log.warning("refusing a state for %d tokens: %s", n, problem)
+        return problem
 
     def set_checkpoints(self, slot: Slot, checkpoints: list[Checkpoint]) -> None:
         """Give a restored slot the checkpoints that came with its state (those within its
@@ -196,7 +214,8 @@ class SlotStore:
     # ---- integrity ----------------------------------------------------------------
 
     def check_integrity(self) -> list[str]:
-        """Every settled slot's token count matches its KV positions; returns problems."""
+        """Every settled slot's token count matches its KV positions and its cells, cell by
+        cell (no cell of the KV cache belongs to no slot); returns problems."""
         problems = []
         for s in self.slots:
             if s.pending:
@@ -209,4 +228,8 @@ class SlotStore:
             for c in s.checkpoints:
                 if c.n_tokens > len(s.tokens):
                     problems.append(f"slot {s.id}: checkpoint at {c.n_tokens} beyond its tokens")
+        caches = self.b.kv_cells()
+        if caches is not None:
+            n_tokens = [None if s.pending else len(s.tokens) for s in self.slots]
+            problems += kv_problems(caches, n_tokens)
         return problems

@@ -49,7 +49,7 @@ PROTECTED = [
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     ),
     ("POST", "/completion", {"prompt": "hi", "n_predict": 1}),
-    ("POST", "/slots/0?action=erase", None),
+    ("POST", "/detokenize", {"tokens": [1]}),
 ]
 
 

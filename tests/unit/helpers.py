@@ -37,7 +37,15 @@ def make_engine(**kw) -> tuple[Engine, FakeBackend]:
 
 
 def task(
-    prompt, max_tokens=4, *, stop=None, id_slot=-1, cache_prompt=True, user_start=-1, temp=0.0
+    prompt,
+    max_tokens=4,
+    *,
+    stop=None,
+    id_slot=-1,
+    cache_prompt=True,
+    user_start=-1,
+    temp=0.0,
+    tenant="",
 ):
     c = Collector()
     t = Task(
@@ -48,6 +56,7 @@ def task(
         id_slot=id_slot,
         cache_prompt=cache_prompt,
         user_start=user_start,
+        tenant=tenant,
     )
     return t, c
 

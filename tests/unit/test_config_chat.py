@@ -28,13 +28,17 @@ def test_flags_win_over_environment():
     assert parse_settings(["--no-cache-idle-slots", "--no-slots"], env={}).cache_idle_slots is False
 
 
-def test_bad_values_are_refused():
-    with pytest.raises(ValueError):
-        parse_settings([], env={"LLAMA_ARG_KV_UNIFIED": "maybe"})
-    with pytest.raises(ValueError):
-        parse_settings(["-np", "0"], env={})
-    with pytest.raises(SystemExit):
-        parse_settings(["--flash-attn", "sometimes"], env={})
+def test_bad_values_are_refused(capsys):
+    # Like argparse: exit status 2 and a message naming the flag or variable.
+    for argv, env, named in (
+        ([], {"LLAMA_ARG_KV_UNIFIED": "maybe"}, "LLAMA_ARG_KV_UNIFIED"),
+        (["-np", "0"], {}, "--parallel"),
+        (["--flash-attn", "sometimes"], {}, "--flash-attn"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_settings(argv, env=env)
+        assert e.value.code == 2
+        assert named in capsys.readouterr().err
 
 
 def test_api_keys_from_flag_env_and_file(tmp_path):

@@ -128,7 +128,7 @@ def test_appendix_bad_version_is_ignored_with_warning():
 
 
 def test_appendix_claiming_2_to_60_bytes_is_dropped_without_allocating():
-    body = struct.pack("<qii", 5, 0, 4) + struct.pack("<Q", 2**60) + b"tiny"
+    body = struct.pack("<qii", 5, 0, 4) + struct.pack("<Q", 2**60) + b"tiny" + bytes(16)
     app = sf.parse_appendices(sckp(1, body), 0, 10)
     assert app.checkpoints == [] and "exceeds" in app.warnings[0]
 
@@ -167,3 +167,16 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         sf.write_file(path, [9, 9, 9], state_buf(), VERSION, [])
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["s.bin"]
+
+
+def test_a_crafted_checkpoint_count_is_refused_before_reading_and_warned_once():
+    # 200,000 declared checkpoints in a few bytes: refused at once, one warning
+    app = sf.parse_appendices(sckp(200_000, b"\0" * 64), 0, 10)
+    assert app.checkpoints == [] and len(app.warnings) == 1
+    assert "200000 checkpoints" in app.warnings[0]
+    # many that do not match the slot: one summary warning, not one each
+    rec = struct.pack("<qii", 50, 0, 4) + struct.pack("<Q", 1) + b"x" + struct.pack("<QQ", 0, 0)
+    app = sf.parse_appendices(sckp(300, rec * 300), 0, 10)
+    assert app.checkpoints == [] and app.warnings == [
+        "300 of 300 checkpoints do not match the slot; dropped"
+    ]

@@ -1,0 +1,739 @@
+"""Disk tier under the RAM prompt cache (issue 17): entries evicted from RAM go to files.
+
+Policy and file handling only; the engine-side glue (server.slots.disk_glue) moves states
+between slots and this tier.
+
+Files. One entry is one file, ``<time_ns:016x>-<host>-<pid>-<uuid12>.lsc`` (unique across
+replicas sharing the directory), in the slot-file format (server.cache.slot_file: the ggsq
+body, the SCKP checkpoint appendix, SDFT with a draft state) followed by a trailer, which
+slot-file readers stop at (an unknown magic ends the appendices):
+
+    tenant (utf-8) | model id (utf-8) | u32 len(tenant) | u32 len(model) | u64 body_len |
+    u32 version 1 | u32 magic 'SDSK'
+
+``body_len`` is where the trailer starts (the file's size less the trailer), so a truncated
+file never passes. A file is written under ``.tmp-<host>-<pid>-<uuid>.lsc`` and renamed when
+complete: readers see whole files only, and a process killed mid-write leaves only a
+temporary file, which is never indexed and is removed at start-up once its writer is gone.
+
+Index. Kept in memory from the files' headers (tokens) and trailers (tenant), never from
+their states; oldest first by (mtime, name), which is also the eviction order (FIFO by
+bytes). The directory is rescanned when a lookup misses (at most once per ``rescan_s``) and
+by the writer thread when idle, so entries another replica wrote are found, and files
+another replica evicted are forgotten.
+
+Hostile files (not regular files, symlinks, truncated, wrong magic or version, lengths the
+file cannot hold, tokens outside the vocabulary, another model's) are skipped and counted,
+never loaded. A file that passes here still has its state proven cell by cell before it is
+loaded (SlotStore.restore(..., untrusted=True)).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import os
+import re
+import socket
+import stat
+import struct
+import threading
+import time
+import uuid
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..types import lcp
+from . import slot_file
+from .prompt_cache import CacheEntry
+
+log = logging.getLogger("server.cache.disk")
+
+MiB = 1024 * 1024
+TRAILER = struct.Struct("<IIQII")  # len(tenant), len(model), body_len, version, magic
+TRAILER_MAGIC = 0x4B534453  # 'SDSK'
+TRAILER_VERSION = 1
+MAX_LABEL = 4096  # longest tenant or model id accepted in a trailer
+SUFFIX = ".lsc"
+TMP_PREFIX = ".tmp-"
+NAME_RE = re.compile(r"^[0-9a-f]{16}-[A-Za-z0-9_.]{1,64}-[0-9]{1,10}-[0-9a-f]{12}\.lsc$")
+TMP_RE = re.compile(r"^\.tmp-([A-Za-z0-9_.]{1,64})-([0-9]{1,10})-[0-9a-f]{12}\.lsc$")
+STALE_TMP_S = 3600.0  # another host's temporary file this old is an abandoned write
+# Test-only: seconds to sleep after each MiB written, so a test can kill a writer mid-file.
+WRITE_DELAY_ENV = "LLAMA_SLOT_TEST_DISK_WRITE_DELAY_S"
+_CHUNK = MiB
+
+
+class BadFile(ValueError):
+    """A file in the directory that is not a usable entry (``foreign``: another model's)."""
+
+    def __init__(self, message: str, foreign: bool = False) -> None:
+        super().__init__(message)
+        self.foreign = foreign
+
+
+def host_label() -> str:
+    """This host's name as a file-name part: [A-Za-z0-9_.], at most 64 characters."""
+    name = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
+    return name or "host"
+
+
+def entry_name(host: str, pid: int, now_ns: int | None = None) -> str:
+    """A new entry's file name: time first (readable age), then writer and a random part."""
+    t = time.time_ns() if now_ns is None else now_ns
+    return f"{t & (2**64 - 1):016x}-{host}-{pid}-{uuid.uuid4().hex[:12]}{SUFFIX}"
+
+
+def tmp_name(host: str, pid: int) -> str:
+    return f"{TMP_PREFIX}{host}-{pid}-{uuid.uuid4().hex[:12]}{SUFFIX}"
+
+
+def encode_trailer(tenant: str, model: str, body_len: int) -> bytes:
+    t, m = tenant.encode("utf-8"), model.encode("utf-8")
+    if len(t) > MAX_LABEL or len(m) > MAX_LABEL:
+        raise ValueError("tenant or model id too long for a disk entry")
+    return t + m + TRAILER.pack(len(t), len(m), body_len, TRAILER_VERSION, TRAILER_MAGIC)
+
+
+@dataclass
+class DiskEntry:
+    """One file of the tier, as the index knows it (its state is not read)."""
+
+    name: str
+    tokens: list[int]
+    tenant: str
+    nbytes: int  # the file's size
+    body_len: int  # where the trailer starts: the slot file's body and appendices end here
+    mtime_ns: int
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.mtime_ns, self.name)
+
+
+@dataclass
+class FileCheck:
+    """What read_header checks a file against (this model and context)."""
+
+    version: int  # llama.cpp's state file version
+    n_ctx: int  # most tokens a slot holds
+    n_vocab: int
+    model: str  # model id written in the trailer; files with another are foreign
+
+
+def _read_exact(fd: int, n: int, what: str) -> bytes:
+    data = os.read(fd, n)
+    if len(data) != n:
+        raise BadFile(f"truncated ({what})")
+    return data
+
+
+def _header_tokens(fd: int, size: int, check: FileCheck) -> list[int]:
+    magic, version, n_tokens = struct.unpack("<III", _read_exact(fd, 12, "header"))
+    if magic != slot_file.GGSQ_MAGIC:
+        raise BadFile(f"wrong magic {magic:#010x}")
+    if version != check.version:
+        raise BadFile(f"state version {version}, not {check.version}")
+    if n_tokens == 0 or n_tokens > check.n_ctx:
+        raise BadFile(f"{n_tokens} tokens (a slot holds 1..{check.n_ctx})")
+    if 12 + 4 * n_tokens + 8 + TRAILER.size > size:
+        raise BadFile(f"{n_tokens} tokens do not fit in {size} bytes")
+    raw = array("i")
+    raw.frombytes(_read_exact(fd, 4 * n_tokens, "tokens"))
+    if min(raw) < 0 or max(raw) >= check.n_vocab:
+        raise BadFile("a token outside this model's vocabulary")
+    return raw.tolist()
+
+
+def _trailer(fd: int, size: int, min_body: int) -> tuple[str, str, int]:
+    os.lseek(fd, size - TRAILER.size, os.SEEK_SET)
+    lt, lm, body_len, version, magic = TRAILER.unpack(_read_exact(fd, TRAILER.size, "trailer"))
+    if magic != TRAILER_MAGIC:
+        raise BadFile("no disk-cache trailer (truncated or not ours)")
+    if version != TRAILER_VERSION:
+        raise BadFile(f"trailer version {version}")
+    if lt > MAX_LABEL or lm > MAX_LABEL or body_len != size - TRAILER.size - lt - lm:
+        raise BadFile("trailer lengths do not match the file")
+    if body_len < min_body:
+        raise BadFile("trailer leaves no room for the state")
+    os.lseek(fd, body_len, os.SEEK_SET)
+    labels = _read_exact(fd, lt + lm, "labels")
+    try:
+        return labels[:lt].decode("utf-8"), labels[lt:].decode("utf-8"), body_len
+    except UnicodeDecodeError:
+        raise BadFile("trailer labels are not UTF-8") from None
+
+
+def read_header(directory: Path, name: str, check: FileCheck) -> DiskEntry:
+    """Index one file from its header and trailer; raises BadFile for anything else than a
+    whole entry of this model. Symlinks and non-regular files are refused unread."""
+    path = directory / name
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile("not a regular file (symlink, directory or device)")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise BadFile(f"cannot open: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile("not a regular file")
+        size = st.st_size
+        if size < 12 + 8 + TRAILER.size:
+            raise BadFile("truncated (shorter than a header)")
+        tokens = _header_tokens(fd, size, check)
+        tenant, model, body_len = _trailer(fd, size, 12 + 4 * len(tokens) + 8)
+    except OSError as e:
+        raise BadFile(f"unreadable: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if model != check.model:
+        raise BadFile(f"another model's entry ({model!r})", foreign=True)
+    return DiskEntry(name, tokens, tenant, size, body_len, st.st_mtime_ns)
+
+
+def entry_parts(entry: CacheEntry, version: int, model: str) -> list[bytes | memoryview]:
+    """An entry's file, as pieces to write (the state buffers are not copied)."""
+    mv = memoryview(entry.data).cast("B")
+    if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != slot_file.STATE_HEADER_MAGIC:
+        raise ValueError("unexpected sequence state layout")
+    parts: list[bytes | memoryview] = [
+        struct.pack("<III", slot_file.GGSQ_MAGIC, version, len(entry.tokens)),
+        array("i", entry.tokens).tobytes(),
+        mv[8:],
+        *slot_file.checkpoint_parts(entry.checkpoints),
+    ]
+    if len(entry.data_dft):
+        dft = memoryview(entry.data_dft).cast("B")
+        parts += [
+            struct.pack("<IIQ", slot_file.SDFT_MAGIC, slot_file.APPENDIX_VERSION, len(dft)),
+            dft,
+            struct.pack("<Q", 0),
+        ]
+    body_len = sum(len(p) for p in parts)
+    parts.append(encode_trailer(entry.tenant, model, body_len))
+    return parts
+
+
+def write_entry(
+    directory: Path, entry: CacheEntry, version: int, model: str, delay_s: float = 0.0
+) -> tuple[str, int, int]:
+    """Write ``entry`` to a temporary file, make it durable, rename it to a new unique name.
+    Returns (name, size, mtime_ns). On any failure the temporary file is removed and no
+    entry appears."""
+    host, pid = host_label(), os.getpid()
+    tmp = directory / tmp_name(host, pid)
+    parts = entry_parts(entry, version, model)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for p in parts:
+                if delay_s <= 0:
+                    f.write(p)
+                    continue
+                for i in range(0, len(p), _CHUNK):
+                    f.write(p[i : i + _CHUNK])
+                    f.flush()
+                    time.sleep(delay_s)
+            f.flush()
+            os.fdatasync(f.fileno())
+            size = f.tell()
+        name = entry_name(host, pid)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return name, size, os.stat(directory / name).st_mtime_ns
+
+
+def clean_temp_files(directory: Path, now: float | None = None) -> int:
+    """Remove temporary files whose writer is gone: this host's when their process no
+    longer runs (or is this process: a previous life with the same pid), any host's after
+    STALE_TMP_S. A live replica's write in progress is left alone. Returns how many."""
+    host, now = host_label(), time.time() if now is None else now
+    removed = 0
+    for name in os.listdir(directory):
+        m = TMP_RE.match(name)
+        if m is None:
+            continue
+        path = directory / name
+        try:
+            st = os.lstat(path)
+            mine = m.group(1) == host
+            if (mine and not _pid_alive(int(m.group(2)))) or now - st.st_mtime > STALE_TMP_S:
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue  # gone already, or not ours to remove
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own temporary files cannot exist before we start writing
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+class DiskIndex:
+    """The tier's entries in memory, oldest first by (mtime, name). No I/O, no locking."""
+
+    def __init__(self) -> None:
+        self.entries: list[DiskEntry] = []
+        self._keys: list[tuple[int, str]] = []
+        self.by_name: dict[str, DiskEntry] = {}
+        self.nbytes = 0
+
+    def add(self, e: DiskEntry) -> None:
+        if e.name in self.by_name:
+            return
+        i = bisect.bisect(self._keys, e.key)
+        self._keys.insert(i, e.key)
+        self.entries.insert(i, e)
+        self.by_name[e.name] = e
+        self.nbytes += e.nbytes
+
+    def remove(self, name: str) -> DiskEntry | None:
+        e = self.by_name.pop(name, None)
+        if e is not None:
+            i = bisect.bisect_left(self._keys, e.key)
+            del self._keys[i], self.entries[i]
+            self.nbytes -= e.nbytes
+        return e
+
+    def covers(self, tokens: list[int], tenant: str) -> bool:
+        """An entry of ``tenant`` holds ``tokens`` (or more that start with them)."""
+        n = len(tokens)
+        return any(
+            e.tenant == tenant and len(e.tokens) >= n and e.tokens[:n] == tokens
+            for e in self.entries
+        )
+
+    def prefixes_of(self, tokens: list[int], tenant: str, but: str = "") -> list[DiskEntry]:
+        """Entries of ``tenant`` that ``tokens`` extend (a new entry serves them too)."""
+        return [
+            e
+            for e in self.entries
+            if e.name != but
+            and e.tenant == tenant
+            and len(e.tokens) <= len(tokens)
+            and tokens[: len(e.tokens)] == e.tokens
+        ]
+
+    def over_limit(self, limit_bytes: int) -> list[DiskEntry]:
+        """Remove oldest-first until the bytes fit ``limit_bytes``; returns those removed."""
+        out = []
+        while self.entries and self.nbytes > limit_bytes:
+            out.append(self.remove(self.entries[0].name))
+        return [e for e in out if e is not None]
+
+    def find(
+        self, prompt: list[int], tenant: str, best_keep: float, best_sim: float
+    ) -> tuple[DiskEntry, int] | None:
+        """The RAM cache's rule (server.cache.prompt_cache.PromptCache.find): the entry of
+        ``tenant`` that beats (best_keep, best_sim) on both, skipping entries sharing less
+        than a quarter of themselves with the prompt."""
+        best: tuple[DiskEntry, int] | None = None
+        for e in self.entries:
+            if e.tenant != tenant:
+                continue
+            m = lcp(e.tokens, prompt)
+            f_keep, f_sim = m / len(e.tokens), m / len(prompt)
+            if f_keep >= 0.25 and f_keep > best_keep and f_sim > best_sim:
+                best_keep, best_sim, best = f_keep, f_sim, (e, m)
+        return best
+
+
+@dataclass
+class DiskCounters:
+    hits: int = 0  # lookups that restored an entry into a slot
+    misses: int = 0
+    load_failures: int = 0  # chosen, but its file was gone or its state was refused
+    writes: int = 0
+    bytes_written: int = 0
+    write_failures: int = 0
+    write_drops: int = 0  # the writer was too far behind, or the tier closing
+    covered: int = 0  # not written: an entry on disk already holds those tokens
+    too_large: int = 0
+    evictions: int = 0  # removed for the byte limit
+    replaced: int = 0  # removed because a newer entry extends it
+    bad_files: int = 0  # hostile or damaged files skipped (each counted once)
+    foreign_files: int = 0  # another model's entries
+    temp_files_removed: int = 0
+    scans: int = 0
+    bytes_read: int = 0
+    load_ms_total: float = 0.0
+    load_ms_last: float = 0.0
+
+
+@dataclass
+class DiskHit:
+    """A lookup's choice: a file, or an entry still waiting for the writer (in memory)."""
+
+    n_lcp: int
+    entry: DiskEntry | None = None
+    pending: CacheEntry | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.entry.tokens if self.entry is not None else self.pending.tokens  # type: ignore[union-attr]
+
+
+@dataclass
+class _Queue:
+    items: collections.deque[CacheEntry] = field(default_factory=collections.deque)
+    nbytes: int = 0
+    writing: CacheEntry | None = None
+
+
+class DiskTier:
+    """The disk tier: index, background writer, FIFO eviction by bytes, rescans.
+
+    ``put`` (any thread) queues an entry for the writer; ``find`` (the engine thread) looks
+    in the index and in the queue; the glue restores what it returns and reports with
+    ``loaded`` / ``failed``. ``limit_bytes`` bounds the directory's entries (all replicas'
+    that this one knows of).
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        limit_bytes: int,
+        check: FileCheck,
+        *,
+        rescan_s: float = 1.0,
+        max_pending_bytes: int | None = None,
+        write_delay_s: float | None = None,
+    ) -> None:
+        self.dir = Path(directory)
+        self.limit_bytes = limit_bytes
+        self.check = check
+        self.rescan_s = rescan_s
+        # entries evicted from RAM wait here beyond --cache-ram: keep that bounded
+        self.max_pending_bytes = max_pending_bytes or min(limit_bytes, 1024 * MiB)
+        if write_delay_s is None:
+            write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+        self.write_delay_s = write_delay_s
+        self.index = DiskIndex()
+        self.counters = DiskCounters()
+        self.bad: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) when refused
+        self.last_bad: collections.deque[str] = collections.deque(maxlen=8)
+        self._q = _Queue()
+        self._lock = threading.Lock()  # index, counters' shared fields, queue
+        self._cond = threading.Condition(self._lock)
+        self._scan_lock = threading.Lock()
+        self._last_scan = 0.0
+        self._dir_mtime = -1  # the directory's mtime when last scanned
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # ---- life ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the directory, remove dead writers' temporary files, index what is there,
+        start the writer."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.counters.temp_files_removed += clean_temp_files(self.dir)
+        self.scan()
+        self._thread = threading.Thread(target=self._run, name="disk-cache", daemon=True)
+        self._thread.start()
+        log.info(
+            "disk cache %s: %d entries, %.1f MiB (limit %.0f MiB), %d bad files skipped",
+            self.dir,
+            len(self.index.entries),
+            self.index.nbytes / MiB,
+            self.limit_bytes / MiB,
+            self.counters.bad_files,
+        )
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued entry is written (or ``timeout`` passes); True if so."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._q.items or self._q.writing is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the writer; what is still queued after ``timeout`` is dropped (a half-written
+        file is a temporary file, never an entry)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- writing ------------------------------------------------------------------
+
+    def put(self, entry: CacheEntry, spill: bool = False) -> bool:
+        """Queue an entry leaving RAM (any thread; takes the entry's buffers as they are).
+        False when it is dropped: too large for the tier, or the writer too far behind
+        (``max_pending_bytes``; not for a ``spill`` at shutdown, whose buffers are held
+        anyway)."""
+        with self._cond:
+            if entry.nbytes > self.limit_bytes:
+                self.counters.too_large += 1
+                return False
+            behind = self._q.nbytes + entry.nbytes > self.max_pending_bytes
+            if self._closing or (behind and not spill):
+                self.counters.write_drops += 1
+                return False
+            self._q.items.append(entry)
+            self._q.nbytes += entry.nbytes
+            self._cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._q.items and not self._closing:
+                    if not self._cond.wait(max(1.0, 2 * self.rescan_s)):
+                        break  # idle: poll the directory for other replicas' entries
+                if self._closing and not self._q.items:
+                    return
+                entry = self._q.items[0] if self._q.items else None
+                self._q.writing = entry
+            try:
+                if entry is None:
+                    self.scan()
+                else:
+                    self._write(entry)
+            except Exception:
+                log.exception("disk cache writer")
+            finally:
+                with self._cond:
+                    if entry is not None:
+                        self._q.items.popleft()
+                        self._q.nbytes -= entry.nbytes
+                    self._q.writing = None
+                    self._cond.notify_all()
+
+    def _write(self, entry: CacheEntry) -> None:
+        with self._lock:
+            if self.index.covers(entry.tokens, entry.tenant):
+                self.counters.covered += 1
+                return
+        t0 = time.perf_counter()
+        try:
+            name, size, mtime = write_entry(
+                self.dir, entry, self.check.version, self.check.model, self.write_delay_s
+            )
+        except (OSError, ValueError) as e:
+            self.counters.write_failures += 1
+            log.warning("disk cache: writing %d tokens failed: %s", len(entry.tokens), e)
+            return
+        e = DiskEntry(
+            name, list(entry.tokens), entry.tenant, size, size - self._trailer_len(entry), mtime
+        )
+        with self._lock:
+            self.index.add(e)
+            self.counters.writes += 1
+            self.counters.bytes_written += size
+            gone = self.index.prefixes_of(e.tokens, e.tenant, but=name)
+            for old in gone:
+                self.index.remove(old.name)
+            self.counters.replaced += len(gone)
+            evicted = self.index.over_limit(self.limit_bytes)
+            self.counters.evictions += len(evicted)
+        for old in gone + evicted:
+            (self.dir / old.name).unlink(missing_ok=True)  # another replica may beat us to it
+        log.debug(
+            "disk cache: wrote %d tokens, %.1f MiB in %.0f ms (%d replaced, %d evicted)",
+            len(e.tokens),
+            size / MiB,
+            (time.perf_counter() - t0) * 1e3,
+            len(gone),
+            len(evicted),
+        )
+
+    def _trailer_len(self, entry: CacheEntry) -> int:
+        return len(encode_trailer(entry.tenant, self.check.model, 0))
+
+    # ---- indexing -----------------------------------------------------------------
+
+    def scan(self, wait: float = 0.0) -> int:
+        """Index new files, forget vanished ones; returns how many were added. Headers only.
+        Waits at most ``wait`` seconds for another thread's scan, else skips (returns 0)."""
+        lock = self._scan_lock
+        if not (lock.acquire(timeout=wait) if wait > 0 else lock.acquire(blocking=False)):
+            return 0
+        try:
+            self._last_scan = time.monotonic()
+            try:
+                self._dir_mtime = os.stat(self.dir).st_mtime_ns  # before listing: no gap
+                names = set(os.listdir(self.dir))
+            except OSError as e:
+                log.warning("disk cache: cannot list %s: %s", self.dir, e)
+                return 0
+            with self._lock:
+                self.counters.scans += 1
+                for gone in [n for n in self.index.by_name if n not in names]:
+                    self.index.remove(gone)
+                for gone in [n for n in self.bad if n not in names]:
+                    del self.bad[gone]  # refused files that were removed: forget them too
+                fresh = [n for n in names if n not in self.index.by_name]
+            added = [e for e in map(self._examine, sorted(fresh)) if e is not None]
+            with self._lock:
+                for e in added:
+                    self.index.add(e)
+                evicted = self.index.over_limit(self.limit_bytes)
+                self.counters.evictions += len(evicted)
+            for old in evicted:
+                (self.dir / old.name).unlink(missing_ok=True)
+            return len(added)
+        finally:
+            self._scan_lock.release()
+
+    def _examine(self, name: str) -> DiskEntry | None:
+        """One new directory name: an entry, or None (temporary, or refused and counted)."""
+        if name.startswith(TMP_PREFIX):
+            return None  # a write in progress (or a dead writer's, cleaned at start-up)
+        try:
+            st = os.lstat(self.dir / name)
+        except OSError:
+            return None
+        seen = (st.st_size, st.st_mtime_ns)
+        if self.bad.get(name) == seen:
+            return None  # refused before and unchanged: counted once
+        try:
+            if NAME_RE.match(name) is None:
+                raise BadFile("not a disk-cache entry name")
+            if st.st_size > self.limit_bytes:  # would evict every other entry to fit
+                raise BadFile(f"{st.st_size} bytes, more than the whole tier")
+            return read_header(self.dir, name, self.check)
+        except BadFile as e:
+            self._refuse(name, seen, str(e), e.foreign)
+            return None
+
+    def _refuse(self, name: str, seen: tuple[int, int], why: str, foreign: bool = False) -> None:
+        with self._lock:  # scans iterate ``bad`` under the lock
+            self.bad[name] = seen
+            if foreign:
+                self.counters.foreign_files += 1
+            else:
+                self.counters.bad_files += 1
+                self.last_bad.append(f"{name[:80]}: {why}")
+        log.log(
+            logging.DEBUG if foreign else logging.WARNING,
+            "disk cache: skipped %r: %s",
+            name[:80],
+            why,
+        )
+
+    # ---- lookups (engine thread) --------------------------------------------------
+
+    def find(
+        self, prompt: list[int], tenant: str, slot_tokens: list[int], own: bool
+    ) -> DiskHit | None:
+        """The best entry of ``tenant`` for ``prompt`` that beats the slot's own state (when
+        ``own``), in the queue or on disk; on a miss the directory is rescanned (at most once
+        per ``rescan_s``) and looked at again. Counts a miss; hits are counted by ``loaded``."""
+        if not prompt:
+            return None
+        n = lcp(slot_tokens, prompt) if own else 0
+        keep = n / len(slot_tokens) if slot_tokens else -1.0
+        sim = n / len(prompt)
+        hit = self._find(prompt, tenant, keep, sim)
+        if hit is None and self._stale():
+            self.scan(wait=2.0)  # the writer's poll may be scanning: then after it
+            hit = self._find(prompt, tenant, keep, sim)
+        if hit is None:
+            with self._lock:
+                self.counters.misses += 1
+        return hit
+
+    def _stale(self) -> bool:
+        """Whether the directory may hold files the index lacks: its mtime moved (a file was
+        renamed in or removed; one stat call), or ``rescan_s`` passed (filesystems whose
+        directory mtime lags, such as NFS with attribute caching)."""
+        if time.monotonic() - self._last_scan >= self.rescan_s:
+            return True
+        try:
+            return os.stat(self.dir).st_mtime_ns != self._dir_mtime
+        except OSError:
+            return False
+
+    def _find(self, prompt: list[int], tenant: str, keep: float, sim: float) -> DiskHit | None:
+        with self._lock:
+            best: DiskHit | None = None
+            found = self.index.find(prompt, tenant, keep, sim)
+            if found is not None:
+                best = DiskHit(found[1], entry=found[0])
+                keep, sim = found[1] / len(found[0].tokens), found[1] / len(prompt)
+            for p in self._q.items:  # queued entries are newer than any file of theirs
+                if p.tenant != tenant or not p.tokens:
+                    continue
+                m = lcp(p.tokens, prompt)
+                f_keep, f_sim = m / len(p.tokens), m / len(prompt)
+                if f_keep >= 0.25 and f_keep > keep and f_sim > sim:
+                    keep, sim, best = f_keep, f_sim, DiskHit(m, pending=p)
+            return best
+
+    def path_of(self, e: DiskEntry) -> Path:
+        return self.dir / e.name
+
+    def loaded(self, hit: DiskHit, ms: float, nbytes: int) -> None:
+        with self._lock:
+            self.counters.hits += 1
+            self.counters.bytes_read += nbytes
+            self.counters.load_ms_total += ms
+            self.counters.load_ms_last = ms
+
+    def failed(self, hit: DiskHit, why: str, refuse: bool) -> None:
+        """A chosen entry could not be loaded: forget it; with ``refuse`` (its state was
+        refused) remember the file as bad so a rescan does not index it again."""
+        with self._lock:
+            self.counters.load_failures += 1
+            self.counters.misses += 1
+        e = hit.entry
+        if e is None:
+            return
+        with self._lock:
+            self.index.remove(e.name)
+        if refuse:
+            self._refuse(e.name, (e.nbytes, e.mtime_ns), why)
+        else:
+            log.info("disk cache: %s: %s", e.name, why)
+
+    # ---- reporting ----------------------------------------------------------------
+
+    def describe(self) -> dict:
+        now = time.time_ns()
+        with self._lock:
+            c = self.counters.__dict__.copy()
+            entries = list(self.index.entries)
+            pending = len(self._q.items)
+            pending_bytes = self._q.nbytes
+            last_bad = list(self.last_bad)
+        return {
+            "enabled": True,
+            "dir": str(self.dir),
+            "model": self.check.model,
+            "n_entries": len(entries),
+            "n_bytes": sum(e.nbytes for e in entries),
+            "limit_bytes": self.limit_bytes,
+            "n_pending": pending,
+            "pending_bytes": pending_bytes,
+            "counters": c,
+            "bad_files": last_bad,
+            "entries": [
+                {
+                    "name": e.name,
+                    "n_tokens": len(e.tokens),
+                    "n_bytes": e.nbytes,
+                    "age_s": round((now - e.mtime_ns) / 1e9, 3),
+                }
+                for e in entries
+            ],
+        }

@@ -1,0 +1,520 @@
+"""The command line's tables: llama-server's flags, with its names, aliases and ``LLAMA_ARG_*``
+variables (those of llama-cpp-python 0.3.36's vendored ``tools/server/README.md``).
+
+``OPTIONS`` are the flags this server implements: each is a ``Settings`` field.
+``COMPAT`` are the rest of llama-server's flags, accepted so that a llama-server command line
+starts this server unchanged, and ignored: their values are still checked (a malformed one is an
+error), and ``server.config.ignored_flags`` names the given ones that would change what
+llama-server does, for one warning at start-up. A flag moves from ``COMPAT`` to ``OPTIONS``
+when it is implemented."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+def n_gpu_layers(text: str) -> int:
+    """``-ngl``: a layer count, or llama-server's ``auto`` / ``all`` (-1: every layer)."""
+    if text.strip().lower() in ("auto", "all"):
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number, 'auto' or 'all', got {text!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Opt:
+    """An implemented flag: ``dest`` is its ``Settings`` field."""
+
+    flags: tuple[str, ...]
+    dest: str
+    env: str
+    help: str
+    kind: Any = str  # a type or converter, or "bool": a switch, or a --x / --no-x pair with neg
+    neg: tuple[str, ...] = ()
+    choices: tuple[str, ...] | None = None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object (``--chat-template-kwargs``, ``--ui-config``, ``--mcp-servers-json``)."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError:
+        raise _err("a JSON object", text) from None
+    if not isinstance(v, dict):
+        raise _err("a JSON object", text)
+    return v
+
+
+def _o(flags: str, dest: str, env: str, help: str, kind: Any = str, **kw: Any) -> Opt:
+    neg = tuple(kw.pop("neg", "").split())
+    return Opt(tuple(flags.split()), dest, env, help, kind, neg, **kw)
+
+
+# fmt: off
+OPTIONS: list[Opt] = [
+    # --- model and context ---
+    _o("-m --model", "model", "LLAMA_ARG_MODEL", "GGUF model path (default: the embedded Gemma 3 270M package)"),
+    _o("-c --ctx-size", "ctx_size", "LLAMA_ARG_CTX_SIZE", "total KV context size in tokens (default: 8192; 0 = the model's training context)", int),
+    _o("-np --parallel", "parallel", "LLAMA_ARG_N_PARALLEL", "number of slots (default: 4; -1 = auto = 4)", int),
+    _o("-b --batch-size", "batch_size", "LLAMA_ARG_BATCH", "logical batch: most tokens decoded in one step (default: 2048)", int),
+    _o("-ub --ubatch-size", "ubatch_size", "LLAMA_ARG_UBATCH", "physical batch size (default: 512)", int),
+    _o("-t --threads", "threads", "LLAMA_ARG_THREADS", "threads for generation (default: all cores)", int),
+    _o("-tb --threads-batch", "threads_batch", "LLAMA_ARG_THREADS_BATCH", "threads for prompt processing (default: same as --threads)", int),
+    _o("-ngl --gpu-layers --n-gpu-layers", "n_gpu_layers", "LLAMA_ARG_N_GPU_LAYERS", "layers to offload to the GPU: a number, auto or all (default: all)", n_gpu_layers),
+    _o("-kvu --kv-unified", "kv_unified", "LLAMA_ARG_KV_UNIFIED", "one KV buffer shared by all slots (default: on)", "bool", neg="-no-kvu --no-kv-unified"),
+    _o("--swa-full", "swa_full", "LLAMA_ARG_SWA_FULL", "full-size KV cache for sliding-window layers (default: off)", "bool"),
+    _o("-fa --flash-attn", "flash_attn", "LLAMA_ARG_FLASH_ATTN", "flash attention: on, off or auto (default: auto)", choices=("on", "off", "auto")),
+    _o("-bs --backend-sampling", "backend_sampling", "LLAMA_ARG_BACKEND_SAMPLING", "run each slot's sampler chain in the decode graph, on the device, when every stage can; grammar, penalties, logit_bias and logprobs sample on the CPU (default: off)", "bool"),
+    _o("--sample-threads", "sample_threads", "LLAMA_ARG_SAMPLE_THREADS", "threads sampling the CPU-sampled slots of one step concurrently (default: -1 = auto: on with more than 2 cores; 0 = off)", int),
+    # --- scheduling and caches ---
+    _o("-sps --slot-prompt-similarity", "slot_prompt_similarity", "LLAMA_ARG_SLOT_PROMPT_SIMILARITY", "how much of a prompt must match a slot's tokens to pick that slot (default: 0.10, 0 = off)", float),
+    _o("-cram --cache-ram", "cache_ram", "LLAMA_ARG_CACHE_RAM", "RAM prompt cache size in MiB (default: 8192, -1 = no limit, 0 = off)", int),
+    _o("--cache-ram-tokens", "cache_ram_tokens", "LLAMA_ARG_CACHE_RAM_TOKENS", "RAM prompt cache token limit (default: the context size; raised to what the byte limit holds)", int),
+    _o("--cache-disk", "cache_disk", "LLAMA_ARG_CACHE_DISK", "directory for the disk tier under the RAM cache: entries evicted from RAM, and idle slots at shutdown, are kept there; replicas may share it (default: off; needs --cache-ram)"),
+    _o("--cache-disk-mib", "cache_disk_mib", "LLAMA_ARG_CACHE_DISK_MIB", "disk tier size in MiB, oldest entries out first (default: 16384, 0 = off)", int),
+    _o("--cache-idle-slots", "cache_idle_slots", "LLAMA_ARG_CACHE_IDLE_SLOTS", "save idle slots to the RAM cache when a task starts, and clear them in unified KV mode (default: on; needs --cache-ram)", "bool", neg="--no-cache-idle-slots"),
+    _o("-ctxcp --ctx-checkpoints --swa-checkpoints", "ctx_checkpoints", "LLAMA_ARG_CTX_CHECKPOINTS", "most context checkpoints per slot for SWA/recurrent models (default: 32, 0 = off)", int),
+    _o("-cms --checkpoint-min-step", "checkpoint_min_step", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", "least spacing in tokens between mid-prompt checkpoints (default: 8192)", int),
+    _o("--prefix-share", "prefix_share", "LLAMA_ARG_PREFIX_SHARE", "share prompt prefixes between slots with seq_cp, also while another request is still computing them (default: on; needs unified KV)", "bool", neg="--no-prefix-share"),
+    _o("--prefix-share-min", "prefix_share_min", "LLAMA_ARG_PREFIX_SHARE_MIN", "least shared prefix (tokens) worth waiting for while another request computes it (default: 128; 0 = never wait)", int),
+    _o("--slot-save-path", "slot_save_path", "LLAMA_ARG_SLOT_SAVE_PATH", "directory for POST /slots/{id}?action=save|restore (default: off)"),
+    _o("--cache-isolation", "cache_isolation", "LLAMA_ARG_CACHE_ISOLATION", "keep cached prompts apart: none, per API key, or per cache salt (default: none)", choices=("none", "key", "salt")),
+    # --- default sampling: what a request gets for a field it leaves out ---
+    _o("-n --predict --n-predict", "n_predict", "LLAMA_ARG_N_PREDICT", "most tokens to generate per request (default: -1, unlimited)", int),
+    _o("-s --seed", "seed", "LLAMA_ARG_SEED", "default sampling seed (default: -1, random)", int),
+    _o("--temp --temperature", "temperature", "LLAMA_ARG_TEMPERATURE", "default temperature (default: 0.80)", float),
+    _o("--top-k", "top_k", "LLAMA_ARG_TOP_K", "default top-k (default: 40, 0 = off)", int),
+    _o("--top-p", "top_p", "LLAMA_ARG_TOP_P", "default top-p (default: 0.95, 1.0 = off)", float),
+    _o("--min-p", "min_p", "LLAMA_ARG_MIN_P", "default min-p (default: 0.05, 0.0 = off)", float),
+    _o("--repeat-last-n", "repeat_last_n", "LLAMA_ARG_REPEAT_LAST_N", "default penalty window in tokens (default: 64, 0 = off, -1 = context)", int),
+    _o("--repeat-penalty", "repeat_penalty", "LLAMA_ARG_REPEAT_PENALTY", "default repeat penalty (default: 1.00, 1.0 = off)", float),
+    _o("--presence-penalty", "presence_penalty", "LLAMA_ARG_PRESENCE_PENALTY", "default presence penalty (default: 0.00)", float),
+    _o("--frequency-penalty", "frequency_penalty", "LLAMA_ARG_FREQUENCY_PENALTY", "default frequency penalty (default: 0.00)", float),
+    _o("--keep", "keep", "LLAMA_ARG_KEEP", "default n_keep: prompt tokens kept by a context shift (default: 0, -1 = all)", int),
+    # --- chat ---
+    _o("-a --alias", "alias", "LLAMA_ARG_ALIAS", "model name reported by the API"),
+    _o("--jinja", "jinja", "LLAMA_ARG_JINJA", "render chat with the model's Jinja template (default: on); --no-jinja: the built-in template that matches it", "bool", neg="--no-jinja"),
+    _o("--chat-template", "chat_template", "LLAMA_ARG_CHAT_TEMPLATE", "built-in chat template name (chatml, gemma, llama3, mistral) or a Jinja template"),
+    _o("--chat-template-file", "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", "file holding a Jinja chat template"),
+    _o("--chat-template-kwargs", "chat_template_kwargs", "LLAMA_ARG_CHAT_TEMPLATE_KWARGS", "JSON object of extra chat template variables, under each request's own (e.g. '{\"enable_thinking\": false}')", json_object),
+    _o("--reasoning-format", "reasoning_format", "LLAMA_ARG_THINK", "split <think> reasoning into reasoning_content: none, deepseek, deepseek-legacy (= deepseek here) or auto (default: auto)", choices=("none", "deepseek", "deepseek-legacy", "auto")),
+    _o("-rea --reasoning", "reasoning", "LLAMA_ARG_REASONING", "thinking in templates that have it: on, off or auto (default: auto, the template's own default)", choices=("on", "off", "auto")),
+    _o("--reasoning-effort", "reasoning_effort", "LLAMA_ARG_REASONING_EFFORT", "default reasoning_effort passed to the template (default: none)"),
+    # --- HTTP ---
+    _o("--host", "host", "LLAMA_ARG_HOST", "address to listen on (default: 127.0.0.1)"),
+    _o("--port", "port", "LLAMA_ARG_PORT", "port to listen on (default: 8080)", int),
+    _o("--slots", "slots", "LLAMA_ARG_ENDPOINT_SLOTS", "expose the /slots endpoint (default: on)", "bool", neg="--no-slots"),
+    _o("--metrics", "metrics", "LLAMA_ARG_ENDPOINT_METRICS", "expose Prometheus metrics at /metrics (default: off)", "bool"),
+    _o("--props", "props", "LLAMA_ARG_ENDPOINT_PROPS", "allow changing global properties with POST /props (default: off)", "bool"),
+    _o("--api-key", "api_key", "LLAMA_API_KEY", "API key(s), comma-separated; every endpoint but /health then needs one (default: none)"),
+    _o("--api-key-file", "api_key_file", "LLAMA_ARG_API_KEY_FILE", "file with API keys, one per line"),
+    _o("--allowed-hosts", "allowed_hosts", "LLAMA_ARG_ALLOWED_HOSTS", "Host header names accepted, comma-separated (default: any)"),
+    _o("--cors-origins", "cors_origins", "LLAMA_ARG_CORS_ORIGINS", "allowed CORS origins, comma-separated (default: *)"),
+    _o("--cors-methods", "cors_methods", "LLAMA_ARG_CORS_METHODS", "allowed CORS methods, comma-separated (default: *)"),
+    _o("--cors-headers", "cors_headers", "LLAMA_ARG_CORS_HEADERS", "allowed CORS request headers, comma-separated (default: *)"),
+    _o("--ssl-key-file", "ssl_key_file", "LLAMA_ARG_SSL_KEY_FILE", "PEM private key: serve HTTPS (with --ssl-cert-file)"),
+    _o("--ssl-cert-file", "ssl_cert_file", "LLAMA_ARG_SSL_CERT_FILE", "PEM certificate: serve HTTPS (with --ssl-key-file)"),
+    _o("--max-body-mb", "max_body_mb", "LLAMA_ARG_MAX_BODY_MB", "largest request body in MiB; larger ones get 413 (default: 16)", float),
+    _o("--max-queue", "max_queue", "LLAMA_ARG_MAX_QUEUE", "most requests waiting for a slot; beyond it 503 with Retry-After (default: 256)", int),
+    _o("-to --timeout", "timeout", "LLAMA_ARG_TIMEOUT", 'seconds a request may run before it is ended (default: 600; per request: "timeout")', float),
+    # --- logging ---
+    _o("-v --verbose --log-verbose", "verbose", "LLAMA_ARG_VERBOSE", "debug logging", "bool"),
+    _o("-lv --verbosity --log-verbosity", "log_verbosity", "LLAMA_ARG_LOG_VERBOSITY", "log threshold: 1 error, 2 warning, 3 info, 4+ debug (default: 3)", int),
+    _o("--log-disable", "log_disable", "LLAMA_ARG_LOG_DISABLE", "no log output", "bool"),
+    _o("--log-file", "log_file", "LLAMA_ARG_LOG_FILE", "also log to this file"),
+]
+# fmt: on
+
+
+# ---- accepted and ignored -------------------------------------------------------------
+
+SWITCH = "switch"  # a flag without a value
+BOOL = "bool"  # a --x / --no-x pair (the negations after " | " in a row)
+INT_PAIR = "int-pair"  # two integers (--control-vector-layer-range START END)
+ANY = "any"  # ``ours`` for a flag that has no meaning in a server: never warned about
+
+
+@dataclass(frozen=True)
+class Compat:
+    """A llama-server flag accepted and ignored. ``value`` checks its text: SWITCH, BOOL,
+    INT_PAIR, a tuple of choices, or a converter (int, float, str, ...). ``ours`` is the value
+    that describes what this server does anyway (no warning for it); None: always warned."""
+
+    flags: tuple[str, ...]
+    env: str
+    value: Any
+    ours: Any
+    group: str
+    neg: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The flag's name in warnings and ``Settings.compat``: its first ``--`` spelling."""
+        return next((f for f in self.flags if f.startswith("--")), self.flags[0])
+
+
+def _err(what: str, text: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+
+
+def _items(text: str, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise _err(what, text)
+    return items
+
+
+def ints(text: str) -> list[int]:
+    """``1024,512``: comma-separated integers."""
+    try:
+        return [int(x) for x in _items(text, "comma-separated integers")]
+    except ValueError:
+        raise _err("comma-separated integers", text) from None
+
+
+def floats(text: str) -> list[float]:
+    """``3,1``: comma-separated numbers."""
+    try:
+        return [float(x) for x in _items(text, "comma-separated numbers")]
+    except ValueError:
+        raise _err("comma-separated numbers", text) from None
+
+
+def hex_mask(text: str) -> str:
+    """A CPU mask: hexadecimal digits, optionally after 0x."""
+    if not re.fullmatch(r"(0[xX])?[0-9a-fA-F]+", text.strip()):
+        raise _err("a hexadecimal CPU mask", text)
+    return text.strip()
+
+
+def cpu_range(text: str) -> str:
+    """``lo-hi``: a range of CPU numbers."""
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) > int(m.group(2)):
+        raise _err("a CPU range lo-hi", text)
+    return text.strip()
+
+
+def percent(text: str) -> int:
+    """``--poll``: 0 ... 100."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise _err("an integer 0...100", text) from None
+    if not 0 <= v <= 100:
+        raise _err("an integer 0...100", text)
+    return v
+
+
+def json_schema(text: str) -> Any:
+    """``-j``: a JSON schema (any JSON value)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise _err("a JSON schema", text) from None
+
+
+def _pattern_list(rx: str, what: str) -> Any:
+    def check(text: str) -> list[str]:
+        items = _items(text, what)
+        if not all(re.fullmatch(rx, x) for x in items):
+            raise _err(what, text)
+        return items
+
+    check.__name__ = what.replace(" ", "_")
+    return check
+
+
+_NUM = r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?"
+kv_overrides = _pattern_list(r"[^=]+=(int|float|bool|str):.*", "KEY=TYPE:VALUE items")
+tensor_overrides = _pattern_list(r"[^=]+=[^=]+", "PATTERN=BUFFER_TYPE items")
+scaled_files = _pattern_list(rf".+:{_NUM}", "FNAME:SCALE items")
+
+
+def logit_bias(text: str) -> str:
+    """``15043+1``, ``15043-inf``: a token id, a sign and a bias."""
+    if not re.fullmatch(r"\d+[-+](inf|\d+(\.\d*)?|\.\d+)", text.strip()):
+        raise _err("TOKEN_ID(+/-)BIAS", text)
+    return text.strip()
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+SPEC_TYPES = _words(
+    "none draft-simple draft-eagle3 draft-mtp draft-dflash draft-dspark ngram-simple "
+    "ngram-map-k ngram-map-k4v ngram-mod ngram-cache"
+)
+
+
+def spec_types(text: str) -> list[str]:
+    """``--spec-type``: comma-separated speculative decoding types."""
+    items = _items(text, "speculative decoding types")
+    if any(x not in SPEC_TYPES for x in items):
+        raise _err("types among " + ",".join(SPEC_TYPES), text)
+    return items
+
+
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+ON_OFF_AUTO = ("on", "off", "auto")
+STRICT = ("0", "1")
+
+
+def _group(group: str, *rows: tuple[Any, ...]) -> list[Compat]:
+    """Rows of (flags, env, value[, ours]); ``"--x | --no-x"`` gives a BOOL's negations."""
+    out = []
+    for flags, env, value, *ours in rows:
+        pos, _, neg = flags.partition(" | ")
+        c = Compat(
+            tuple(pos.split()), env, value, ours[0] if ours else None, group, tuple(neg.split())
+        )
+        out.append(c)
+    return out
+
+
+# fmt: off
+COMPAT: list[Compat] = [
+    *_group(
+        "CPU placement",
+        ("-C --cpu-mask", "", hex_mask),
+        ("-Cr --cpu-range", "", cpu_range),
+        ("--cpu-strict", "", STRICT, "0"),
+        ("--prio", "", int, 0),
+        ("--poll", "", percent, 50),
+        ("-Cb --cpu-mask-batch", "", hex_mask),
+        ("-Crb --cpu-range-batch", "", cpu_range),
+        ("--cpu-strict-batch", "", STRICT, "0"),
+        ("--prio-batch", "", int, 0),
+        ("--poll-batch", "", STRICT),
+        ("--numa", "LLAMA_ARG_NUMA", ("distribute", "isolate", "numactl")),
+    ),
+    *_group(
+        "model loading and devices",
+        ("--perf | --no-perf", "LLAMA_ARG_PERF", BOOL, False),
+        ("-kvo --kv-offload | -nkvo --no-kv-offload", "LLAMA_ARG_KV_OFFLOAD", BOOL, True),
+        ("--repack | -nr --no-repack", "LLAMA_ARG_REPACK", BOOL, True),
+        ("--no-host", "LLAMA_ARG_NO_HOST", SWITCH),
+        ("-lm --load-mode", "LLAMA_ARG_LOAD_MODE", ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"), "auto"),
+        ("-lzm --lazy-mode", "LLAMA_ARG_LAZY_MODE", ("on", "auto", "off"), "auto"),
+        ("--no-mmap", "LLAMA_ARG_NO_MMAP", SWITCH),
+        ("--mlock", "LLAMA_ARG_MLOCK", SWITCH),
+        ("--check-tensors", "", SWITCH),
+        ("--override-kv", "", kv_overrides),
+        ("--op-offload | --no-op-offload", "", BOOL, True),
+        ("-dev --device", "LLAMA_ARG_DEVICE", str),
+        ("-ot --override-tensor", "LLAMA_ARG_OVERRIDE_TENSOR", tensor_overrides),
+        ("-cmoe --cpu-moe", "LLAMA_ARG_CPU_MOE", SWITCH),
+        ("-ncmoe --n-cpu-moe", "LLAMA_ARG_N_CPU_MOE", int, 0),
+        ("-ncffn --n-cpu-ffn", "LLAMA_ARG_N_CPU_FFN", int, 0),
+        ("-sm --split-mode", "LLAMA_ARG_SPLIT_MODE", ("none", "layer", "row", "tensor"), "layer"),
+        ("-ts --tensor-split", "LLAMA_ARG_TENSOR_SPLIT", floats),
+        ("-mg --main-gpu", "LLAMA_ARG_MAIN_GPU", int, 0),
+        ("-fit --fit", "LLAMA_ARG_FIT", ("on", "off"), "off"),
+        ("-fitt --fit-target", "LLAMA_ARG_FIT_TARGET", ints),
+        ("-fitc --fit-ctx", "LLAMA_ARG_FIT_CTX", int),
+        ("--rpc", "LLAMA_ARG_RPC", str),
+    ),
+    *_group(
+        "KV cache",
+        ("-ctk --cache-type-k", "LLAMA_ARG_CACHE_TYPE_K", CACHE_TYPES, "f16"),
+        ("-ctv --cache-type-v", "LLAMA_ARG_CACHE_TYPE_V", CACHE_TYPES, "f16"),
+        ("-dt --defrag-thold", "LLAMA_ARG_DEFRAG_THOLD", float, ANY),  # deprecated there too
+        ("--kv-unified-per-slot", "LLAMA_ARG_KV_UNIFIED_PER_SLOT", int),
+        ("--context-shift | --no-context-shift", "LLAMA_ARG_CONTEXT_SHIFT", BOOL, False),
+        ("--cache-prompt | --no-cache-prompt", "LLAMA_ARG_CACHE_PROMPT", BOOL, True),
+        ("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", int, 0),
+        ("-cb --cont-batching | -nocb --no-cont-batching", "LLAMA_ARG_CONT_BATCHING", BOOL, True),
+        ("--warmup | --no-warmup", "", BOOL, False),
+        ("--sleep-idle-seconds", "", int, -1),
+    ),
+    *_group(
+        "RoPE/YaRN",
+        ("--rope-scaling", "LLAMA_ARG_ROPE_SCALING_TYPE", ("none", "linear", "yarn")),
+        ("--rope-scale", "LLAMA_ARG_ROPE_SCALE", float),
+        ("--rope-freq-base", "LLAMA_ARG_ROPE_FREQ_BASE", float),
+        ("--rope-freq-scale", "LLAMA_ARG_ROPE_FREQ_SCALE", float),
+        ("--yarn-orig-ctx", "LLAMA_ARG_YARN_ORIG_CTX", int, 0),
+        ("--yarn-ext-factor", "LLAMA_ARG_YARN_EXT_FACTOR", float, -1.0),
+        ("--yarn-attn-factor", "LLAMA_ARG_YARN_ATTN_FACTOR", float, -1.0),
+        ("--yarn-beta-slow", "LLAMA_ARG_YARN_BETA_SLOW", float, -1.0),
+        ("--yarn-beta-fast", "LLAMA_ARG_YARN_BETA_FAST", float, -1.0),
+    ),
+    *_group(
+        "LoRA/control vectors",
+        ("--lora", "", str),
+        ("--lora-scaled", "", scaled_files),
+        ("--control-vector", "", str),
+        ("--control-vector-scaled", "", scaled_files),
+        ("--control-vector-layer-range", "", INT_PAIR),
+        ("--lora-init-without-apply", "", SWITCH),
+    ),
+    *_group(
+        "downloads",
+        ("-mu --model-url", "LLAMA_ARG_MODEL_URL", str),
+        ("-dr --docker-repo", "LLAMA_ARG_DOCKER_REPO", str),
+        ("-hf -hfr --hf-repo", "LLAMA_ARG_HF_REPO", str),
+        ("-hff --hf-file", "LLAMA_ARG_HF_FILE", str),
+        ("-hft --hf-token", "HF_TOKEN", str, ANY),  # a token alone downloads nothing
+        ("--offline", "LLAMA_ARG_OFFLINE", SWITCH, True),  # never online anyway
+        *[
+            (f"--{m}", "", SWITCH)
+            for m in _words(
+                "embd-gemma-default fim-qwen-1.5b-default fim-qwen-3b-default "
+                "fim-qwen-7b-default fim-qwen-7b-spec fim-qwen-14b-spec fim-qwen-30b-default "
+                "gpt-oss-20b-default gpt-oss-120b-default vision-gemma-4b-default "
+                "vision-gemma-12b-default"
+            )
+        ],
+    ),
+    *_group(
+        "log format",
+        ("--log-jsonl | --no-log-jsonl", "LLAMA_ARG_LOG_JSONL", BOOL, False),
+        ("--log-colors", "LLAMA_ARG_LOG_COLORS", ON_OFF_AUTO, ANY),  # cosmetic
+        ("--log-prefix | --no-log-prefix", "LLAMA_ARG_LOG_PREFIX", BOOL, True),
+        ("--log-timestamps | --no-log-timestamps", "LLAMA_ARG_LOG_TIMESTAMPS", BOOL, True),
+        ("--log-prompts-dir", "", str),
+    ),
+    *_group(
+        "samplers",
+        ("--samplers", "", str, "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature"),
+        ("--sampler-seq --sampling-seq", "", str, "edskypmxt"),
+        ("--ignore-eos", "", SWITCH),
+        ("--top-nsigma --top-n-sigma", "", float, -1.0),
+        ("--xtc-probability", "", float, 0.0),
+        ("--xtc-threshold", "", float, 0.1),
+        ("--typical --typical-p", "", float, 1.0),
+        ("--dry-multiplier", "", float, 0.0),
+        ("--dry-base", "", float, 1.75),
+        ("--dry-allowed-length", "", int, 2),
+        ("--dry-penalty-last-n", "", int, 64),
+        ("--dry-sequence-breaker", "", str),
+        ("--adaptive-target", "", float, -1.0),
+        ("--adaptive-decay", "", float, 0.9),
+        ("--dynatemp-range", "", float, 0.0),
+        ("--dynatemp-exp", "", float, 1.0),
+        ("--mirostat", "", int, 0),
+        ("--mirostat-lr", "", float, 0.1),
+        ("--mirostat-ent", "", float, 5.0),
+        ("-l --logit-bias", "", logit_bias),
+        ("--grammar", "", str),
+        ("--grammar-file", "", str),
+        ("-j --json-schema", "", json_schema),
+        ("-jf --json-schema-file", "", str),
+        ("-r --reverse-prompt", "", str),
+        ("-sp --special", "", SWITCH),
+        ("-e --escape | --no-escape", "", BOOL, ANY),  # prompt escapes of the CLI tools
+    ),
+    *_group(
+        "speculative decoding",
+        ("-lcs --lookup-cache-static", "", str),
+        ("-lcd --lookup-cache-dynamic", "", str),
+        ("--spec-draft-type-k -ctkd --cache-type-k-draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K", CACHE_TYPES, ANY),
+        ("--spec-draft-type-v -ctvd --cache-type-v-draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", CACHE_TYPES, ANY),
+        ("--spec-draft-hf -hfd -hfrd --hf-repo-draft", "LLAMA_ARG_SPEC_DRAFT_HF_REPO", str),
+        ("--spec-draft-threads -td --threads-draft", "", int, ANY),
+        ("--spec-draft-threads-batch -tbd --threads-batch-draft", "", int, ANY),
+        ("--spec-draft-cpu-mask -Cd --cpu-mask-draft", "", hex_mask, ANY),
+        ("--spec-draft-cpu-range -Crd --cpu-range-draft", "", cpu_range, ANY),
+        ("--spec-draft-cpu-strict --cpu-strict-draft", "", STRICT, ANY),
+        ("--spec-draft-prio --prio-draft", "", int, ANY),
+        ("--spec-draft-poll --poll-draft", "", STRICT, ANY),
+        ("--spec-draft-cpu-mask-batch -Cbd --cpu-mask-batch-draft", "", hex_mask, ANY),
+        ("--spec-draft-cpu-strict-batch --cpu-strict-batch-draft", "", STRICT, ANY),
+        ("--spec-draft-prio-batch --prio-batch-draft", "", int, ANY),
+        ("--spec-draft-poll-batch --poll-batch-draft", "", STRICT, ANY),
+        ("--spec-draft-override-tensor -otd --override-tensor-draft", "", tensor_overrides, ANY),
+        ("--spec-draft-cpu-moe -cmoed --cpu-moe-draft", "LLAMA_ARG_SPEC_DRAFT_CPU_MOE", SWITCH, ANY),
+        ("--spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft", "LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE", int, ANY),
+        ("--spec-draft-n-max", "LLAMA_ARG_SPEC_DRAFT_N_MAX", int, ANY),
+        ("--spec-draft-n-min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", int, ANY),
+        ("--spec-synth-len", "LLAMA_ARG_SPEC_SYNTH_LEN", float),
+        ("--spec-synth-rates", "LLAMA_ARG_SPEC_SYNTH_RATES", floats),
+        ("--spec-draft-p-split --draft-p-split", "LLAMA_ARG_SPEC_DRAFT_P_SPLIT", float, ANY),
+        ("--spec-draft-p-min --draft-p-min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", float, ANY),
+        ("--spec-draft-backend-sampling | --no-spec-draft-backend-sampling", "LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING", BOOL, ANY),
+        ("--spec-draft-device -devd --device-draft", "", str, ANY),
+        ("--spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft", "LLAMA_ARG_N_GPU_LAYERS_DRAFT", n_gpu_layers, ANY),
+        ("--spec-draft-model -md --model-draft", "LLAMA_ARG_SPEC_DRAFT_MODEL", str),
+        ("--spec-type", "LLAMA_ARG_SPEC_TYPE", spec_types, ["none"]),
+        *[
+            (f"--spec-ngram-{k}", "", int, ANY)
+            for k in _words(
+                "mod-n-min mod-n-max mod-n-match simple-size-n simple-size-m simple-min-hits "
+                "map-k-size-n map-k-size-m map-k-min-hits map-k4v-size-n map-k4v-size-m "
+                "map-k4v-min-hits size-n size-m min-hits"
+            )
+        ],
+        ("--draft --draft-n --draft-max", "LLAMA_ARG_DRAFT_MAX", int),  # removed in llama-server
+        ("--draft-min --draft-n-min", "LLAMA_ARG_DRAFT_MIN", int),
+        ("--spec-default", "", SWITCH),
+    ),
+    *_group(
+        "multimodal",
+        ("-mm --mmproj", "LLAMA_ARG_MMPROJ", str),
+        ("-mmu --mmproj-url", "LLAMA_ARG_MMPROJ_URL", str),
+        ("--mmproj-auto | --no-mmproj --no-mmproj-auto", "LLAMA_ARG_MMPROJ_AUTO", BOOL, False),
+        ("--mmproj-offload | --no-mmproj-offload", "LLAMA_ARG_MMPROJ_OFFLOAD", BOOL, ANY),
+        ("-mmdev --mmproj-device", "MTMD_BACKEND_DEVICE", str, ANY),
+        ("--image-min-tokens", "LLAMA_ARG_IMAGE_MIN_TOKENS", int, ANY),
+        ("--image-max-tokens", "LLAMA_ARG_IMAGE_MAX_TOKENS", int, ANY),
+        ("--mtmd-batch-max-tokens", "LLAMA_ARG_MTMD_BATCH_MAX_TOKENS", int, ANY),
+        ("--video-fps", "LLAMA_ARG_VIDEO_FPS", float, ANY),
+        ("--video-timestamp-interval", "LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL", int, ANY),
+        ("--video-ffmpeg-dir", "LLAMA_ARG_VIDEO_FFMPEG_DIR", str, ANY),
+        ("--media-path", "", str),
+    ),
+    *_group(
+        "embeddings/reranking/infill",
+        ("--embedding --embeddings", "LLAMA_ARG_EMBEDDINGS", SWITCH),
+        ("--rerank --reranking", "LLAMA_ARG_RERANKING", SWITCH),
+        ("--pooling", "LLAMA_ARG_POOLING", ("none", "mean", "cls", "last", "rank")),
+        ("--embd-normalize", "", int, 2),
+        ("--spm-infill", "", SWITCH),
+    ),
+    *_group(
+        "reasoning/chat parsing",
+        ("--reasoning-budget", "LLAMA_ARG_THINK_BUDGET", int, -1),
+        ("--reasoning-budget-message", "LLAMA_ARG_THINK_BUDGET_MESSAGE", str),
+        ("--reasoning-preserve | --no-reasoning-preserve", "LLAMA_ARG_REASONING_PRESERVE", BOOL, ANY),
+        ("--skip-chat-parsing | --no-skip-chat-parsing", "LLAMA_ARG_SKIP_CHAT_PARSING", BOOL, True),
+        ("--prefill-assistant | --no-prefill-assistant", "LLAMA_ARG_PREFILL_ASSISTANT", BOOL, False),
+    ),
+    *_group(
+        "web UI/tools/router",
+        ("--ui --webui | --no-ui --no-webui", "LLAMA_ARG_UI", BOOL, False),
+        ("--path", "LLAMA_ARG_STATIC_PATH", str, ""),
+        ("--ui-config --webui-config", "LLAMA_ARG_UI_CONFIG", json_object, ANY),
+        ("--ui-config-file --webui-config-file", "LLAMA_ARG_UI_CONFIG_FILE", str, ANY),
+        ("--ui-mcp-proxy --webui-mcp-proxy | --no-ui-mcp-proxy --no-webui-mcp-proxy", "LLAMA_ARG_UI_MCP_PROXY", BOOL, False),
+        ("--tools", "LLAMA_ARG_TOOLS", str),
+        ("--tools-runtime", "LLAMA_ARG_TOOLS_RUNTIME", str),
+        ("--mcp-servers-config", "LLAMA_ARG_MCP_SERVERS_CONFIG", str),
+        ("--mcp-servers-json", "LLAMA_ARG_MCP_SERVERS_JSON", json_object),
+        ("-ag --agent | -no-ag --no-agent", "LLAMA_ARG_AGENT", BOOL, False),
+        ("--models-dir", "LLAMA_ARG_MODELS_DIR", str),
+        ("--models-preset", "LLAMA_ARG_MODELS_PRESET", str),
+        ("--models-max", "LLAMA_ARG_MODELS_MAX", int, ANY),
+        ("--models-autoload | --no-models-autoload", "LLAMA_ARG_MODELS_AUTOLOAD", BOOL, ANY),
+    ),
+    *_group(
+        "HTTP extras",
+        ("--reuse-port", "LLAMA_ARG_REUSE_PORT", SWITCH),
+        ("--api-prefix", "LLAMA_ARG_API_PREFIX", str, ""),
+        ("--cors-credentials | --no-cors-credentials", "LLAMA_ARG_CORS_CREDENTIALS", BOOL, False),
+        ("--sse-ping-interval", "LLAMA_ARG_SSE_PING_INTERVAL", int, -1),
+        ("--threads-http", "LLAMA_ARG_THREADS_HTTP", int, ANY),  # asyncio: no HTTP threads
+        ("--tags", "LLAMA_ARG_TAGS", str, ANY),  # informational in llama-server
+    ),
+]
+# fmt: on
+
+COMPAT_GROUPS: list[str] = list(dict.fromkeys(c.group for c in COMPAT))

@@ -1,0 +1,118 @@
+"""Reading the cell lists out of llama.cpp's KV-cache state bytes, without loading them.
+
+The layout is ``llama_kv_cache::state_write`` (llama-kv-cache.cpp of the pinned llama.cpp):
+per cache ``n_stream:u32``, then per stream ``cell_count:u32``, ``cell_count`` cell records
+(``pos:i32``, ``n_seq_id:u32``, an optional 12-byte ext, ``n_seq_id`` x ``seq_id:i32``) and
+the cells' K/V rows. A one-sequence state (``llama_state_seq_get_data``) starts with a magic
+and its sequence id. A sliding-window model (``llama_kv_cache_iswa``) writes its full cache,
+then its SWA cache. A whole-context state (``llama_state_get_data``) starts with the model's
+architecture name, then the same per-cache records for every sequence.
+
+Two uses: the slot store proves that an untrusted slot file's state describes exactly its
+token list before llama.cpp loads it, and the integrity check counts every cell in the KV
+cache per sequence (llama.cpp has no API for cell counts). Recurrent and hybrid memories
+write another format: callers get None for them.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from ..types import CacheCells
+
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_U64 = struct.Struct("<Q")
+_CELL = struct.Struct("<iI")
+_EXT = 12  # llama_kv_cell_ext: x, y, tok
+
+
+class StateFormatError(ValueError):
+    """The bytes do not follow llama_kv_cache's state layout."""
+
+
+class _Reader:
+    def __init__(self, buf: bytes | bytearray | memoryview, pos: int, end: int) -> None:
+        self.buf, self.pos, self.end = buf, pos, end
+
+    def take(self, st: struct.Struct) -> int:
+        if self.pos + st.size > self.end:
+            raise StateFormatError("truncated state")
+        (v,) = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
+        return v
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.end:
+            raise StateFormatError("truncated state")
+        self.pos += n
+
+
+def _cells(r: _Reader, count: int, ext: bool, out: CacheCells) -> None:
+    for _ in range(count):
+        if r.pos + _CELL.size > r.end:
+            raise StateFormatError("truncated cell list")
+        pos, n_seq = _CELL.unpack_from(r.buf, r.pos)
+        r.pos += _CELL.size + (_EXT if ext else 0)
+        if n_seq > 256:
+            raise StateFormatError(f"cell with {n_seq} sequence ids")
+        seqs = tuple(r.take(_I32) for _ in range(n_seq))
+        out.pos.append(pos)
+        out.seqs.append(seqs)
+
+
+def _skip_rows(r: _Reader, count: int) -> None:
+    """Skip a stream's K rows, then its V rows (row-major or transposed)."""
+    v_trans, n_layer = r.take(_U32), r.take(_U32)
+    if v_trans > 1 or n_layer > 4096:
+        raise StateFormatError("implausible layer header")
+    for _ in range(n_layer):
+        r.take(_I32)
+        r.skip(count * r.take(_U64))
+    for _ in range(n_layer):
+        r.take(_I32)
+        if v_trans:
+            el, n_embd = r.take(_U32), r.take(_U32)
+            r.skip(count * el * n_embd)
+        else:
+            r.skip(count * r.take(_U64))
+
+
+def _cache(r: _Reader, kind: str, ext: bool) -> CacheCells:
+    out = CacheCells(kind)
+    n_stream = r.take(_U32)
+    if not 1 <= n_stream <= 256:
+        raise StateFormatError(f"{n_stream} streams")
+    for _ in range(n_stream):
+        count = r.take(_U32)
+        if count:
+            _cells(r, count, ext, out)
+            _skip_rows(r, count)
+    return out
+
+
+def read_caches(
+    buf: bytes | bytearray | memoryview,
+    kinds: tuple[str, ...],
+    *,
+    start: int = 0,
+    end: int | None = None,
+    whole_context: bool = False,
+) -> tuple[list[CacheCells], int]:
+    """The cells of each cache in ``kinds`` (``"full"`` / ``"swa"``, in the order llama.cpp
+    writes them) and the offset just past them. Raises StateFormatError when the bytes do
+    not parse, with or without the cell ext records."""
+    end = len(buf) if end is None else end
+    last: StateFormatError | None = None
+    for ext in (False, True):
+        r = _Reader(buf, start, end)
+        try:
+            if whole_context:
+                r.skip(r.take(_U32))  # the architecture name
+            else:
+                r.skip(8)  # llama_state_seq_get_data's magic and source sequence id
+            return [_cache(r, k, ext) for k in kinds], r.pos
+        except StateFormatError as e:
+            last = e
+    assert last is not None
+    raise last

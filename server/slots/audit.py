@@ -1,0 +1,78 @@
+"""Cell-level audits of the KV cache against the slots' token lists (pure functions).
+
+The slot store's invariant is "a slot's tokens are exactly what the KV cache holds for its
+sequence". Positions alone (pos_min / pos_max) cannot prove it: a crafted state can hold
+thousands of cells at repeated positions, which the slot would never account for and which
+no clear of "its" tokens would free. These checks count cells:
+
+- the full-attention cache holds, for each slot, exactly one cell per position 0..n-1;
+- the sliding-window cache holds, for each slot, distinct positions within 0..n-1 (and the
+  last one), and when a state is loaded, the window the next token attends to;
+- no cell belongs to a sequence that is not a slot.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from ..types import CacheCells
+from .policy import window_intact
+
+
+def _describe(pos: list[int]) -> str:
+    return f"{len(pos)} cells" + (f" at {min(pos)}..{max(pos)}" if pos else "")
+
+
+def _full_problem(pos: list[int], n: int) -> str | None:
+    if len(pos) != n or len(set(pos)) != n or (n and (min(pos) != 0 or max(pos) != n - 1)):
+        return f"the full cache holds {_describe(pos)} for {n} tokens"
+    return None
+
+
+def _swa_problem(pos: list[int], n: int, n_swa: int, loading: bool) -> str | None:
+    if len(set(pos)) != len(pos):
+        return f"the window cache holds repeated positions ({_describe(pos)})"
+    if not pos:
+        return None if n == 0 else f"the window cache holds no cells for {n} tokens"
+    if min(pos) < 0 or max(pos) != n - 1:
+        return f"the window cache holds {_describe(pos)} for {n} tokens"
+    if loading and n_swa > 0 and not window_intact(min(pos), n, n_swa):
+        return f"the window cache starts at {min(pos)}, after the window of token {n}"
+    return None
+
+
+def seq_state_problem(caches: Sequence[CacheCells], n: int, n_swa: int) -> str | None:
+    """Why a one-sequence state (read from its bytes before loading) cannot be the KV of
+    ``n`` tokens at positions 0..n-1; None when it can."""
+    for c in caches:
+        pos = c.pos
+        problem = _full_problem(pos, n) if c.kind == "full" else _swa_problem(pos, n, n_swa, True)
+        if problem:
+            return problem
+    return None
+
+
+def kv_problems(caches: Sequence[CacheCells], n_tokens: Sequence[int | None]) -> list[str]:
+    """Cell-count problems of a whole KV cache: ``n_tokens[s]`` is slot s's token count, or
+    None for a slot whose tokens are changing (a decode in flight) and so not checked."""
+    problems: list[str] = []
+    for c in caches:
+        by_seq: dict[int, list[int]] = defaultdict(list)
+        for p, seqs in zip(c.pos, c.seqs, strict=True):
+            for s in seqs:
+                by_seq[s].append(p)
+        for s in sorted(by_seq):
+            if not 0 <= s < len(n_tokens):
+                problems.append(f"{len(by_seq[s])} {c.kind}-cache cells belong to no slot")
+        for s, n in enumerate(n_tokens):
+            if n is None:
+                continue
+            pos = by_seq.get(s, [])
+            if c.kind == "full":
+                problem = _full_problem(pos, n)
+            else:
+                problem = _swa_problem(pos, n, 0, False)
+            if problem:
+                problems.append(f"slot {s}: {problem}")
+    return problems

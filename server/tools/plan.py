@@ -1,0 +1,124 @@
+"""One chat request's handling of tools and reasoning (``ChatPlan``), and the OpenAI shapes
+of its parsed output: ``message`` for a whole answer, ``delta`` chunks for a stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..chat import ChatTemplate
+from ..constrained import Constraint, ConstraintError, json_schema_constraint
+from .parse import Delta, Message, OutputParser, ToolFormat, new_call_id, new_mistral_id
+from .prompt import template_tools
+from .spec import ToolSpec, ToolSpecError, forced_call, tool_spec
+
+REASONING_FORMATS = ("none", "auto", "deepseek")
+
+
+@dataclass
+class ChatPlan:
+    """``spec``: the checked tools; ``fmt``: the template's call format; ``reasoning``:
+    split ``<think>`` off (reasoning_format deepseek or auto); ``kwargs``: extra template
+    variables; ``forced_open`` is set once the prompt is rendered."""
+
+    spec: ToolSpec
+    fmt: ToolFormat
+    reasoning: bool
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    forced_open: bool = False
+
+    def parser(self) -> OutputParser:
+        """A fresh parser for one choice."""
+        return OutputParser(
+            self.fmt if self.spec.parse_calls else None,
+            reasoning=self.reasoning,
+            forced_open=self.forced_open,
+            new_id=new_mistral_id if self.fmt is ToolFormat.MISTRAL else new_call_id,
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to parse: the output is all content."""
+        return not self.spec.parse_calls and not self.reasoning
+
+    def constraint(self) -> Constraint | None:
+        """With ``required`` or a named function, the call format with the tools' parameter
+        schemas; ToolSpecError when a parameters schema cannot be compiled."""
+        if not self.spec.forced:
+            return None
+        c = forced_call(self.spec, self.fmt)
+        try:
+            return json_schema_constraint(c.schema, prefix=c.prefix, suffix=c.suffix)
+        except ConstraintError as e:
+            raise ToolSpecError(f"cannot force a tool call: the tools' parameters: {e}") from None
+
+
+def _kwargs(chat_template_kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+    """llama-server's rules: ``enable_thinking`` must be a boolean; ``reasoning_effort``
+    "none" turns thinking off, any other value is handed to the template."""
+    kw = dict(chat_template_kwargs or {})
+    if "enable_thinking" in kw and not isinstance(kw["enable_thinking"], bool):
+        raise ToolSpecError('invalid type for "enable_thinking" (expected boolean)')
+    if effort == "none":
+        kw["enable_thinking"] = False
+        kw.pop("reasoning_effort", None)
+    elif effort:
+        kw["reasoning_effort"] = effort
+    return kw
+
+
+def plan_chat(
+    template: ChatTemplate,
+    *,
+    tools: Any = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+    reasoning_format: str | None = None,
+    default_reasoning_format: str = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    reasoning_effort: str | None = None,
+) -> ChatPlan:
+    """The plan of a chat request; ToolSpecError (a 400) for malformed fields."""
+    spec = tool_spec(tools, tool_choice, parallel_tool_calls)
+    fmt = template_tools(template).fmt if spec.tools else ToolFormat.GENERIC
+    rf = reasoning_format or default_reasoning_format
+    if rf not in REASONING_FORMATS:
+        raise ToolSpecError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
+    return ChatPlan(spec, fmt, rf != "none", _kwargs(chat_template_kwargs, reasoning_effort))
+
+
+# ---- response shapes --------------------------------------------------------------------
+
+
+def message_of(m: Message) -> dict[str, Any]:
+    """The OpenAI ``message``: content null when the answer is only tool calls."""
+    out: dict[str, Any] = {"role": "assistant", "content": m.content}
+    if m.tool_calls and not m.content:
+        out["content"] = None
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        out["tool_calls"] = [c.as_openai() for c in m.tool_calls]
+    return out
+
+
+def deltas_of(d: Delta) -> list[dict[str, Any]]:
+    """A parser delta as OpenAI ``delta`` objects: reasoning and content first, then one per
+    call piece (index, id, type and name first; argument fragments after)."""
+    out: list[dict[str, Any]] = []
+    text: dict[str, Any] = {}
+    if d.reasoning:
+        text["reasoning_content"] = d.reasoning
+    if d.content:
+        text["content"] = d.content
+    if text:
+        out.append(text)
+    for c in d.calls:
+        piece: dict[str, Any] = {"index": c.index}
+        if c.id is not None:
+            piece.update(id=c.id, type="function")
+            piece["function"] = {"name": c.name, "arguments": c.arguments}
+        else:
+            piece["function"] = {"arguments": c.arguments}
+        out.append({"tool_calls": [piece]})
+    return out
