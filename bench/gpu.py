@@ -305,27 +305,30 @@ def measure(plan: GpuPlan, log_dir: Path) -> dict[str, list[dict]]:
 
 # --- report -------------------------------------------------------------------------------
 
-ROWS = [
-    *[
+
+def rows(streams: list[int]) -> list[tuple[str, str, str]]:
+    """(workload, metric, label) of the report's rows."""
+    sh, tu = SHARED, TURNS
+    return [
+        *[
+            (f"streams_{n}", "tps", f"{n} stream{'s' if n > 1 else ''}, {STREAM_OUT} tokens: tok/s")
+            for n in streams
+        ],
         (
-            f"streams_{n}",
-            "tps",
-            f"{n} stream{'s' if n > 1 else ''}, {STREAM_OUT} tokens: tok/s",
-            True,
-        )
-        for n in (1, 8, 16, 32, 64)
-    ],
-    (
-        "shared_prefix",
-        "wall_s",
-        "shared 1,600-token prefix, 64 requests, 16 at a time: wall s",
-        False,
-    ),
-    ("shared_prefix", "ttft_p50_ms", "same: TTFT p50 ms", False),
-    ("shared_prefix", "ttft_max_ms", "same: TTFT max ms", False),
-    ("multi_turn", "wall_s", "multi-turn, 24 conversations x 3 turns: wall s", False),
-    ("multi_turn", "ttft_later_p50_ms", "same: turn-2/3 TTFT p50 ms", False),
-]
+            "shared_prefix",
+            "wall_s",
+            f"shared ~{sh.w3_system:,}-token prefix, {sh.w3_questions} requests, "
+            f"{sh.w3_concurrency} at a time: wall s",
+        ),
+        ("shared_prefix", "ttft_p50_ms", "same: TTFT p50 ms"),
+        ("shared_prefix", "ttft_max_ms", "same: TTFT max ms"),
+        (
+            "multi_turn",
+            "wall_s",
+            f"multi-turn, {tu.w4_convs} conversations x {tu.w4_turns} turns: wall s",
+        ),
+        ("multi_turn", "ttft_later_p50_ms", "same: turn-2/3 TTFT p50 ms"),
+    ]
 
 
 def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -360,7 +363,7 @@ def markdown(plan: GpuPlan, med: dict[str, dict[str, dict[str, float]]], date: s
         "| workload | llama-server | llama-server -bs | ours | ours / llama-server | ours / llama-server -bs |",
         "|---|---|---|---|---|---|",
     ]
-    for w, k, label, _higher in ROWS:
+    for w, k, label in rows(plan.streams):
         a, b, o = (cell(s, w, k) for s in SERVERS)
         if a is None and b is None and o is None:
             continue

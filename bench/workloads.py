@@ -1,4 +1,4 @@
-"""The six workloads. Each run returns one Sample per (server, repeat)."""
+"""The workloads. Each run returns one Sample per (server, repeat)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from .client import (
 from .prompts import PromptBook, short_text
 from .restart import restart_follow_up
 from .servers import ServerProcess
+from .structured import N_INTS, run_structured
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Sizes:
     w9_prompt: int = 4000
     w9_user_words: int = 30
     w9_out: int = 16
+    w10_reps: int = 4
 
 
 FULL = Sizes()
@@ -615,4 +617,31 @@ W9 = Workload(
     w9_restart_follow_up,
 )
 
-WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9)}
+# --- 10: JSON-schema-constrained generation ---------------------------------------------------
+
+
+async def w10_structured(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    metrics = await run_structured(ctx.client, srv.url, f"w10-r{rep}", ctx.sizes.w10_reps)
+    return Sample(metrics=metrics)
+
+
+W10 = Workload(
+    10,
+    "JSON-schema-constrained generation",
+    lambda s: (
+        f"{s.w10_reps} greedy answers constrained to a JSON array of {N_INTS} integers "
+        f"(json_schema), each followed by the same prompt unconstrained for as many tokens; "
+        f"then a first request with a new 50-tool call schema (its compile) and the same again"
+    ),
+    (
+        Metric("constrained_tps", "constrained decode rate (server timings)", "tok/s", True),
+        Metric("free_tps", "unconstrained decode rate, same prompt and length", "tok/s", True),
+        Metric("constrained_over_free", "constrained / unconstrained", "x", True, chart=False),
+        Metric("valid_share", "answers that parse with the schema's shape", "share", True, False),
+        Metric("tools50_first_ttft_ms", "TTFT, first request with a 50-tool schema", "ms", False),
+        Metric("tools50_again_ttft_ms", "TTFT, the same request again", "ms", False, chart=False),
+    ),
+    w10_structured,
+)
+
+WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10)}
