@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 NOISY_CORES = 0.25  # foreign load above this during a sample marks it as disturbed
@@ -49,15 +49,15 @@ class _Snapshot:
 class ForeignCpu:
     """Measures cores used by processes outside `pids` (plus this process) between marks."""
 
-    def __init__(self, pids: Iterable[int]) -> None:
-        self.pids = [os.getpid(), *pids]
+    def __init__(self, pids: Callable[[], Iterable[int]]) -> None:
+        self.pids = pids  # asked at each mark: a restarted server has a new pid
         self._start: _Snapshot | None = None
 
     def _snap(self) -> _Snapshot | None:
         busy = _machine_busy()
         if busy is None:
             return None
-        own = sum(_proc_jiffies(p) for p in self.pids)
+        own = sum(_proc_jiffies(p) for p in [os.getpid(), *self.pids()])
         return _Snapshot(time.monotonic(), busy, own)
 
     def start(self) -> None:

@@ -266,7 +266,7 @@ async def run_server(plan: GpuPlan, url: str, rep: int) -> dict[str, dict[str, f
     out: dict[str, dict[str, float | None]] = {}
     async with make_client() as client:
         await stream_completion(client, url, completion_payload("Warm up: one two three", 8))
-        book = PromptBook(http_tokenizer(client, url))
+        book = PromptBook(http_tokenizer(client, lambda: url))
         for n in plan.streams:
             out[f"streams_{n}"] = await streams(Ctx(client, book, FULL, {}), url, n, rep)
         sp = _UrlOnly(url)

@@ -51,12 +51,13 @@ def short_text(key: str, n_words: int) -> str:
 Tokenizer = Callable[[str], Awaitable[list[str]]]  # text -> token pieces
 
 
-def http_tokenizer(client: httpx.AsyncClient, base_url: str) -> Tokenizer:
-    """`POST /tokenize` with pieces (llama-server and ours both implement it)."""
+def http_tokenizer(client: httpx.AsyncClient, base_url: Callable[[], str]) -> Tokenizer:
+    """`POST /tokenize` with pieces (llama-server and ours both implement it). The URL is
+    asked for at each call: a workload may restart the server on another port."""
 
     async def tokenize(text: str) -> list[str]:
         resp = await client.post(
-            f"{base_url}/tokenize", json={"content": text, "with_pieces": True}
+            f"{base_url()}/tokenize", json={"content": text, "with_pieces": True}
         )
         resp.raise_for_status()
         pieces = []

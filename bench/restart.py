@@ -5,8 +5,8 @@ process rebuilds the index and serves the follow-up from disk); llama-server res
 The server is restarted in place (the ServerProcess keeps its identity for the rest of the
 run) and, at the end, restarted once more with its original command line.
 
-Note: the bench's foreign-CPU meter knows the server by its first pid, so a sample of this
-workload may read as disturbed (the restarted process counts as foreign) and be retried.
+Note: the bench's foreign-CPU meter asks for the servers' pids at each mark, but the process
+that exits during a sample reads as foreign: this workload's samples are not retried for it.
 """
 
 from __future__ import annotations

@@ -293,8 +293,8 @@ async def measured(
     """One sample; retried while other processes disturbed it. Keeps the least disturbed."""
     best = await measure_once(ctx, wid, sp, rep, meter, pacing.settle_s)
     for attempt in range(1, pacing.retries + 1):
-        if best.na or _foreign(best) <= NOISY_CORES:
-            break
+        if best.na or _foreign(best) <= NOISY_CORES or WORKLOADS[wid].restarts:
+            break  # a restart's processes read as foreign: its samples are not retried
         log(f"workload {wid} on {sp.name} disturbed ({_foreign(best):.2f} cores); retrying")
         # A fresh repeat id gives fresh prompts: a retry must not hit the prefix cache.
         again = await measure_once(ctx, wid, sp, rep + 1000 * attempt, meter, pacing.settle_s)
@@ -325,11 +325,12 @@ async def drive(
     results: Results,
     pacing: Pacing,
 ) -> None:
-    meter = ForeignCpu(p.proc.pid for p in procs)
+    meter = ForeignCpu(lambda: [p.proc.pid for p in procs])  # pids change on restarts
     async with make_client() as client:
         for sp in procs:
             await warmup(client, sp)
-        book = PromptBook(http_tokenizer(client, tokenizer_server(procs).url))
+        tokenizer = tokenizer_server(procs)
+        book = PromptBook(http_tokenizer(client, lambda: tokenizer.url))
         ctx = Ctx(client, book, sizes, {n: save_root / n for n in (LLAMA_SERVER, OURS)})
         for wid in wids:
             for rep in range(repeats):

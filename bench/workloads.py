@@ -115,6 +115,7 @@ class Workload:
     metrics: tuple[Metric, ...]
     run: Runner
     ours_only: bool = False
+    restarts: bool = False  # restarts the server: the foreign-CPU meter cannot judge it
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -615,6 +616,7 @@ W9 = Workload(
         ),
     ),
     w9_restart_follow_up,
+    restarts=True,
 )
 
 # --- 10: JSON-schema-constrained generation ---------------------------------------------------
