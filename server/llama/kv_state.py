@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from ..types import CacheCells
 
 _U32 = struct.Struct("<I")
@@ -48,7 +50,18 @@ class _Reader:
         self.pos += n
 
 
+# One cell record of one sequence, without ext: the common case, read in one numpy pass.
+_ONE_SEQ = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+
+
 def _cells(r: _Reader, count: int, ext: bool, out: CacheCells) -> None:
+    if not ext and r.pos + count * _ONE_SEQ.itemsize <= r.end:
+        recs = np.frombuffer(r.buf, _ONE_SEQ, count, r.pos)
+        if bool((recs["n_seq"] == 1).all()):
+            out.pos.extend(recs["pos"].tolist())
+            out.seqs.extend((s,) for s in recs["seq"].tolist())
+            r.pos += count * _ONE_SEQ.itemsize
+            return
     for _ in range(count):
         if r.pos + _CELL.size > r.end:
             raise StateFormatError("truncated cell list")
