@@ -16,7 +16,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from . import errors
-from .cache.disk import DiskTier, FileCheck
+from .cache.disk import DiskTier
+from .cache.disk_files import FileCheck
 from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
 from .config import Settings, load_api_keys

@@ -15,7 +15,8 @@ import logging
 import time
 
 from ..cache import slot_file
-from ..cache.disk import DiskEntry, DiskTier
+from ..cache.disk import DiskTier
+from ..cache.disk_files import DiskEntry
 from ..cache.prompt_cache import CacheEntry, PromptCache
 from .slot import Slot
 from .store import SlotStore

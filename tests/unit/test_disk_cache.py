@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 
 from server.cache import slot_file
-from server.cache.disk import (
+from server.cache.disk import DiskIndex, DiskTier
+from server.cache.disk_files import (
     NAME_RE,
     TRAILER,
     BadFile,
     DiskEntry,
-    DiskIndex,
-    DiskTier,
     FileCheck,
     clean_temp_files,
     encode_trailer,
@@ -184,7 +183,7 @@ def test_byte_limit_evicts_oldest_files_first(tmp_path):
 
 
 def _parts(e: CacheEntry):
-    from server.cache.disk import entry_parts
+    from server.cache.disk_files import entry_parts
 
     return entry_parts(e, CHECK.version, CHECK.model)
 

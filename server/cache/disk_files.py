@@ -1,0 +1,266 @@
+"""The disk tier's files (server.cache.disk): names, the trailer, reading a file's header
+and trailer without its state, writing an entry whole, and cleaning abandoned writes.
+
+One entry is one file, ``<time_ns:016x>-<host>-<pid>-<uuid12>.lsc`` (unique across replicas
+sharing the directory), in the slot-file format (server.cache.slot_file: the ggsq body, the
+SCKP checkpoint appendix, SDFT with a draft state) followed by a trailer, which slot-file
+readers stop at (an unknown magic ends the appendices):
+
+    tenant (utf-8) | model id (utf-8) | u32 len(tenant) | u32 len(model) | u64 body_len |
+    u32 version 1 | u32 magic 'SDSK'
+
+``body_len`` is where the trailer starts (the file's size less the trailer), so a truncated
+file never passes. A file is written under ``.tmp-<host>-<pid>-<uuid>.lsc`` and renamed when
+complete: readers see whole files only, and a process killed mid-write leaves only a
+temporary file, which is never indexed and is removed at start-up once its writer is gone.
+Hostile files (not regular files, symlinks, truncated, wrong magic or version, lengths the
+file cannot hold, tokens outside the vocabulary, another model's) raise BadFile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import stat
+import struct
+import time
+import uuid
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import slot_file
+from .prompt_cache import CacheEntry
+
+MiB = 1024 * 1024
+
+TRAILER = struct.Struct("<IIQII")  # len(tenant), len(model), body_len, version, magic
+TRAILER_MAGIC = 0x4B534453  # 'SDSK'
+TRAILER_VERSION = 1
+MAX_LABEL = 4096  # longest tenant or model id accepted in a trailer
+SUFFIX = ".lsc"
+TMP_PREFIX = ".tmp-"
+NAME_RE = re.compile(r"^[0-9a-f]{16}-[A-Za-z0-9_.]{1,64}-[0-9]{1,10}-[0-9a-f]{12}\.lsc$")
+TMP_RE = re.compile(r"^\.tmp-([A-Za-z0-9_.]{1,64})-([0-9]{1,10})-[0-9a-f]{12}\.lsc$")
+STALE_TMP_S = 3600.0  # another host's temporary file this old is an abandoned write
+# Test-only: seconds to sleep after each MiB written, so a test can kill a writer mid-file.
+WRITE_DELAY_ENV = "LLAMA_SLOT_TEST_DISK_WRITE_DELAY_S"
+_CHUNK = MiB
+
+
+class BadFile(ValueError):
+    """A file in the directory that is not a usable entry (``foreign``: another model's)."""
+
+    def __init__(self, message: str, foreign: bool = False) -> None:
+        super().__init__(message)
+        self.foreign = foreign
+
+
+def host_label() -> str:
+    """This host's name as a file-name part: [A-Za-z0-9_.], at most 64 characters."""
+    name = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
+    return name or "host"
+
+
+def entry_name(host: str, pid: int, now_ns: int | None = None) -> str:
+    """A new entry's file name: time first (readable age), then writer and a random part."""
+    t = time.time_ns() if now_ns is None else now_ns
+    return f"{t & (2**64 - 1):016x}-{host}-{pid}-{uuid.uuid4().hex[:12]}{SUFFIX}"
+
+
+def tmp_name(host: str, pid: int) -> str:
+    return f"{TMP_PREFIX}{host}-{pid}-{uuid.uuid4().hex[:12]}{SUFFIX}"
+
+
+def encode_trailer(tenant: str, model: str, body_len: int) -> bytes:
+    t, m = tenant.encode("utf-8"), model.encode("utf-8")
+    if len(t) > MAX_LABEL or len(m) > MAX_LABEL:
+        raise ValueError("tenant or model id too long for a disk entry")
+    return t + m + TRAILER.pack(len(t), len(m), body_len, TRAILER_VERSION, TRAILER_MAGIC)
+
+
+@dataclass
+class DiskEntry:
+    """One file of the tier, as the index knows it (its state is not read)."""
+
+    name: str
+    tokens: list[int]
+    tenant: str
+    nbytes: int  # the file's size
+    body_len: int  # where the trailer starts: the slot file's body and appendices end here
+    mtime_ns: int
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.mtime_ns, self.name)
+
+
+@dataclass
+class FileCheck:
+    """What read_header checks a file against (this model and context)."""
+
+    version: int  # llama.cpp's state file version
+    n_ctx: int  # most tokens a slot holds
+    n_vocab: int
+    model: str  # model id written in the trailer; files with another are foreign
+
+
+def _read_exact(fd: int, n: int, what: str) -> bytes:
+    data = os.read(fd, n)
+    if len(data) != n:
+        raise BadFile(f"truncated ({what})")
+    return data
+
+
+def _header_tokens(fd: int, size: int, check: FileCheck) -> list[int]:
+    magic, version, n_tokens = struct.unpack("<III", _read_exact(fd, 12, "header"))
+    if magic != slot_file.GGSQ_MAGIC:
+        raise BadFile(f"wrong magic {magic:#010x}")
+    if version != check.version:
+        raise BadFile(f"state version {version}, not {check.version}")
+    if n_tokens == 0 or n_tokens > check.n_ctx:
+        raise BadFile(f"{n_tokens} tokens (a slot holds 1..{check.n_ctx})")
+    if 12 + 4 * n_tokens + 8 + TRAILER.size > size:
+        raise BadFile(f"{n_tokens} tokens do not fit in {size} bytes")
+    raw = array("i")
+    raw.frombytes(_read_exact(fd, 4 * n_tokens, "tokens"))
+    if min(raw) < 0 or max(raw) >= check.n_vocab:
+        raise BadFile("a token outside this model's vocabulary")
+    return raw.tolist()
+
+
+def _trailer(fd: int, size: int, min_body: int) -> tuple[str, str, int]:
+    os.lseek(fd, size - TRAILER.size, os.SEEK_SET)
+    lt, lm, body_len, version, magic = TRAILER.unpack(_read_exact(fd, TRAILER.size, "trailer"))
+    if magic != TRAILER_MAGIC:
+        raise BadFile("no disk-cache trailer (truncated or not ours)")
+    if version != TRAILER_VERSION:
+        raise BadFile(f"trailer version {version}")
+    if lt > MAX_LABEL or lm > MAX_LABEL or body_len != size - TRAILER.size - lt - lm:
+        raise BadFile("trailer lengths do not match the file")
+    if body_len < min_body:
+        raise BadFile("trailer leaves no room for the state")
+    os.lseek(fd, body_len, os.SEEK_SET)
+    labels = _read_exact(fd, lt + lm, "labels")
+    try:
+        return labels[:lt].decode("utf-8"), labels[lt:].decode("utf-8"), body_len
+    except UnicodeDecodeError:
+        raise BadFile("trailer labels are not UTF-8") from None
+
+
+def read_header(directory: Path, name: str, check: FileCheck) -> DiskEntry:
+    """Index one file from its header and trailer; raises BadFile for anything else than a
+    whole entry of this model. Symlinks and non-regular files are refused unread."""
+    path = directory / name
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile("not a regular file (symlink, directory or device)")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise BadFile(f"cannot open: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile("not a regular file")
+        size = st.st_size
+        if size < 12 + 8 + TRAILER.size:
+            raise BadFile("truncated (shorter than a header)")
+        tokens = _header_tokens(fd, size, check)
+        tenant, model, body_len = _trailer(fd, size, 12 + 4 * len(tokens) + 8)
+    except OSError as e:
+        raise BadFile(f"unreadable: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if model != check.model:
+        raise BadFile(f"another model's entry ({model!r})", foreign=True)
+    return DiskEntry(name, tokens, tenant, size, body_len, st.st_mtime_ns)
+
+
+def entry_parts(entry: CacheEntry, version: int, model: str) -> list[bytes | memoryview]:
+    """An entry's file, as pieces to write (the state buffers are not copied)."""
+    mv = memoryview(entry.data).cast("B")
+    if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != slot_file.STATE_HEADER_MAGIC:
+        raise ValueError("unexpected sequence state layout")
+    parts: list[bytes | memoryview] = [
+        struct.pack("<III", slot_file.GGSQ_MAGIC, version, len(entry.tokens)),
+        array("i", entry.tokens).tobytes(),
+        mv[8:],
+        *slot_file.checkpoint_parts(entry.checkpoints),
+    ]
+    if len(entry.data_dft):
+        dft = memoryview(entry.data_dft).cast("B")
+        parts += [
+            struct.pack("<IIQ", slot_file.SDFT_MAGIC, slot_file.APPENDIX_VERSION, len(dft)),
+            dft,
+            struct.pack("<Q", 0),
+        ]
+    body_len = sum(len(p) for p in parts)
+    parts.append(encode_trailer(entry.tenant, model, body_len))
+    return parts
+
+
+def write_entry(
+    directory: Path, entry: CacheEntry, version: int, model: str, delay_s: float = 0.0
+) -> tuple[str, int, int]:
+    """Write ``entry`` to a temporary file, make it durable, rename it to a new unique name.
+    Returns (name, size, mtime_ns). On any failure the temporary file is removed and no
+    entry appears."""
+    host, pid = host_label(), os.getpid()
+    tmp = directory / tmp_name(host, pid)
+    parts = entry_parts(entry, version, model)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for p in parts:
+                if delay_s <= 0:
+                    f.write(p)
+                    continue
+                for i in range(0, len(p), _CHUNK):
+                    f.write(p[i : i + _CHUNK])
+                    f.flush()
+                    time.sleep(delay_s)
+            f.flush()
+            os.fdatasync(f.fileno())
+            size = f.tell()
+        name = entry_name(host, pid)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return name, size, os.stat(directory / name).st_mtime_ns
+
+
+def clean_temp_files(directory: Path, now: float | None = None) -> int:
+    """Remove temporary files whose writer is gone: this host's when their process no
+    longer runs (or is this process: a previous life with the same pid), any host's after
+    STALE_TMP_S. A live replica's write in progress is left alone. Returns how many."""
+    host, now = host_label(), time.time() if now is None else now
+    removed = 0
+    for name in os.listdir(directory):
+        m = TMP_RE.match(name)
+        if m is None:
+            continue
+        path = directory / name
+        try:
+            st = os.lstat(path)
+            mine = m.group(1) == host
+            if (mine and not _pid_alive(int(m.group(2)))) or now - st.st_mtime > STALE_TMP_S:
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue  # gone already, or not ours to remove
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own temporary files cannot exist before we start writing
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
