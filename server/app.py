@@ -164,6 +164,8 @@ def load(st: ServerState) -> None:
             eos_token=backend.eos_text,
             jinja=s.jinja,
         )
+        if s.warmup:
+            backend.warmup()
         cache = prompt_cache(s, backend.n_ctx)
         disk = disk_tier(s, cache, backend, path)
         engine = Engine(backend, engine_options(s, cache is not None), cache=cache, disk=disk)

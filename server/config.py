@@ -54,6 +54,7 @@ class Settings(BaseModel):
     chat_template: str | None = None
     chat_template_file: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    warmup: bool = True
     reasoning_format: str = "auto"
     reasoning: str = "auto"
     reasoning_effort: str | None = None
@@ -176,7 +177,7 @@ class _PrintAndExit(argparse.Action):
 
 
 def _add_opt(g: Any, o: Opt) -> None:
-    help = f"{o.help} [env {o.env}]"
+    help = f"{o.help} [env {o.env}]" if o.env else o.help
     if o.kind == "bool":
         g.add_argument(*o.flags, dest=o.dest, action="store_true", default=None, help=help)
         if o.neg:

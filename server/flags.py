@@ -104,6 +104,7 @@ OPTIONS: list[Opt] = [
     _o("--jinja", "jinja", "LLAMA_ARG_JINJA", "render chat with the model's Jinja template (default: on); --no-jinja: the built-in template that matches it", "bool", neg="--no-jinja"),
     _o("--chat-template", "chat_template", "LLAMA_ARG_CHAT_TEMPLATE", "built-in chat template name (chatml, gemma, llama3, mistral) or a Jinja template"),
     _o("--chat-template-file", "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", "file holding a Jinja chat template"),
+    _o("--warmup", "warmup", "", "run an empty decode at start, so the first request does not pay for the first-use costs (default: on)", "bool", neg="--no-warmup"),
     _o("--chat-template-kwargs", "chat_template_kwargs", "LLAMA_ARG_CHAT_TEMPLATE_KWARGS", "JSON object of extra chat template variables, under each request's own (e.g. '{\"enable_thinking\": false}')", json_object),
     _o("--reasoning-format", "reasoning_format", "LLAMA_ARG_THINK", "split <think> reasoning into reasoning_content: none, deepseek, deepseek-legacy (= deepseek here) or auto (default: auto)", choices=("none", "deepseek", "deepseek-legacy", "auto")),
     _o("-rea --reasoning", "reasoning", "LLAMA_ARG_REASONING", "thinking in templates that have it: on, off or auto (default: auto, the template's own default)", choices=("on", "off", "auto")),
@@ -333,7 +334,6 @@ COMPAT: list[Compat] = [
         ("--cache-prompt | --no-cache-prompt", "LLAMA_ARG_CACHE_PROMPT", BOOL, True),
         ("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", int, 0),
         ("-cb --cont-batching | -nocb --no-cont-batching", "LLAMA_ARG_CONT_BATCHING", BOOL, True),
-        ("--warmup | --no-warmup", "", BOOL, False),
         ("--sleep-idle-seconds", "", int, -1),
     ),
     *_group(

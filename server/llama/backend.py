@@ -548,6 +548,21 @@ class LlamaBackend:
         ptr = data if isinstance(data, ctypes.Array) else (ctypes.c_uint8 * size).from_buffer(data)
         return int(L.llama_state_seq_set_data_ext(self.ctx, ptr, size, seq, flags))
 
+    def warmup(self) -> None:
+        """llama-server's --warmup: decode BOS and EOS once and clear the memory, so the first
+        request does not pay for first-use costs (buffer allocation, page faults, graph
+        setup). Before the engine starts (the loader thread owns the context then)."""
+        vocab = self.vocab
+        toks = [t for t in (L.llama_vocab_bos(vocab), L.llama_vocab_eos(vocab)) if t >= 0] or [0]
+        self.batch.clear()
+        self.batch.add_span(toks, 0, 0, logits_last=True)
+        ret = self.decode(0, self.batch.n)
+        self.batch.clear()
+        L.llama_memory_clear(self.mem, True)
+        L.llama_synchronize(self.ctx)
+        if ret != 0:
+            log.warning("warm-up decode failed (%d)", ret)
+
     def state_cells(
         self, data: StateBuf, nbytes: int, start: int = 0
     ) -> tuple[list[CacheCells], int] | None:
