@@ -3,18 +3,8 @@
 Policy and file handling only; the engine-side glue (server.slots.disk_glue) moves states
 between slots and this tier.
 
-Files (server.cache.disk_files). One entry is one file, ``<time_ns:016x>-<host>-<pid>-<uuid12>.lsc`` (unique across
-replicas sharing the directory), in the slot-file format (server.cache.slot_file: the ggsq
-body, the SCKP checkpoint appendix, SDFT with a draft state) followed by a trailer, which
-slot-file readers stop at (an unknown magic ends the appendices):
-
-    tenant (utf-8) | model id (utf-8) | u32 len(tenant) | u32 len(model) | u64 body_len |
-    u32 version 1 | u32 magic 'SDSK'
-
-``body_len`` is where the trailer starts (the file's size less the trailer), so a truncated
-file never passes. A file is written under ``.tmp-<host>-<pid>-<uuid>.lsc`` and renamed when
-complete: readers see whole files only, and a process killed mid-write leaves only a
-temporary file, which is never indexed and is removed at start-up once its writer is gone.
+Files: one entry per file, in the slot-file format plus a trailer naming its tenant and
+model, written whole (temporary name, then rename); see server.cache.disk_files.
 
 Index. Kept in memory from the files' headers (tokens) and trailers (tenant), never from
 their states; oldest first by (mtime, name), which is also the eviction order (FIFO by
