@@ -66,6 +66,9 @@ async def props(request: Request) -> dict[str, Any]:
             "step_seconds_total": engine.stats.step_seconds_total,
             "decode_seconds_total": engine.stats.decode_seconds_total,
             "n_decode_total": engine.stats.n_decode_total,
+            # -bs: requests whose sampler ran on the backend, and CPU fallbacks by reason
+            "backend_sampled": engine.stats.backend_sampled,
+            "backend_sampling_fallbacks": dict(engine.stats.sampling_fallbacks),
         },
         "endpoint_slots": st.settings.slots,
         "endpoint_props": st.settings.props,

@@ -174,6 +174,10 @@ def test_fallbacks_work_and_are_counted(bs: ServerProc, client: openai.OpenAI) -
         "logprobs": 1,
         "backend": 1,  # the unbiased greedy request
     }
+    # /props reports the same counters as /metrics
+    engine = bs.client.get("/props").json()["engine"]
+    shown = {"backend": engine["backend_sampled"], **engine["backend_sampling_fallbacks"]}
+    assert shown == counters(bs)
 
 
 def test_mixed_batch(bs: ServerProc, client: openai.OpenAI) -> None:
