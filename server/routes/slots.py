@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import time
@@ -98,24 +97,25 @@ def _save_op(slot_id: int, tmp: Path):
 def _restore_op(slot_id: int, parsed: slot_file.ParsedFile, plan: RestorePlan, tenant: str):
     def op(engine: Engine) -> tuple[int, list[str]]:
         s = engine.slots[slot_id]
-        size = plan.state_end - parsed.state_off
-        region = (ctypes.c_uint8 * size).from_buffer(parsed.buf, parsed.state_off)
-        n = len(parsed.tokens)
-        consumed = engine.store.restore(
-            s, region, list(parsed.tokens), [], nbytes=size, whole=plan.known, untrusted=True
+        # the plan proved these bytes off this thread; restore_file proves them again here,
+        # where they are loaded: the mapping is private, but the file is another's to change
+        app = engine.store.restore_file(
+            s,
+            parsed.buf,
+            parsed.state_off,
+            plan.state_end,
+            list(parsed.tokens),
+            exact=plan.known,
+            appendices=plan.appendices,
         )
-        if consumed == 0:
+        if app is None:
             raise slot_file.SlotFileError(
                 "the slot file's state does not fit this model or context (another model, a "
                 "truncated or corrupt file, or a token list that does not match the state)"
             )
-        app = plan.appendices
-        if app is None:  # a memory whose state length only llama.cpp knows: parse here
-            app = slot_file.parse_appendices(parsed.buf, parsed.state_off + consumed, n)
-        engine.store.set_checkpoints(s, app.checkpoints)
         s.tenant = tenant  # the restoring request's, whoever saved the file
         s.last_used = time.perf_counter()  # most recently used: kept by the LRU choice
-        return n, app.warnings
+        return len(parsed.tokens), app.warnings
 
     return op
 

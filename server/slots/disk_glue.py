@@ -10,7 +10,6 @@ is our own memory and is restored like a RAM-cache entry.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 
@@ -63,19 +62,14 @@ def _restore_file(
         return False, 0, f"unreadable: {err.strerror or err}", False
     if parsed.tokens != e.tokens or len(parsed.buf) != e.nbytes:
         return False, 0, "the file changed since it was indexed", True
-    size = e.body_len - parsed.state_off  # the state and the appendices, not the trailer
-    region = (ctypes.c_uint8 * size).from_buffer(parsed.buf, parsed.state_off)
-    consumed = store.restore(
-        slot, region, list(e.tokens), [], nbytes=size, whole=False, untrusted=True
+    # the state and the appendices, not the trailer
+    app = store.restore_file(
+        slot, parsed.buf, parsed.state_off, e.body_len, list(e.tokens), exact=False
     )
-    if consumed == 0:
+    if app is None:
         return False, 0, "its state does not match its tokens (refused before loading)", True
-    with memoryview(parsed.buf) as whole, whole[: e.body_len] as body:
-        app = slot_file.parse_appendices(body, parsed.state_off + consumed, len(e.tokens))
     for w in app.warnings:
         log.warning("disk cache entry %s: %s", e.name, w)
-    store.set_checkpoints(slot, app.checkpoints)
-    del region
     return True, e.nbytes, "", False
 
 

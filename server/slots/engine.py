@@ -365,9 +365,12 @@ class Engine:
     def _decode_step(self) -> bool:
         """Build, decode and sample one batch; False when there was nothing to decode."""
         self.sharing.resolve_waiters()
-        active = [s for s in self.slots if s.state in (SlotState.PREFILL, SlotState.GENERATE)]
         # backpressure: a slot whose reader lags generates nothing until it catches up
-        active = [s for s in active if not _lagging(s)]
+        active = [
+            s
+            for s in self.slots
+            if s.state in (SlotState.PREFILL, SlotState.GENERATE) and not _lagging(s)
+        ]
         if not active:
             return False
         budget = self.b.n_batch

@@ -9,10 +9,13 @@ never touch a sequence themselves. Engine thread only.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..cache import slot_file
 from ..types import Checkpoint, StateBuf
 from .audit import kv_problems, seq_state_problem
 from .backend_api import Backend
@@ -181,6 +184,34 @@ class SlotStore:
         slot.tokens = tokens
         slot.checkpoints = [c for c in checkpoints if c.n_tokens <= len(tokens)]
         return consumed
+
+    def restore_file(
+        self,
+        slot: Slot,
+        buf: bytearray | mmap.mmap,
+        state_off: int,
+        end: int,
+        tokens: list[int],
+        *,
+        exact: bool,
+        appendices: slot_file.Appendices | None = None,
+    ) -> slot_file.Appendices | None:
+        """Restore a slot file's state (untrusted: its cells are proven first) with its
+        checkpoints. The state starts at ``state_off`` of ``buf`` and ends at ``end`` when
+        ``exact``; else where llama.cpp stops reading, with the appendices after it up to
+        ``end`` (parsed here unless ``appendices`` already holds them). None when the state
+        was refused; the slot is then empty."""
+        size = end - state_off
+        region = (ctypes.c_uint8 * size).from_buffer(buf, state_off)
+        consumed = self.restore(slot, region, tokens, [], nbytes=size, whole=exact, untrusted=True)
+        del region  # the mapping may be closed once this returns
+        if consumed == 0:
+            return None
+        if appendices is None:
+            with memoryview(buf) as whole, whole[:end] as body:
+                appendices = slot_file.parse_appendices(body, state_off + consumed, len(tokens))
+        self.set_checkpoints(slot, appendices.checkpoints)
+        return appendices
 
     def _state_problem(self, data: StateBuf, size: int, n: int) -> str | None:
         """Why the state bytes cannot be ``n`` tokens' KV, read before loading them."""
