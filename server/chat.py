@@ -165,7 +165,8 @@ def pick_template(
     rendered: as llama-server does, the built-in template that template is recognised as is
     used (by its markers; failing that, by the model's architecture)."""
     if not jinja:
-        return _builtin_for(name, file, model_template, architecture, bos_token, eos_token)
+        builtin = _builtin_for(name, file, model_template, architecture)
+        return ChatTemplate(BUILTIN_TEMPLATES[builtin], bos_token, eos_token, name=builtin)
     if file:
         with open(file, encoding="utf-8") as f:
             return ChatTemplate(f.read(), bos_token, eos_token, name=file)
@@ -195,13 +196,9 @@ _MARKERS = (
 
 
 def _builtin_for(
-    name: str | None,
-    file: str | None,
-    model_template: str | None,
-    architecture: str,
-    bos_token: str,
-    eos_token: str,
-) -> ChatTemplate:
+    name: str | None, file: str | None, model_template: str | None, architecture: str
+) -> str:
+    """--no-jinja: the name of the built-in template to render instead."""
     if name in BUILTIN_TEMPLATES:
         builtin = name
     else:
@@ -216,4 +213,4 @@ def _builtin_for(
                 f"({', '.join(BUILTIN_TEMPLATES)})"
             )
         builtin = found[0] if found else ARCH_TEMPLATES.get(architecture, "chatml")
-    return ChatTemplate(BUILTIN_TEMPLATES[builtin], bos_token, eos_token, name=builtin)
+    return builtin
