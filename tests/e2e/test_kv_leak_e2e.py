@@ -94,7 +94,7 @@ def leak_server(make_server, tmp_path):
 
 
 def _save_good(s, d: Path) -> bytes:
-    fill(s, 0, long_text(1100, seed=21)).raise_for_status()  # ~1,300 tokens: 2.5 windows
+    fill(s, 0, long_text(1400, seed=21)).raise_for_status()  # ~1,650 tokens: 3 windows
     action(s, 0, "save", "good.bin").raise_for_status()
     return (d / "good.bin").read_bytes()
 

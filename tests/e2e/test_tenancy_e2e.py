@@ -15,7 +15,9 @@ from openai import OpenAI
 
 from .conftest import ServerProc, long_text
 
-MEMO = "Memo 7Q: the vault code is 4{d}19. Keep it. " + long_text(60, seed=3)
+MEMO = "Memo 7Q: the vault code is 4{d}19. Keep it. " + long_text(
+    1300, seed=3
+)  # ~1,550 tokens: 3 windows
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_the_prefix_probe_learns_nothing_across_keys(isolated):
     # the same probe within A's tenant does tell: that is what isolation takes away
     right = _cached(a, MEMO.format(d=3), extra_body={"cache_salt": None})
     wrong = _cached(a, MEMO.format(d=8))
-    assert right > wrong > 0
+    assert right > 1000 > wrong  # the right guess hits the whole memo, the wrong one nearly nothing
 
 
 def test_slots_hide_another_tenants_request_parameters(isolated):
