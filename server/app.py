@@ -28,6 +28,7 @@ from .routes import metrics as metrics_routes
 from .routes import native, openai, slots
 from .service import ServerState
 from .slots.engine import Engine, EngineOptions
+from .slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 
 log = logging.getLogger("server")
 
@@ -43,6 +44,7 @@ def model_options(s: Settings, path: str) -> Any:
     """The backend's options from the settings (the one place they are mapped)."""
     from .llama.backend import ModelOptions
 
+    spec = spec_config(s)
     return ModelOptions(
         path=path,
         n_ctx=s.ctx_size,
@@ -57,6 +59,7 @@ def model_options(s: Settings, path: str) -> Any:
         flash_attn=s.flash_attn,
         seed=s.seed,
         backend_sampling=s.backend_sampling,
+        outputs_per_seq=1 + spec.most_drafted if spec.enabled else 1,
     )
 
 
@@ -133,6 +136,31 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
         prefix_share=s.prefix_share,
         prefix_share_min=s.prefix_share_min,
         sample_threads=s.sample_threads,
+        spec=spec_config(s),
+    )
+
+
+def spec_types_ignored(s: Settings) -> list[str]:
+    """The ``--spec-type`` entries this server does not use (one warning at start-up)."""
+    used = spec_config(s).kind
+    return [k for k in s.spec_type if k not in (used, SPEC_NONE)]
+
+
+def spec_config(s: Settings) -> SpecConfig:
+    """Speculative decoding from the flags: the first implemented ``--spec-type`` (llama-server
+    combines several; ``spec_types_ignored`` names the rest for a warning). ``-md`` alone
+    means draft-simple, as in llama-server; draft-simple without ``-md`` drafts with the main
+    model itself."""
+    kind = next((k for k in s.spec_type if k in SPEC_IMPLEMENTED and k != SPEC_NONE), SPEC_NONE)
+    if kind == SPEC_NONE and s.spec_draft_model:
+        kind = SPEC_DRAFT
+    return SpecConfig(
+        kind=kind,
+        n_max=s.spec_draft_n_max,
+        n_min=s.spec_draft_n_min,
+        p_min=s.spec_draft_p_min,
+        ngram_n=s.spec_ngram_simple_size_n,
+        ngram_m=s.spec_ngram_simple_size_m,
     )
 
 
@@ -169,15 +197,14 @@ def load(st: ServerState) -> None:
         cache = prompt_cache(s, backend.n_ctx)
         disk = disk_tier(s, cache, backend, path)
         engine = Engine(backend, engine_options(s, cache is not None), cache=cache, disk=disk)
-        if s.prefix_share and not backend.kv_unified:
-            log.warning("prefix sharing is off: it needs unified KV (--kv-unified)")
+        _warn_setup(s, backend, engine)
         engine.stats.observers.append(st.metrics.observe)
         engine.start()
         st.engine = engine
         log.info(
             "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
             "chat template %s, checkpoints %s, RAM cache %s, disk cache %s, backend sampling %s, "
-            "CPU sampling threads %d",
+            "CPU sampling threads %d, speculative decoding %s",
             path,
             backend.n_ctx,
             backend.n_ctx_slot,
@@ -191,12 +218,27 @@ def load(st: ServerState) -> None:
             f"{s.cache_disk_mib} MiB in {s.cache_disk}" if disk else "off",
             "on" if s.backend_sampling else "off",
             engine.par.workers,
+            engine.opts.spec.kind,
         )
     except Exception as e:
         log.exception("failed to load the model")
         st.load_error = str(e)
     finally:
         st.loading = False
+
+
+def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
+    """One warning for each setting that does less than it says."""
+    if spec_types_ignored(s):
+        log.warning(
+            "--spec-type: %s not implemented here; speculative decoding uses %s",
+            ",".join(spec_types_ignored(s)),
+            engine.opts.spec.kind,
+        )
+    if engine.opts.spec.enabled and backend.is_recurrent:
+        log.warning("speculative decoding is off: recurrent memory cannot drop draft tokens")
+    if s.prefix_share and not backend.kv_unified:
+        log.warning("prefix sharing is off: it needs unified KV (--kv-unified)")
 
 
 def _csv(v: str) -> list[str]:

@@ -70,6 +70,16 @@ class Settings(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     keep: int = Field(0, ge=-1)  # a request's n_keep default (context shift)
+    # speculative decoding (server.slots.speculative)
+    spec_type: list[str] = Field(default_factory=lambda: ["none"])
+    spec_draft_model: str | None = None
+    spec_draft_n_max: int = Field(3, ge=0, le=256)
+    spec_draft_n_min: int = Field(0, ge=0, le=256)
+    spec_draft_p_min: float = Field(0.0, ge=0.0)  # above 1: the draft model never drafts
+    n_gpu_layers_draft: int = -1
+    spec_ngram_simple_size_n: int = Field(12, ge=1, le=1024)
+    spec_ngram_simple_size_m: int = Field(48, ge=1, le=1024)
+    spec_ngram_simple_min_hits: int = Field(1, ge=1)
     slots: bool = True
     props: bool = False
     cache_ram: int = Field(8192, ge=-1)

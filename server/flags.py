@@ -53,6 +53,30 @@ def json_object(text: str) -> dict[str, Any]:
     return v
 
 
+SPEC_TYPES = [
+    "none",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+]
+
+
+def spec_types(text: str) -> list[str]:
+    """``--spec-type``: comma-separated speculative decoding types (llama-server's names;
+    ``server.app`` refuses those this server does not implement)."""
+    items = _items(text, "speculative decoding types")
+    if any(x not in SPEC_TYPES for x in items):
+        raise _err("types among " + ",".join(SPEC_TYPES), text)
+    return items
+
+
 def _o(flags: str, dest: str, env: str, help: str, kind: Any = str, **kw: Any) -> Opt:
     neg = tuple(kw.pop("neg", "").split())
     return Opt(tuple(flags.split()), dest, env, help, kind, neg, **kw)
@@ -87,6 +111,16 @@ OPTIONS: list[Opt] = [
     _o("--prefix-share-min", "prefix_share_min", "LLAMA_ARG_PREFIX_SHARE_MIN", "least shared prefix (tokens) worth waiting for while another request computes it (default: 128; 0 = never wait)", int),
     _o("--slot-save-path", "slot_save_path", "LLAMA_ARG_SLOT_SAVE_PATH", "directory for POST /slots/{id}?action=save|restore (default: off)"),
     _o("--cache-isolation", "cache_isolation", "LLAMA_ARG_CACHE_ISOLATION", "keep cached prompts apart: none, per API key, or per cache salt (default: none)", choices=("none", "key", "salt")),
+    # --- speculative decoding ---
+    _o("--spec-type", "spec_type", "LLAMA_ARG_SPEC_TYPE", "speculative decoding: none, ngram-simple (drafts from n-grams already in the context) or draft-simple (a draft model, -md); llama-server's other types are refused (default: none)", spec_types),
+    _o("-md --model-draft --spec-draft-model", "spec_draft_model", "LLAMA_ARG_SPEC_DRAFT_MODEL", "draft model for --spec-type draft-simple (default: none; the main model when only --spec-type draft-simple is given)"),
+    _o("--spec-draft-n-max", "spec_draft_n_max", "LLAMA_ARG_SPEC_DRAFT_N_MAX", "most tokens the draft model drafts per step (default: 3)", int),
+    _o("--spec-draft-n-min", "spec_draft_n_min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", "least draft tokens worth verifying (default: 0)", int),
+    _o("--spec-draft-p-min --draft-p-min", "spec_draft_p_min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", "stop drafting when the draft model's top token is less likely than this (default: 0.00)", float),
+    _o("-ngld --spec-draft-ngl --gpu-layers-draft --n-gpu-layers-draft", "n_gpu_layers_draft", "LLAMA_ARG_N_GPU_LAYERS_DRAFT", "draft model layers to offload: a number, auto or all (default: all)", n_gpu_layers),
+    _o("--spec-ngram-simple-size-n", "spec_ngram_simple_size_n", "", "ngram-simple: length of the n-gram looked up in the context (default: 12)", int),
+    _o("--spec-ngram-simple-size-m", "spec_ngram_simple_size_m", "", "ngram-simple: most tokens drafted after a match (default: 48)", int),
+    _o("--spec-ngram-simple-min-hits", "spec_ngram_simple_min_hits", "", "ngram-simple: accepted for llama-server's command line; its ngram-simple ignores it too (default: 1)", int),
     # --- default sampling: what a request gets for a field it leaves out ---
     _o("-n --predict --n-predict", "n_predict", "LLAMA_ARG_N_PREDICT", "most tokens to generate per request (default: -1, unlimited)", int),
     _o("-s --seed", "seed", "LLAMA_ARG_SEED", "default sampling seed (default: -1, random)", int),
@@ -249,20 +283,6 @@ def logit_bias(text: str) -> str:
 
 def _words(text: str) -> list[str]:
     return text.split()
-
-
-SPEC_TYPES = _words(
-    "none draft-simple draft-eagle3 draft-mtp draft-dflash draft-dspark ngram-simple "
-    "ngram-map-k ngram-map-k4v ngram-mod ngram-cache"
-)
-
-
-def spec_types(text: str) -> list[str]:
-    """``--spec-type``: comma-separated speculative decoding types."""
-    items = _items(text, "speculative decoding types")
-    if any(x not in SPEC_TYPES for x in items):
-        raise _err("types among " + ",".join(SPEC_TYPES), text)
-    return items
 
 
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
@@ -434,21 +454,15 @@ COMPAT: list[Compat] = [
         ("--spec-draft-override-tensor -otd --override-tensor-draft", "", tensor_overrides, ANY),
         ("--spec-draft-cpu-moe -cmoed --cpu-moe-draft", "LLAMA_ARG_SPEC_DRAFT_CPU_MOE", SWITCH, ANY),
         ("--spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft", "LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE", int, ANY),
-        ("--spec-draft-n-max", "LLAMA_ARG_SPEC_DRAFT_N_MAX", int, ANY),
-        ("--spec-draft-n-min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", int, ANY),
         ("--spec-synth-len", "LLAMA_ARG_SPEC_SYNTH_LEN", float),
         ("--spec-synth-rates", "LLAMA_ARG_SPEC_SYNTH_RATES", floats),
         ("--spec-draft-p-split --draft-p-split", "LLAMA_ARG_SPEC_DRAFT_P_SPLIT", float, ANY),
-        ("--spec-draft-p-min --draft-p-min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", float, ANY),
         ("--spec-draft-backend-sampling | --no-spec-draft-backend-sampling", "LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING", BOOL, ANY),
         ("--spec-draft-device -devd --device-draft", "", str, ANY),
-        ("--spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft", "LLAMA_ARG_N_GPU_LAYERS_DRAFT", n_gpu_layers, ANY),
-        ("--spec-draft-model -md --model-draft", "LLAMA_ARG_SPEC_DRAFT_MODEL", str),
-        ("--spec-type", "LLAMA_ARG_SPEC_TYPE", spec_types, ["none"]),
         *[
             (f"--spec-ngram-{k}", "", int, ANY)
             for k in _words(
-                "mod-n-min mod-n-max mod-n-match simple-size-n simple-size-m simple-min-hits "
+                "mod-n-min mod-n-max mod-n-match "
                 "map-k-size-n map-k-size-m map-k-min-hits map-k4v-size-n map-k4v-size-m "
                 "map-k4v-min-hits size-n size-m min-hits"
             )

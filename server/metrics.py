@@ -185,6 +185,34 @@ def _sampling(st: Any) -> Iterator[Metric]:
     yield fb
 
 
+def _speculative(st: Any) -> Iterator[Metric]:
+    """llama-server's speculative decoding counters (0 when speculation is off)."""
+    yield _counter(
+        "llamacpp:spec_decode_num_draft_tokens",
+        "Speculative: Total draft tokens generated",
+        st.draft_tokens,
+    )
+    yield _counter(
+        "llamacpp:spec_decode_num_accepted_tokens",
+        "Speculative: Total draft tokens accepted by the target model",
+        st.draft_accepted,
+    )
+    yield _counter(
+        "llamacpp:spec_decode_num_drafts",
+        "Speculative: Total speculative decoding verification steps",
+        st.draft_steps,
+    )
+    if st.accepted_per_pos:
+        per = CounterMetricFamily(
+            "llamacpp:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative: Accepted tokens per draft position",
+            labels=["position"],
+        )
+        for i, n in enumerate(list(st.accepted_per_pos)):
+            per.add_metric([str(i)], n)
+        yield per
+
+
 def _per_slot(slots: list[Any]) -> Iterator[Metric]:
     """Per-slot gauges, labelled by slot id."""
     busy = GaugeMetricFamily(
@@ -269,6 +297,7 @@ class _EngineCollector:
         yield from _llamacpp(engine, slots)
         yield from _beyond(engine.stats)
         yield from _sampling(engine.stats)
+        yield from _speculative(engine.stats)
         yield from _per_slot(slots)
         if engine.cache is not None:
             yield from _cache(engine.cache)

@@ -87,6 +87,11 @@ class SamplingFields(_Req):
     # llama-server's constrained decoding (server.constrained.request_constraint reads them)
     json_schema: Any = None
     grammar: Any = None
+    # speculative decoding, in llama-server's former per-request keys (dotted JSON names):
+    # narrow the server's --spec-* settings; "speculative.n_max": 0 turns it off
+    spec_n_max: int | None = Field(None, ge=0, le=256, alias="speculative.n_max")
+    spec_n_min: int | None = Field(None, ge=0, le=256, alias="speculative.n_min")
+    spec_p_min: float | None = Field(None, ge=0.0, le=1.0, alias="speculative.p_min")
 
     @field_validator("stop")
     @classmethod

@@ -451,6 +451,9 @@ async def submit(
         ignore_eos=body.ignore_eos,
         n_probs=job.n_probs,
         logprobs=job.logprobs,
+        spec_n_max=-1 if body.spec_n_max is None else body.spec_n_max,
+        spec_n_min=-1 if body.spec_n_min is None else body.spec_n_min,
+        spec_p_min=-1.0 if body.spec_p_min is None else body.spec_p_min,
     )
     group = TaskGroup(
         engine,
@@ -482,6 +485,8 @@ def merged_timings(results: list[TaskResult]) -> Timings:
         t.cache_n += r.timings.cache_n
         t.prompt_n += r.timings.prompt_n
         t.predicted_n += r.timings.predicted_n
+        t.draft_n += r.timings.draft_n
+        t.draft_n_accepted += r.timings.draft_n_accepted
         t.prompt_ms = max(t.prompt_ms, r.timings.prompt_ms)
         t.predicted_ms = max(t.predicted_ms, r.timings.predicted_ms)
     return t

@@ -103,6 +103,11 @@ class GenParams:
     ignore_eos: bool = False
     n_probs: int = 0  # top log-probabilities per token (0: off)
     logprobs: bool = False  # report the sampled token's log-probability
+    # speculative decoding (``speculative.n_max/n_min/p_min``; -1: the server's setting,
+    # n_max 0: this request does not speculate)
+    spec_n_max: int = -1
+    spec_n_min: int = -1
+    spec_p_min: float = -1.0
 
 
 class FinishReason(str, enum.Enum):
@@ -125,6 +130,8 @@ class Timings:
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    draft_n: int = 0  # speculative decoding: tokens drafted, and of them accepted
+    draft_n_accepted: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
         pps = self.prompt_n / self.prompt_ms * 1e3 if self.prompt_ms > 0 else 0.0
@@ -143,6 +150,12 @@ class Timings:
             if self.predicted_n
             else 0.0,
             "predicted_per_second": round(dps, 3),
+            # as llama-server: only when something was drafted
+            **(
+                {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}
+                if self.draft_n
+                else {}
+            ),
         }
 
 

@@ -145,8 +145,10 @@ class FakeBackend:
         self.decodes.append(rows)
         if self.n_swa:
             for s in {r[0] for r in rows}:
-                top = max(self.kv[s])
-                # like llama.cpp's SWA cache: cells further back than the window are pruned
+                # like llama.cpp's SWA cache: cells further back than the window are pruned,
+                # the window measured from the end of the sequence before this batch (cells
+                # are reused when a batch is placed, masked against what was there)
+                top = min(p for q, p, _ in rows if q == s) - 1
                 for p in [p for p in self.kv[s] if p <= top - self.n_swa - self.swa_slack]:
                     del self.kv[s][p]
         return 0

@@ -64,6 +64,9 @@ class ModelOptions:
     # -bs: a slot's sampler chain runs inside the decode graph when every stage of it can
     # (greedy, temperature, top-k, top-p, min-p, dist); only the chosen token comes back
     backend_sampling: bool = False
+    # logits rows one sequence may ask for in one decode: 1 + the longest speculative draft
+    # (the -bs output buffer is sized by it)
+    outputs_per_seq: int = 1
 
 
 class LlamaBatch:
@@ -223,11 +226,11 @@ def _context_params(opts: ModelOptions, n_ctx_train: int) -> tuple[Any, int]:
     cparams.no_perf = True
     cparams.flash_attn_type = {"on": 1, "off": 0}.get(opts.flash_attn, -1)
     if opts.backend_sampling:
-        # as llama-server: one output per slot per decode. The output buffer then holds
-        # n_parallel rows of sampled logits, probabilities and candidates, not n_batch rows
-        # (which would be gigabytes for a 262k-token vocabulary)
-        cparams.n_outputs_max = opts.n_parallel
-        cparams.n_outputs_max_per_seq = 1
+        # as llama-server: one output per slot per decode (more with speculation: its draft
+        # rows). The output buffer then holds that many rows of sampled logits,
+        # probabilities and candidates, not n_batch rows (gigabytes for a 262k vocabulary)
+        cparams.n_outputs_max = opts.n_parallel * opts.outputs_per_seq
+        cparams.n_outputs_max_per_seq = opts.outputs_per_seq
     return cparams, threads
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache.disk import DiskTier
@@ -36,6 +36,7 @@ from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reus
 from .sampling import ParallelSampling, cpu_reason
 from .sharing import PrefixSharing
 from .slot import Slot, SlotRun, SlotState
+from .speculative import SpecConfig, TokenHistory, draft_room, ngram_draft, request_limits
 from .stats import EngineStats
 from .store import SlotStore
 
@@ -58,6 +59,7 @@ class EngineOptions:
     # cores; 0: off); used from ``sample_parallel_min`` such slots (see slots/sampling.py)
     sample_threads: int = -1
     sample_parallel_min: int = 4
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-*)
 
 
 class EngineDead(RuntimeError):
@@ -348,6 +350,7 @@ class Engine:
             run.matcher = task.sampling.constraint.matcher()
         if self.b.backend_sampling:
             self._place_sampler(slot, run)
+        self._plan_speculation(run)
         t_wait = (run.t_start - task.t_enqueued) * 1e3
         self.stats.on_launch(t_wait)
         log.debug(
@@ -359,6 +362,17 @@ class Engine:
             plan.reason,
             t_wait,
         )
+
+    def _plan_speculation(self, run: SlotRun) -> None:
+        """Whether the run drafts: the server speculates, the request did not turn it off,
+        its tokens are sampled on the CPU (a backend chain yields one token per sequence) and
+        the memory can drop rejected tokens (recurrent state cannot)."""
+        gen = run.task.gen
+        limits = request_limits(self.opts.spec, gen.spec_n_max, gen.spec_n_min, gen.spec_p_min)
+        if limits is None or run.backend_sampled or self.b.is_recurrent:
+            return
+        run.spec = limits
+        run.history = TokenHistory()
 
     # ---- decode step --------------------------------------------------------------
 
@@ -431,16 +445,25 @@ class Engine:
         seqs: list[int] = []
         for s in gen:
             if len(toks) >= budget:
-                s.pending, s.i_batch = [], -1
+                s.pending, s.i_batch, s.run.draft = [], -1, []
                 continue
             run = s.run
             if run.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
                 self._take_checkpoint(s)
             s.i_batch = len(toks)
-            s.pending = [run.next_token]
-            toks.append(run.next_token)
-            pos.append(len(s.tokens))
-            seqs.append(s.id)
+            n = len(s.tokens)
+            if run.spec is None:
+                s.pending = [run.next_token]
+                toks.append(run.next_token)
+                pos.append(n)
+                seqs.append(s.id)
+                continue
+            # the sampled token and its draft, each row with logits (verified after decode)
+            run.draft = self._draft(s, budget - len(toks) - 1)
+            s.pending = [run.next_token, *run.draft]
+            toks.extend(s.pending)
+            pos.extend(range(n, n + len(s.pending)))
+            seqs.extend([s.id] * len(s.pending))
         if toks:
             batch.add_tokens(toks, pos, seqs)
         for s in pre:
@@ -448,6 +471,22 @@ class Engine:
             if budget - batch.n > 0:
                 self._add_prompt_chunk(s, budget - batch.n)
         return batch.n
+
+    def _draft(self, s: Slot, room: int) -> list[int]:
+        """The draft the slot tries this step (at most ``room`` tokens; may be empty)."""
+        run = s.run
+        room = min(room, draft_room(len(s.tokens), s.n_ctx, self._remaining(run), run.spec))
+        if room < max(1, run.spec.n_min):
+            return []
+        cfg = self.opts.spec
+        hist = run.history.sync(s.tokens)
+        draft = ngram_draft(hist, run.next_token, cfg.ngram_n, cfg.ngram_m)
+        return draft[:room]
+
+    def _remaining(self, run: SlotRun) -> int:
+        """Tokens the run may still generate (-1: no limit but the context)."""
+        limit = self._token_limit(run.task)
+        return -1 if limit < 0 else limit - run.n_decoded
 
     def _add_prompt_chunk(self, s: Slot, room: int) -> None:
         """Add the slot's next prompt chunk (at most ``room`` tokens) to the batch. A chunk
@@ -527,7 +566,11 @@ class Engine:
         """Sample every slot that got logits. The CPU-sampled slots without a constraint
         are sampled together first (concurrently when the pool is worth it), then each slot
         takes its token in turn."""
-        cpu = [(s, i) for s, i in todo if s.run.matcher is None and not s.run.backend_sampled]
+        cpu = [
+            (s, i)
+            for s, i in todo
+            if s.run.matcher is None and not s.run.backend_sampled and not s.run.draft
+        ]
         picked: dict[int, int] = {}
         if len(cpu) > 1:
             pool = self.par.pool_for(len(cpu))
@@ -537,26 +580,63 @@ class Engine:
             except Exception:  # sampled one by one below, where a failure ends its slot only
                 log.exception("batched sampling failed")
         for s, idx in todo:
-            self._sample(s, idx, picked.get(s.id, -1))
+            if s.run.draft:
+                self._verify(s, idx)
+            else:
+                self._sample(s, idx, picked.get(s.id, -1))
 
     def _sample(self, s: Slot, idx: int, tok: int = -1) -> None:
         """Take the slot's next token (``tok`` when already sampled) and emit its text."""
-        run = s.run
-        gen = run.task.gen
         try:
             if tok < 0:
-                tok = self._pick(run, idx)
+                tok = self._pick(s.run, idx)
         except Exception as e:
             log.exception("sampling failed on slot %d", s.id)
             self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
             return
+        self._take(s, idx, tok)
+
+    def _verify(self, s: Slot, idx: int) -> None:
+        """A drafting slot's rows ``idx..idx+k`` were decoded: sample them in order while
+        the sampled token equals the draft, drop the rejected rows from the KV cache, then
+        take the sampled tokens (the last one is the next to decode)."""
+        run = s.run
+        draft, run.draft = run.draft, []
+        n_base = len(s.tokens) - len(draft)  # the tokens through the decoded sampled token
+        picked: list[int] = []
+        try:
+            for i in range(len(draft) + 1):
+                picked.append(self._pick(run, idx + i))
+                if i == len(draft) or picked[-1] != draft[i]:
+                    break
+        except Exception as e:
+            log.exception("sampling failed on slot %d", s.id)
+            self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
+            return
+        n_keep = n_base + len(picked) - 1
+        if self.store.cut(s, n_keep) != n_keep:
+            self._finish(s, FinishReason.ERROR, error="could not drop rejected draft tokens")
+            return
+        run.history.truncate(n_keep)
+        run.n_drafted += len(draft)
+        run.n_draft_accepted += len(picked) - 1
+        self.stats.on_draft(len(draft), len(picked) - 1)
+        for i, tok in enumerate(picked):
+            if not self._take(s, idx + i, tok):
+                return
+
+    def _take(self, s: Slot, idx: int, tok: int) -> bool:
+        """Account for the sampled token ``tok`` (logits row ``idx``) and emit its text;
+        False when this ended the run."""
+        run = s.run
+        gen = run.task.gen
         run.n_decoded += 1
         lp: TokenLogprob | None = None
         if gen.logprobs or gen.n_probs > 0:
             lp = self.b.top_logprobs(idx, tok, gen.n_probs)
         if self.b.is_eog(tok) and not gen.ignore_eos:
             self._finish(s, FinishReason.STOP)
-            return
+            return False
         run.generated.append(tok)
         rel = run.stream.push(self.b.token_to_piece(tok))
         if lp is not None:
@@ -565,15 +645,16 @@ class Engine:
             self._emit_text(run, rel.text)
         if rel.stop:
             self._finish(s, FinishReason.STOP, stop_word=rel.stop)
-            return
+            return False
         if run.matcher is not None and run.matcher.is_done():
             self._finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
-            return
+            return False
         limit = self._token_limit(run.task)
         if (limit >= 0 and run.n_decoded >= limit) or len(s.tokens) + 1 >= s.n_ctx:
             self._finish(s, FinishReason.LENGTH)
-            return
+            return False
         run.next_token = tok
+        return True
 
     def _pick(self, run: SlotRun, idx: int) -> int:
         """The run's next token: sampled, and for a constrained run one its matcher allows
@@ -678,6 +759,8 @@ def _result_of(
         prompt_ms=(t_first - run.t_start) * 1e3,
         predicted_n=run.n_decoded,
         predicted_ms=(now - t_first) * 1e3 if run.t_first else 0.0,
+        draft_n=run.n_drafted,
+        draft_n_accepted=run.n_draft_accepted,
     )
     return TaskResult(
         id_slot=slot_id,

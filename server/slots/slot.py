@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..types import Checkpoint, Task, TokenLogprob, TokenMatcher
+from .speculative import DraftLimits, TokenHistory
 from .text import TextStream
 
 
@@ -43,6 +44,13 @@ class SlotRun:
     wait_task: int = -1
     wait_target: int = 0
     share_marks: set[int] = field(default_factory=set)  # waiters' targets: end chunks there
+    # speculative decoding: this run's limits (None: it does not speculate), its context as
+    # an array for n-gram lookups, the draft riding in the batch being decoded, and counts
+    spec: DraftLimits | None = None
+    history: TokenHistory | None = None
+    draft: list[int] = field(default_factory=list)
+    n_drafted: int = 0
+    n_draft_accepted: int = 0
 
     @property
     def n_prompt(self) -> int:

@@ -35,10 +35,20 @@ class EngineStats:
     slot_bytes_written: int = 0
     slot_bytes_read: int = 0
     prefix_shared_tokens: int = 0
+    # in-flight sharing (slots/sharing.py): waits not started, and given up, because computing
+    # the prompt itself was estimated to finish sooner
+    prefix_waits_skipped: int = 0
+    prefix_waits_abandoned: int = 0
     kv_exhausted: int = 0  # requests ended because the KV cache had no room left
     # -bs: tasks whose chain ran on the backend, and those that fell back to the CPU, by why
     backend_sampled: int = 0
     sampling_fallbacks: dict[str, int] = field(default_factory=dict)
+    # speculative decoding: tokens drafted and accepted, verification steps, and accepted
+    # tokens by draft position (index 0: the first drafted token)
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+    draft_steps: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
     # Observers (metrics) called on the engine thread; must be cheap and never raise.
     observers: list[Callable[[str, float], None]] = field(default_factory=list)
 
@@ -75,6 +85,17 @@ class EngineStats:
             self.sampling_fallbacks[fallback] = self.sampling_fallbacks.get(fallback, 0) + 1
         else:
             self.backend_sampled += 1
+
+    def on_draft(self, n_drafted: int, n_accepted: int) -> None:
+        """One verification step: ``n_accepted`` of ``n_drafted`` draft tokens held."""
+        self.draft_steps += 1
+        self.draft_tokens += n_drafted
+        self.draft_accepted += n_accepted
+        per = self.accepted_per_pos
+        if len(per) < n_accepted:
+            per.extend([0] * (n_accepted - len(per)))
+        for i in range(n_accepted):
+            per[i] += 1
 
     def on_launch(self, queue_ms: float) -> None:
         self._observe("queue_ms", queue_ms)
