@@ -101,6 +101,8 @@ class FakeBackend:
         self.backend_sampling = False  # -bs: attach_sampler accepts chains
         self.attached: dict[int, FakeSampler] = {}  # seq -> chain sampling "on the backend"
         self.oom_on_state_get = False
+        # what the "model" predicts after token ``tok`` at ``pos`` (tests may swap it)
+        self.model = next_token
         # cells the KV holds that no slot accounts for (seq, pos): a leak, for integrity tests
         self.stray_cells: list[tuple[int, int]] = []
 
@@ -162,7 +164,7 @@ class FakeBackend:
         seq, pos, tok = self.outputs[idx]
         if sampler.script:
             return sampler.script.pop(0)
-        return next_token(tok, pos)
+        return self.model(tok, pos)
 
     def attach_sampler(self, sampler: FakeSampler, seq: int) -> bool:
         if not self.backend_sampling:
