@@ -140,6 +140,17 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     )
 
 
+def draft_context(s: Settings, backend: Any) -> Any:
+    """The draft model's context for draft-simple (None otherwise)."""
+    if spec_config(s).kind != SPEC_DRAFT:
+        return None
+    from .llama.draft import DraftContext
+
+    draft = DraftContext(backend, s.spec_draft_model, s.n_gpu_layers_draft)
+    log.info("draft model %s (n_swa=%d)", draft.path, draft.n_swa)
+    return draft
+
+
 def spec_types_ignored(s: Settings) -> list[str]:
     """The ``--spec-type`` entries this server does not use (one warning at start-up)."""
     used = spec_config(s).kind
@@ -196,7 +207,10 @@ def load(st: ServerState) -> None:
             backend.warmup()
         cache = prompt_cache(s, backend.n_ctx)
         disk = disk_tier(s, cache, backend, path)
-        engine = Engine(backend, engine_options(s, cache is not None), cache=cache, disk=disk)
+        st.draft = draft_context(s, backend)
+        engine = Engine(
+            backend, engine_options(s, cache is not None), cache=cache, disk=disk, draft=st.draft
+        )
         _warn_setup(s, backend, engine)
         engine.stats.observers.append(st.metrics.observe)
         engine.start()
@@ -262,6 +276,8 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
             if st.engine.disk is not None:
                 st.engine.disk.close()
         if st.backend is not None and (st.engine is None or not st.engine._thread.is_alive()):
+            if st.draft is not None:
+                st.draft.close()  # before the model it may share
             st.backend.close()
 
     app = FastAPI(title="llama-slot-server", lifespan=lifespan)

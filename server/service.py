@@ -43,6 +43,7 @@ class ServerState:
 
     settings: Settings
     backend: Any = None
+    draft: Any = None  # the draft model's context (draft-simple), owned like ``backend``
     engine: Engine | None = None
     template: ChatTemplate | None = None
     model_name: str = ""

@@ -18,8 +18,8 @@ import llama_cpp as L
 import numpy as np
 
 from ..constrained import ConstraintCompiler, ConstraintVocab
-from ..types import CacheCells, SamplingParams, StateBuf, TokenLogprob, TokenMatcher
-from .kv_state import StateFormatError, read_caches
+from ..types import SamplingParams, TokenLogprob, TokenMatcher
+from .memory import SeqMemory, memory_layout
 
 log = logging.getLogger("server.llama")
 
@@ -247,8 +247,9 @@ def _slot_context(n_ctx_seq: int, n_ctx_train: int) -> int:
     return n_ctx_seq
 
 
-class LlamaBackend:
-    """Model + context + vocabulary; implements the engine's Backend protocol."""
+class LlamaBackend(SeqMemory):
+    """Model + context + vocabulary; implements the engine's Backend protocol (its
+    sequence memory and state through SeqMemory)."""
 
     # constrained decoding, prepared on first use: the token array of sample_constrained,
     # and the vocabulary's compiler (constraint_compiler; the lock guards its lazy build)
@@ -283,15 +284,7 @@ class LlamaBackend:
         self.n_ctx_slot = _slot_context(
             self.n_ctx if opts.kv_unified else self.n_ctx // opts.n_parallel, self.n_ctx_train
         )
-        n_swa_model = L.llama_model_n_swa(self.model)
-        self.n_swa = 0 if opts.swa_full else n_swa_model
-        self.is_recurrent = bool(
-            L.llama_model_is_recurrent(self.model) or L.llama_model_is_hybrid(self.model)
-        )
-        # the caches a state holds, in llama.cpp's order (None: recurrent memory's format)
-        self.kv_kinds: tuple[str, ...] | None = (
-            None if self.is_recurrent else ("full", "swa") if n_swa_model > 0 else ("full",)
-        )
+        self.n_swa, self.is_recurrent, self.kv_kinds = memory_layout(self.model, opts.swa_full)
         self.n_threads = threads
         self.seed = opts.seed
         self.backend_sampling = opts.backend_sampling
@@ -506,51 +499,6 @@ class LlamaBackend:
             top = [(int(i), float(logits[i]) - lse) for i in ids if logits[i] > -np.inf]
         return TokenLogprob(token, float(logits[token]) - lse, top)
 
-    # ---- memory -------------------------------------------------------------------
-
-    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
-        return bool(L.llama_memory_seq_rm(self.mem, seq, p0, p1))
-
-    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
-
-    def seq_pos_min(self, seq: int) -> int:
-        return L.llama_memory_seq_pos_min(self.mem, seq)
-
-    def seq_pos_max(self, seq: int) -> int:
-        return L.llama_memory_seq_pos_max(self.mem, seq)
-
-    def seq_clear(self, seq: int) -> None:
-        L.llama_memory_seq_rm(self.mem, seq, -1, -1)
-
-    # ---- sequence state -----------------------------------------------------------
-
-    def state_size(self, seq: int, partial: bool = False) -> int:
-        flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
-        return int(L.llama_state_seq_get_size_ext(self.ctx, seq, flags))
-
-    def state_get(self, seq: int, partial: bool = False, size: int | None = None) -> StateBuf:
-        """The sequence's state in one new buffer; ``size`` when the caller already knows it."""
-        flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
-        if size is None:
-            size = L.llama_state_seq_get_size_ext(self.ctx, seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        n = L.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags)
-        if n != size:
-            raise RuntimeError(f"state_seq_get_data returned {n} of {size} bytes")
-        return buf
-
-    def state_set(
-        self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
-    ) -> int:
-        """Restore a sequence from ``data``; returns the bytes consumed, 0 on failure."""
-        flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else L.LLAMA_STATE_SEQ_FLAGS_NONE
-        size = len(data) if nbytes is None else nbytes
-        if size == 0:
-            return 0
-        ptr = data if isinstance(data, ctypes.Array) else (ctypes.c_uint8 * size).from_buffer(data)
-        return int(L.llama_state_seq_set_data_ext(self.ctx, ptr, size, seq, flags))
-
     def warmup(self) -> None:
         """llama-server's --warmup: decode BOS and EOS once and clear the memory, so the first
         request does not pay for first-use costs (buffer allocation, page faults, graph
@@ -565,35 +513,6 @@ class LlamaBackend:
         L.llama_synchronize(self.ctx)
         if ret != 0:
             log.warning("warm-up decode failed (%d)", ret)
-
-    def state_cells(
-        self, data: StateBuf, nbytes: int, start: int = 0
-    ) -> tuple[list[CacheCells], int] | None:
-        """The cells a one-sequence state's bytes (from ``start``) describe, read without
-        loading them, and the offset where the state ends; None when this memory's format is
-        not a KV cache's. Raises StateFormatError (a ValueError). Any thread."""
-        if self.kv_kinds is None:
-            return None
-        return read_caches(memoryview(data).cast("B"), self.kv_kinds, start=start, end=nbytes)
-
-    def kv_cells(self) -> list[CacheCells] | None:
-        """Every cell of the KV cache, per cache (a copy of the whole context's state: for
-        integrity checks, not for the hot path); None for recurrent memory."""
-        if self.kv_kinds is None:
-            return None
-        size = L.llama_state_get_size(self.ctx)
-        buf = (ctypes.c_uint8 * size)()
-        n = L.llama_state_get_data(self.ctx, buf, size)
-        try:
-            return read_caches(memoryview(buf).cast("B"), self.kv_kinds, end=n, whole_context=True)[
-                0
-            ]
-        except StateFormatError as e:
-            raise RuntimeError(f"cannot read the KV cache's state: {e}") from e
-
-    def state_save_file(self, path: str, seq: int, tokens: list[int]) -> int:
-        arr = (L.llama_token * max(1, len(tokens)))(*tokens)
-        return int(L.llama_state_seq_save_file(self.ctx, path.encode(), seq, arr, len(tokens)))
 
     def close(self) -> None:
         self.batch.free()

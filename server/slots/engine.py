@@ -32,6 +32,8 @@ from ..types import (
 from . import disk_glue, ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
+from .draft_kv import DraftMemory
+from .drafter import ModelDrafter, Want
 from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
 from .sampling import ParallelSampling, cpu_reason
 from .sharing import PrefixSharing
@@ -73,7 +75,9 @@ class Engine:
         opts: EngineOptions,
         cache: PromptCache | None = None,
         disk: DiskTier | None = None,
+        draft: DraftMemory | None = None,
     ) -> None:
+        """``draft``: the draft model's context, for ``opts.spec`` draft-simple."""
         self.b = backend
         self.opts = opts
         self.cache = cache
@@ -86,7 +90,8 @@ class Engine:
             min_step=opts.checkpoint_min_step,
             n_ubatch=backend.n_ubatch,
         )
-        self.store = SlotStore(backend, self.ckpt)
+        self.store = SlotStore(backend, self.ckpt, draft)
+        self.drafter = ModelDrafter(self.store.dft) if self.store.dft is not None else None
         self.sharing = PrefixSharing(
             self.store,
             self.stats,
@@ -443,6 +448,7 @@ class Engine:
         toks: list[int] = []
         pos: list[int] = []
         seqs: list[int] = []
+        drafted = self._model_drafts(gen)
         for s in gen:
             if len(toks) >= budget:
                 s.pending, s.i_batch, s.run.draft = [], -1, []
@@ -459,7 +465,7 @@ class Engine:
                 seqs.append(s.id)
                 continue
             # the sampled token and its draft, each row with logits (verified after decode)
-            run.draft = self._draft(s, budget - len(toks) - 1)
+            run.draft = self._draft(s, budget - len(toks) - 1, drafted)
             s.pending = [run.next_token, *run.draft]
             toks.extend(s.pending)
             pos.extend(range(n, n + len(s.pending)))
@@ -472,16 +478,33 @@ class Engine:
                 self._add_prompt_chunk(s, budget - batch.n)
         return batch.n
 
-    def _draft(self, s: Slot, room: int) -> list[int]:
-        """The draft the slot tries this step (at most ``room`` tokens; may be empty)."""
+    def _draft(self, s: Slot, room: int, drafted: dict[int, list[int]]) -> list[int]:
+        """The draft the slot tries this step (at most ``room`` tokens; may be empty):
+        the draft model's (``drafted``), or an n-gram of its context."""
         run = s.run
-        room = min(room, draft_room(len(s.tokens), s.n_ctx, self._remaining(run), run.spec))
+        room = min(room, self._room(s))
         if room < max(1, run.spec.n_min):
             return []
+        if self.drafter is not None:
+            return drafted.get(s.id, [])[:room]
         cfg = self.opts.spec
         hist = run.history.sync(s.tokens)
-        draft = ngram_draft(hist, run.next_token, cfg.ngram_n, cfg.ngram_m)
-        return draft[:room]
+        return ngram_draft(hist, run.next_token, cfg.ngram_n, cfg.ngram_m)[:room]
+
+    def _room(self, s: Slot) -> int:
+        run = s.run
+        return draft_room(len(s.tokens), s.n_ctx, self._remaining(run), run.spec)
+
+    def _model_drafts(self, gen: list[Slot]) -> dict[int, list[int]]:
+        """draft-simple: the draft model's proposals for this step's drafting slots."""
+        if self.drafter is None:
+            return {}
+        wants = [
+            Want(s, self._room(s), s.run.spec.p_min)
+            for s in gen
+            if s.run.spec is not None and self._room(s) > 0
+        ]
+        return self.drafter.propose(wants) if wants else {}
 
     def _remaining(self, run: SlotRun) -> int:
         """Tokens the run may still generate (-1: no limit but the context)."""

@@ -17,7 +17,9 @@ def save(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
     if not slot.tokens:
         return False
     snap = store.snapshot(slot)
-    return cache.save(snap.tokens, snap.size, snap.read, snap.checkpoints, tenant=slot.tenant).saved
+    return cache.save(
+        snap.tokens, snap.size, snap.read, snap.checkpoints, snap.read_draft, tenant=slot.tenant
+    ).saved
 
 
 def load(
@@ -35,7 +37,10 @@ def load(
         return False
 
     def restore(entry: CacheEntry) -> bool:
-        if store.restore(slot, entry.data, entry.tokens, entry.checkpoints) == 0:
+        restored = store.restore(
+            slot, entry.data, entry.tokens, entry.checkpoints, data_dft=entry.data_dft
+        )
+        if restored == 0:
             return False
         slot.tenant = entry.tenant
         return True

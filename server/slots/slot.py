@@ -72,6 +72,8 @@ class Slot:
     pending: list[int] = field(default_factory=list)
     i_batch: int = -1  # output row of this step's batch, -1 when no logits are wanted
     tenant: str = ""  # whose prompt ``tokens`` hold (see Task.tenant)
+    # with a draft model: its sequence holds tokens[:n_dft] (SlotStore keeps it so)
+    n_dft: int = 0
 
     @property
     def idle(self) -> bool:

@@ -20,6 +20,7 @@ from ..types import Checkpoint, StateBuf
 from .audit import kv_problems, seq_state_problem
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
+from .draft_kv import DraftKV, DraftMemory
 from .policy import window_intact
 from .slot import Slot
 
@@ -32,16 +33,21 @@ class Snapshot:
     copying), a reader that copies the state bytes, and its checkpoints."""
 
     tokens: list[int]
-    size: int
+    size: int  # target and draft states together
     read: Callable[[], StateBuf]
     checkpoints: list[Checkpoint]
+    read_draft: Callable[[], bytes] | None = None
 
 
 class SlotStore:
-    def __init__(self, backend: Backend, ckpt: CheckpointPolicy) -> None:
+    def __init__(
+        self, backend: Backend, ckpt: CheckpointPolicy, draft: DraftMemory | None = None
+    ) -> None:
         self.b = backend
         self.ckpt = ckpt
         self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
+        # a draft model's sequences, which follow the slots' (slots/draft_kv.py)
+        self.dft = DraftKV(draft) if draft is not None else None
 
     # ---- reading ------------------------------------------------------------------
 
@@ -74,6 +80,8 @@ class SlotStore:
                 return 0
         del slot.tokens[n_past:]
         slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
+        if self.dft is not None:
+            self.dft.cut(slot, n_past)
         return n_past
 
     def clear(self, slot: Slot) -> int:
@@ -82,6 +90,8 @@ class SlotStore:
         n = len(slot.tokens)
         self.b.seq_clear(slot.id)
         slot.tokens, slot.checkpoints = [], []
+        if self.dft is not None:
+            self.dft.clear(slot)
         return n
 
     # ---- checkpoints --------------------------------------------------------------
@@ -92,6 +102,8 @@ class SlotStore:
         c = Checkpoint(
             len(slot.tokens), self.b.seq_pos_min(slot.id), self.b.seq_pos_max(slot.id), data
         )
+        if self.dft is not None:
+            c.data_dft = self.dft.checkpoint_data(slot)
         self.ckpt.insert(slot.checkpoints, c)
         return c
 
@@ -102,6 +114,8 @@ class SlotStore:
         if self.b.state_set(slot.id, c.data, partial=True) == 0:
             log.warning("slot %d: checkpoint restore failed; reprocessing", slot.id)
             return self.cut(slot, 0)
+        if self.dft is not None:
+            self.dft.resume(slot, c)  # before the cut below, which its window would not survive
         return self.cut(slot, c.n_tokens)
 
     # ---- decoding -----------------------------------------------------------------
@@ -135,6 +149,8 @@ class SlotStore:
         dst.tokens = src.tokens[:n]
         # checkpoints are partial states of the same prefix: valid for the copy too
         dst.checkpoints = [c for c in src.checkpoints if c.n_tokens <= n]
+        if self.dft is not None:
+            self.dft.copy(src, dst, n)
         return n
 
     def snapshot(self, slot: Slot) -> Snapshot:
@@ -142,9 +158,13 @@ class SlotStore:
         goes along: a restored state holds only its last window (see checkpoints.py). The
         lists are the slot's own: the cache copies what it keeps."""
         size = self.b.state_size(slot.id)
-        return Snapshot(
+        snap = Snapshot(
             slot.tokens, size, lambda: self.b.state_get(slot.id, size=size), slot.checkpoints
         )
+        if self.dft is not None and slot.n_dft == len(slot.tokens):
+            snap.size += self.dft.d.state_size(slot.id)
+            snap.read_draft = lambda: self.dft.state(slot)
+        return snap
 
     def save_file(self, slot: Slot, path: str) -> list[Checkpoint] | None:
         """llama.cpp writes the slot's state file body straight from the KV cache; returns
@@ -163,6 +183,7 @@ class SlotStore:
         nbytes: int | None = None,
         whole: bool = True,
         untrusted: bool = False,
+        data_dft: bytes | bytearray = b"",
     ) -> int:
         """Load a sequence state into the slot with the tokens it describes.
 
@@ -170,7 +191,9 @@ class SlotStore:
         positions run exactly 0..len(tokens)-1. An ``untrusted`` state (a slot file) must
         also describe, cell by cell, exactly those positions before it is loaded (see
         audit.py). Otherwise the slot is cleared and 0 returned. Returns the bytes consumed;
-        the slot takes ``tokens`` and ``checkpoints`` as they are.
+        the slot takes ``tokens`` and ``checkpoints`` as they are. ``data_dft``, the draft
+        model's state of the same tokens, must load too (a RAM-cache entry's two states stand
+        or fall together, DESIGN §7).
         """
         size = len(data) if nbytes is None else nbytes
         self.clear(slot)
@@ -183,6 +206,9 @@ class SlotStore:
             return 0
         slot.tokens = tokens
         slot.checkpoints = [c for c in checkpoints if c.n_tokens <= len(tokens)]
+        if data_dft and self.dft is not None and not self.dft.restore(slot, data_dft):
+            self.clear(slot)
+            return 0
         return consumed
 
     def restore_file(
@@ -263,4 +289,6 @@ class SlotStore:
         if caches is not None:
             n_tokens = [None if s.pending else len(s.tokens) for s in self.slots]
             problems += kv_problems(caches, n_tokens)
+        if self.dft is not None:
+            problems += self.dft.problems(self.slots)
         return problems

@@ -1,0 +1,107 @@
+"""draft-simple: the draft model's greedy continuation of each drafting slot, batched.
+
+Per step, for every drafting slot at once: one draft decode catches the draft sequence up
+with the slot's tokens and the token about to be verified (``next_token``), then one decode
+per further draft position. Drafting stops for a slot at its room, or when the draft
+model's top token is less likely than ``p_min``. The drafted tokens are then removed from
+the draft sequence: it holds ``slot.tokens[:n_dft]`` again (what the target accepts is
+re-decoded by the next catch-up, as llama-server does), so every store operation keeps
+both sequences in step. A catch-up longer than the draft batch (a long prompt) is spread
+over steps; the slot verifies without a draft meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .draft_kv import DraftKV
+from .slot import Slot
+
+log = logging.getLogger("server.slots.drafter")
+
+
+@dataclass
+class Want:
+    """A slot that may draft this step: at most ``room`` tokens, stopping below ``p_min``."""
+
+    slot: Slot
+    room: int
+    p_min: float
+
+
+class ModelDrafter:
+    def __init__(self, kv: DraftKV) -> None:
+        self.kv = kv
+        self.d = kv.d
+
+    def propose(self, wants: list[Want]) -> dict[int, list[int]]:
+        """Drafts by slot id (slots without one are absent)."""
+        rows = self._catch_up(wants)
+        if not rows:
+            return {}
+        drafts: dict[int, list[int]] = {w.slot.id: [] for w, _ in rows}
+        try:
+            self._extend(rows, drafts)
+        finally:
+            for w, _ in rows:  # back to tokens[:n_dft]: the drafted tokens leave
+                s = w.slot
+                if not self.d.seq_rm(s.id, len(s.tokens), -1):
+                    self.kv.clear(s)
+        return {k: v for k, v in drafts.items() if v}
+
+    def _catch_up(self, wants: list[Want]) -> list[tuple[Want, int]]:
+        """Decode what each draft sequence lacks, plus ``next_token`` for the slots whose
+        whole catch-up fits; returns those slots with their logits row."""
+        b = self.d.batch
+        b.clear()
+        rows: list[tuple[Want, int]] = []
+        spans: list[tuple[Slot, int]] = []
+        for w in wants:
+            s = w.slot
+            room = self.d.n_batch - b.n
+            lag = s.tokens[s.n_dft :]
+            if room <= 0:
+                break
+            if len(lag) + 1 <= room:
+                rows.append((w, b.add_span([*lag, s.run.next_token], s.n_dft, s.id, True)))
+                spans.append((s, len(lag)))
+            else:  # the rest next step
+                b.add_span(lag[:room], s.n_dft, s.id, False)
+                spans.append((s, room))
+        if b.n == 0:
+            return []
+        if self.d.decode() != 0:
+            log.warning("draft decode failed; the drafting slots recompute their drafts")
+            for s, _ in spans:
+                self.kv.clear(s)
+            return []
+        for s, n in spans:
+            s.n_dft += n  # the next_token row is beyond the slot's tokens: removed later
+        return rows
+
+    def _extend(self, rows: list[tuple[Want, int]], drafts: dict[int, list[int]]) -> None:
+        """Greedy draft tokens, one decode per position, while any slot is still drafting."""
+        live = rows
+        while live:
+            nxt: list[tuple[Want, int]] = []
+            toks: list[tuple[Want, int]] = []
+            for w, row in live:
+                tok, p = self.d.greedy(row, w.p_min > 0)
+                d = drafts[w.slot.id]
+                if p < w.p_min:
+                    continue
+                d.append(tok)
+                if len(d) < w.room:
+                    toks.append((w, tok))
+            if not toks:
+                return
+            b = self.d.batch
+            b.clear()
+            for w, tok in toks:
+                s = w.slot
+                nxt.append((w, b.add_span([tok], len(s.tokens) + len(drafts[s.id]), s.id, True)))
+            if self.d.decode() != 0:
+                log.warning("draft decode failed; drafts end here")
+                return
+            live = nxt
