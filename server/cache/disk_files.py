@@ -187,15 +187,8 @@ def entry_parts(entry: CacheEntry, version: int, model: str) -> list[bytes | mem
         struct.pack("<III", slot_file.GGSQ_MAGIC, version, len(entry.tokens)),
         array("i", entry.tokens).tobytes(),
         mv[8:],
-        *slot_file.checkpoint_parts(entry.checkpoints),
+        *slot_file.appendix_parts(entry.checkpoints, entry.data_dft),
     ]
-    if len(entry.data_dft):
-        dft = memoryview(entry.data_dft).cast("B")
-        parts += [
-            struct.pack("<IIQ", slot_file.SDFT_MAGIC, slot_file.APPENDIX_VERSION, len(dft)),
-            dft,
-            struct.pack("<Q", 0),
-        ]
     body_len = sum(len(p) for p in parts)
     parts.append(encode_trailer(entry.tenant, model, body_len))
     return parts

@@ -89,7 +89,7 @@ class ParsedFile:
 @dataclass
 class Appendices:
     checkpoints: list[Checkpoint] = field(default_factory=list)
-    draft: tuple[bytes, bytes] | None = None
+    draft: tuple[bytes, bytes] | None = None  # SDFT: the draft context's state, spec state
     warnings: list[str] = field(default_factory=list)
 
 
@@ -213,9 +213,9 @@ def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> App
             if magic == SCKP_MAGIC:
                 out.checkpoints, p = _checkpoints(view, pos + 8, n_tokens, out.warnings)
             else:
-                tgt, p = _take_buffer(view, pos + 8)
-                dft, p = _take_buffer(view, p)
-                out.draft = (bytes(tgt), bytes(dft))
+                dft, p = _take_buffer(view, pos + 8)
+                spec, p = _take_buffer(view, p)
+                out.draft = (bytes(dft), bytes(spec))
             pos = p
         except SlotFileError as e:
             out.warnings.append(f"appendix {magic:#x} dropped: {e}")
@@ -237,6 +237,25 @@ def checkpoint_parts(checkpoints: list[Checkpoint]) -> list[bytes | memoryview]:
     return parts
 
 
+def draft_parts(draft: bytes | bytearray) -> list[bytes | memoryview]:
+    """The SDFT appendix (the draft context's state of the slot, and an empty speculative
+    state: draft-simple has none); nothing without a draft state, as llama-server writes."""
+    if not draft:
+        return []
+    return [
+        struct.pack("<IIQ", SDFT_MAGIC, APPENDIX_VERSION, len(draft)),
+        memoryview(draft).cast("B"),
+        struct.pack("<Q", 0),
+    ]
+
+
+def appendix_parts(
+    checkpoints: list[Checkpoint], draft: bytes | bytearray = b""
+) -> list[bytes | memoryview]:
+    """Everything after the body: SCKP, then SDFT when there is a draft state."""
+    return checkpoint_parts(checkpoints) + draft_parts(draft)
+
+
 def encode_checkpoints(checkpoints: list[Checkpoint]) -> bytes:
     return b"".join(bytes(p) for p in checkpoint_parts(checkpoints))
 
@@ -249,13 +268,15 @@ def temp_for(path: Path) -> Path:
     return Path(tmp)
 
 
-def finish_file(tmp: Path, path: Path, checkpoints: list[Checkpoint]) -> int:
-    """Append the SCKP appendix to the body in ``tmp``, make it durable (fdatasync), rename it
+def finish_file(
+    tmp: Path, path: Path, checkpoints: list[Checkpoint], draft: bytes | bytearray = b""
+) -> int:
+    """Append the appendices (SCKP, and SDFT with a ``draft`` state) to the body in ``tmp``, make it durable (fdatasync), rename it
     to ``path``, fsync the directory. A crash or a full disk never leaves a partial file under
     ``path``; the temporary file is removed on failure. Returns the file's size."""
     try:
         with open(tmp, "ab") as f:
-            for part in checkpoint_parts(checkpoints):
+            for part in appendix_parts(checkpoints, draft):
                 f.write(part)
             f.flush()
             os.fdatasync(f.fileno())
@@ -273,7 +294,12 @@ def finish_file(tmp: Path, path: Path, checkpoints: list[Checkpoint]) -> int:
 
 
 def write_file(
-    path: Path, tokens: list[int], state: StateBuf, version: int, checkpoints: list[Checkpoint]
+    path: Path,
+    tokens: list[int],
+    state: StateBuf,
+    version: int,
+    checkpoints: list[Checkpoint],
+    draft: bytes | bytearray = b"",
 ) -> int:
     """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header + state
     bytes), byte for byte what llama_state_seq_save_file writes, then the appendix."""
@@ -289,4 +315,4 @@ def write_file(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return finish_file(tmp, path, checkpoints)
+    return finish_file(tmp, path, checkpoints, draft)

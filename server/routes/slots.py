@@ -20,7 +20,7 @@ from ..service import ServerState, tenant_of
 from ..slots.audit import seq_state_problem
 from ..slots.engine import Engine, EngineDead
 from ..slots.slot import Slot
-from ..types import Checkpoint
+from ..slots.store import FileAppendix
 from .common import generation_settings, state_of
 
 router = APIRouter()
@@ -84,12 +84,12 @@ def _save_op(slot_id: int, tmp: Path):
     """llama.cpp writes the body (its own llama_state_seq_save_file, straight from the KV
     cache, no copy in Python); the appendix, fsync and rename happen off the engine thread."""
 
-    def op(engine: Engine) -> tuple[int, list[Checkpoint]]:
+    def op(engine: Engine) -> tuple[int, FileAppendix]:
         s = engine.slots[slot_id]
-        ckpts = engine.store.save_file(s, str(tmp))
-        if ckpts is None:
+        app = engine.store.save_file(s, str(tmp))
+        if app is None:
             raise slot_file.SlotFileError("llama.cpp could not write the slot state", 500)
-        return len(s.tokens), ckpts
+        return len(s.tokens), app
 
     return op
 
@@ -219,8 +219,10 @@ async def _save(engine: Engine, sid: int, path: Path, name: str) -> dict[str, An
     t0 = time.perf_counter()
     tmp = slot_file.temp_for(path)
     try:
-        n_saved, ckpts = await asyncio.wrap_future(engine.call(_save_op(sid, tmp), slot=sid))
-        written = await asyncio.to_thread(slot_file.finish_file, tmp, path, ckpts)
+        n_saved, app = await asyncio.wrap_future(engine.call(_save_op(sid, tmp), slot=sid))
+        written = await asyncio.to_thread(
+            slot_file.finish_file, tmp, path, app.checkpoints, app.draft
+        )
     finally:
         tmp.unlink(missing_ok=True)
     _record(engine, saves=1, bytes_written=written)

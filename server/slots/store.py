@@ -28,6 +28,14 @@ log = logging.getLogger("server.slots.store")
 
 
 @dataclass
+class FileAppendix:
+    """What a slot file carries after its body: checkpoints (SCKP), draft state (SDFT)."""
+
+    checkpoints: list[Checkpoint]
+    draft: bytes = b""
+
+
+@dataclass
 class Snapshot:
     """What a RAM-cache entry needs from a slot: its tokens, its state's size (known before
     copying), a reader that copies the state bytes, and its checkpoints."""
@@ -166,12 +174,13 @@ class SlotStore:
             snap.read_draft = lambda: self.dft.state(slot)
         return snap
 
-    def save_file(self, slot: Slot, path: str) -> list[Checkpoint] | None:
+    def save_file(self, slot: Slot, path: str) -> FileAppendix | None:
         """llama.cpp writes the slot's state file body straight from the KV cache; returns
-        the checkpoints for the appendix, or None when llama.cpp could not write."""
+        what the appendices hold, or None when llama.cpp could not write."""
         if self.b.state_save_file(path, slot.id, slot.tokens) == 0:
             return None
-        return list(slot.checkpoints)
+        draft = self.dft.state(slot) if self.dft is not None else b""
+        return FileAppendix(list(slot.checkpoints), draft)
 
     def restore(
         self,
@@ -237,7 +246,20 @@ class SlotStore:
             with memoryview(buf) as whole, whole[:end] as body:
                 appendices = slot_file.parse_appendices(body, state_off + consumed, len(tokens))
         self.set_checkpoints(slot, appendices.checkpoints)
+        self._restore_draft(slot, appendices)
         return appendices
+
+    def _restore_draft(self, slot: Slot, app: slot_file.Appendices) -> None:
+        """A slot file's draft state (SDFT) and checkpoint draft data: kept when they fit
+        this server's draft context, else dropped; the target state stays either way."""
+        if self.dft is None:
+            for c in slot.checkpoints:
+                c.data_dft = b""
+            if app.draft and app.draft[0]:
+                app.warnings.append("the file's draft state was dropped: no draft model here")
+            return
+        if app.draft and app.draft[0] and not self.dft.restore(slot, app.draft[0]):
+            app.warnings.append("the file's draft state does not fit the draft model; dropped")
 
     def _state_problem(self, data: StateBuf, size: int, n: int) -> str | None:
         """Why the state bytes cannot be ``n`` tokens' KV, read before loading them."""
