@@ -202,6 +202,11 @@ def _speculative(st: Any) -> Iterator[Metric]:
         "Speculative: Total speculative decoding verification steps",
         st.draft_steps,
     )
+    yield _counter(
+        "llamaslot_draft_catchup_tokens",
+        "Tokens the draft model decoded to catch up with its slot (prompts, accepted drafts)",
+        st.draft_catchup_tokens,
+    )
     if st.accepted_per_pos:
         per = CounterMetricFamily(
             "llamacpp:spec_decode_num_accepted_tokens_per_pos",

@@ -265,3 +265,15 @@ class FakeBackend:
             cells.pos.append(p)
             cells.seqs.append((s,))
         return [cells]
+
+
+class FakeDraft(FakeBackend):
+    """A draft model's context over the fake memory (server.slots.draft_kv.DraftMemory):
+    its greedy token is its own ``model``'s prediction."""
+
+    def decode(self, start: int = 0, count: int = -1) -> int:
+        return super().decode(start, self.batch.n if count < 0 else count)
+
+    def greedy(self, idx: int, want_p: bool) -> tuple[int, float]:
+        _seq, pos, tok = self.outputs[idx]
+        return self.model(tok, pos), 1.0

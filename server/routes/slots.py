@@ -60,6 +60,8 @@ def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
             "bytes": sum(c.nbytes for c in ckpts),
             "n_tokens": [c.n_tokens for c in ckpts],
         },
+        # with a draft model: the tokens its sequence holds (a prefix of n_tokens)
+        **({"draft": {"n_tokens": s.n_dft}} if getattr(st, "draft", None) is not None else {}),
     }
 
 

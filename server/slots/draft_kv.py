@@ -6,6 +6,11 @@ catches up when the slot next drafts, ``server.slots.drafter``), never lead it: 
 cuts, clears, copies or restores a slot's target sequence does the same here, through
 ``SlotStore``. A draft operation that fails empties the draft sequence (n_dft = 0) and
 never touches the target: the draft only costs time when it is behind.
+
+Sliding windows: drafting decodes up to k tokens past the slot's end and then removes them,
+and llama.cpp may reuse window cells masked for those positions meanwhile; the draft's
+window can so lose up to k of its oldest cells. That only makes its drafts slightly worse
+(the target verifies everything), so the draft's window is checked ``slack`` tokens short.
 """
 
 from __future__ import annotations
@@ -45,8 +50,10 @@ class DraftMemory(Protocol):
 
 
 class DraftKV:
-    def __init__(self, dft: DraftMemory) -> None:
+    def __init__(self, dft: DraftMemory, slack: int) -> None:
         self.d = dft
+        # the window checked: a draft ahead by ``slack`` tokens may have lost that many
+        self.n_swa = max(1, dft.n_swa - slack) if dft.n_swa > 0 else 0
 
     # ---- following the target --------------------------------------------------------
 
@@ -55,7 +62,7 @@ class DraftKV:
         if slot.n_dft <= n:
             return
         ok = n > 0 and self.d.seq_rm(slot.id, n, -1) and self.d.seq_pos_max(slot.id) == n - 1
-        if ok and window_intact(self.d.seq_pos_min(slot.id), n, self.d.n_swa):
+        if ok and window_intact(self.d.seq_pos_min(slot.id), n, self.n_swa):
             slot.n_dft = n
         else:
             self.clear(slot)  # a cut behind the draft's window: it recomputes when it drafts
@@ -68,7 +75,7 @@ class DraftKV:
         """``dst``'s target just took ``src``'s first ``n`` tokens: take its draft's too."""
         self.clear(dst)
         m = min(n, src.n_dft)
-        if m <= 0 or not window_intact(self.d.seq_pos_min(src.id), m, self.d.n_swa):
+        if m <= 0 or not window_intact(self.d.seq_pos_min(src.id), m, self.n_swa):
             return
         self.d.seq_cp(src.id, dst.id, 0, m)
         if self.d.seq_pos_max(dst.id) == m - 1:
@@ -114,7 +121,7 @@ class DraftKV:
         except ValueError as e:
             log.warning("slot %d: unreadable draft state (%s): dropped", slot.id, e)
             return False
-        problem = None if read is None else seq_state_problem(read[0], n, self.d.n_swa)
+        problem = None if read is None else seq_state_problem(read[0], n, self.n_swa)
         if problem is None and read is not None and read[1] != len(data):
             problem = "bytes after the state"
         if problem:

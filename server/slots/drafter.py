@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .draft_kv import DraftKV
 from .slot import Slot
+from .stats import EngineStats
 
 log = logging.getLogger("server.slots.drafter")
 
@@ -31,9 +32,10 @@ class Want:
 
 
 class ModelDrafter:
-    def __init__(self, kv: DraftKV) -> None:
+    def __init__(self, kv: DraftKV, stats: EngineStats) -> None:
         self.kv = kv
         self.d = kv.d
+        self.stats = stats
 
     def propose(self, wants: list[Want]) -> dict[int, list[int]]:
         """Drafts by slot id (slots without one are absent)."""
@@ -49,6 +51,25 @@ class ModelDrafter:
                 if not self.d.seq_rm(s.id, len(s.tokens), -1):
                     self.kv.clear(s)
         return {k: v for k, v in drafts.items() if v}
+
+    def sync(self, s: Slot, whole: bool = False) -> None:
+        """Catch the draft sequence up with all the slot's tokens, so that what is taken of
+        the slot next carries the draft state too: a snapshot or slot file of the idle slot
+        once a run that drafted has ended (a short lag), or a checkpoint (``whole``: the
+        prompt so far, in batches; the draft needs it for its first draft anyway)."""
+        if s.n_dft == 0 and not whole:
+            return
+        while s.n_dft < len(s.tokens):
+            lag = s.tokens[s.n_dft : s.n_dft + self.d.n_batch]
+            b = self.d.batch
+            b.clear()
+            b.add_span(lag, s.n_dft, s.id, False)
+            if self.d.decode() != 0:
+                log.warning("draft decode failed; slot %d's draft recomputes later", s.id)
+                self.kv.clear(s)
+                return
+            s.n_dft += len(lag)
+            self.stats.draft_catchup_tokens += len(lag)
 
     def _catch_up(self, wants: list[Want]) -> list[tuple[Want, int]]:
         """Decode what each draft sequence lacks, plus ``next_token`` for the slots whose
@@ -78,6 +99,7 @@ class ModelDrafter:
             return []
         for s, n in spans:
             s.n_dft += n  # the next_token row is beyond the slot's tokens: removed later
+            self.stats.draft_catchup_tokens += n
         return rows
 
     def _extend(self, rows: list[tuple[Want, int]], drafts: dict[int, list[int]]) -> None:

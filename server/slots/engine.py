@@ -90,8 +90,10 @@ class Engine:
             min_step=opts.checkpoint_min_step,
             n_ubatch=backend.n_ubatch,
         )
-        self.store = SlotStore(backend, self.ckpt, draft)
-        self.drafter = ModelDrafter(self.store.dft) if self.store.dft is not None else None
+        self.store = SlotStore(backend, self.ckpt, draft, opts.spec.most_drafted)
+        self.drafter = (
+            ModelDrafter(self.store.dft, self.stats) if self.store.dft is not None else None
+        )
         self.sharing = PrefixSharing(
             self.store,
             self.stats,
@@ -542,6 +544,8 @@ class Engine:
         return self.b.is_recurrent or limit < 0 or n_prompt + limit > self.b.n_swa
 
     def _take_checkpoint(self, s: Slot) -> None:
+        if self.drafter is not None and s.run.spec is not None:
+            self.drafter.sync(s, whole=True)  # the checkpoint carries the draft's state too
         c = self.store.take_checkpoint(s)
         self.stats.checkpoints_created += 1
         log.debug("slot %d: checkpoint at %d tokens (%d bytes)", s.id, c.n_tokens, c.nbytes)
@@ -741,6 +745,8 @@ class Engine:
             t.prompt_ms,
             t.predicted_ms,
         )
+        if self.drafter is not None and reason is not FinishReason.ERROR:
+            self.drafter.sync(s)
         s.release()
 
     def _fail_everything(self, message: str) -> None:

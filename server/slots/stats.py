@@ -49,6 +49,7 @@ class EngineStats:
     draft_accepted: int = 0
     draft_steps: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    draft_catchup_tokens: int = 0  # decoded by the draft model to catch up with its slot
     # Observers (metrics) called on the engine thread; must be cheap and never raise.
     observers: list[Callable[[str, float], None]] = field(default_factory=list)
 

@@ -49,13 +49,17 @@ class Snapshot:
 
 class SlotStore:
     def __init__(
-        self, backend: Backend, ckpt: CheckpointPolicy, draft: DraftMemory | None = None
+        self,
+        backend: Backend,
+        ckpt: CheckpointPolicy,
+        draft: DraftMemory | None = None,
+        most_drafted: int = 0,
     ) -> None:
         self.b = backend
         self.ckpt = ckpt
         self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
         # a draft model's sequences, which follow the slots' (slots/draft_kv.py)
-        self.dft = DraftKV(draft) if draft is not None else None
+        self.dft = DraftKV(draft, most_drafted + 1) if draft is not None else None
 
     # ---- reading ------------------------------------------------------------------
 
