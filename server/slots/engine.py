@@ -33,12 +33,12 @@ from . import disk_glue, ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .draft_kv import DraftMemory
-from .drafter import ModelDrafter, Want
 from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
 from .sampling import ParallelSampling, cpu_reason
 from .sharing import PrefixSharing
 from .slot import Slot, SlotRun, SlotState
-from .speculative import SpecConfig, TokenHistory, draft_room, ngram_draft, request_limits
+from .spec_step import Speculation
+from .speculative import SpecConfig
 from .stats import EngineStats
 from .store import SlotStore
 
@@ -91,8 +91,8 @@ class Engine:
             n_ubatch=backend.n_ubatch,
         )
         self.store = SlotStore(backend, self.ckpt, draft, opts.spec.most_drafted)
-        self.drafter = (
-            ModelDrafter(self.store.dft, self.stats) if self.store.dft is not None else None
+        self.spec = Speculation(
+            opts.spec, self.store, self.stats, backend.is_recurrent, self._remaining
         )
         self.sharing = PrefixSharing(
             self.store,
@@ -357,7 +357,7 @@ class Engine:
             run.matcher = task.sampling.constraint.matcher()
         if self.b.backend_sampling:
             self._place_sampler(slot, run)
-        self._plan_speculation(run)
+        self.spec.plan(run)
         t_wait = (run.t_start - task.t_enqueued) * 1e3
         self.stats.on_launch(t_wait)
         log.debug(
@@ -369,17 +369,6 @@ class Engine:
             plan.reason,
             t_wait,
         )
-
-    def _plan_speculation(self, run: SlotRun) -> None:
-        """Whether the run drafts: the server speculates, the request did not turn it off,
-        its tokens are sampled on the CPU (a backend chain yields one token per sequence) and
-        the memory can drop rejected tokens (recurrent state cannot)."""
-        gen = run.task.gen
-        limits = request_limits(self.opts.spec, gen.spec_n_max, gen.spec_n_min, gen.spec_p_min)
-        if limits is None or run.backend_sampled or self.b.is_recurrent:
-            return
-        run.spec = limits
-        run.history = TokenHistory()
 
     # ---- decode step --------------------------------------------------------------
 
@@ -450,7 +439,7 @@ class Engine:
         toks: list[int] = []
         pos: list[int] = []
         seqs: list[int] = []
-        drafted = self._model_drafts(gen)
+        drafted = self.spec.model_drafts(gen)
         for s in gen:
             if len(toks) >= budget:
                 s.pending, s.i_batch, s.run.draft = [], -1, []
@@ -467,7 +456,7 @@ class Engine:
                 seqs.append(s.id)
                 continue
             # the sampled token and its draft, each row with logits (verified after decode)
-            run.draft = self._draft(s, budget - len(toks) - 1, drafted)
+            run.draft = self.spec.draft(s, budget - len(toks) - 1, drafted)
             s.pending = [run.next_token, *run.draft]
             toks.extend(s.pending)
             pos.extend(range(n, n + len(s.pending)))
@@ -479,34 +468,6 @@ class Engine:
             if budget - batch.n > 0:
                 self._add_prompt_chunk(s, budget - batch.n)
         return batch.n
-
-    def _draft(self, s: Slot, room: int, drafted: dict[int, list[int]]) -> list[int]:
-        """The draft the slot tries this step (at most ``room`` tokens; may be empty):
-        the draft model's (``drafted``), or an n-gram of its context."""
-        run = s.run
-        room = min(room, self._room(s))
-        if room < max(1, run.spec.n_min):
-            return []
-        if self.drafter is not None:
-            return drafted.get(s.id, [])[:room]
-        cfg = self.opts.spec
-        hist = run.history.sync(s.tokens)
-        return ngram_draft(hist, run.next_token, cfg.ngram_n, cfg.ngram_m)[:room]
-
-    def _room(self, s: Slot) -> int:
-        run = s.run
-        return draft_room(len(s.tokens), s.n_ctx, self._remaining(run), run.spec)
-
-    def _model_drafts(self, gen: list[Slot]) -> dict[int, list[int]]:
-        """draft-simple: the draft model's proposals for this step's drafting slots."""
-        if self.drafter is None:
-            return {}
-        wants = [
-            Want(s, self._room(s), s.run.spec.p_min)
-            for s in gen
-            if s.run.spec is not None and self._room(s) > 0
-        ]
-        return self.drafter.propose(wants) if wants else {}
 
     def _remaining(self, run: SlotRun) -> int:
         """Tokens the run may still generate (-1: no limit but the context)."""
@@ -544,8 +505,7 @@ class Engine:
         return self.b.is_recurrent or limit < 0 or n_prompt + limit > self.b.n_swa
 
     def _take_checkpoint(self, s: Slot) -> None:
-        if self.drafter is not None and s.run.spec is not None:
-            self.drafter.sync(s, whole=True)  # the checkpoint carries the draft's state too
+        self.spec.sync(s, whole=True)  # the checkpoint carries the draft's state too
         c = self.store.take_checkpoint(s)
         self.stats.checkpoints_created += 1
         log.debug("slot %d: checkpoint at %d tokens (%d bytes)", s.id, c.n_tokens, c.nbytes)
@@ -629,7 +589,6 @@ class Engine:
         take the sampled tokens (the last one is the next to decode)."""
         run = s.run
         draft, run.draft = run.draft, []
-        n_base = len(s.tokens) - len(draft)  # the tokens through the decoded sampled token
         picked: list[int] = []
         try:
             for i in range(len(draft) + 1):
@@ -640,14 +599,9 @@ class Engine:
             log.exception("sampling failed on slot %d", s.id)
             self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
             return
-        n_keep = n_base + len(picked) - 1
-        if self.store.cut(s, n_keep) != n_keep:
+        if not self.spec.accept(s, draft, len(picked) - 1):
             self._finish(s, FinishReason.ERROR, error="could not drop rejected draft tokens")
             return
-        run.history.truncate(n_keep)
-        run.n_drafted += len(draft)
-        run.n_draft_accepted += len(picked) - 1
-        self.stats.on_draft(len(draft), len(picked) - 1)
         for i, tok in enumerate(picked):
             if not self._take(s, idx + i, tok):
                 return
@@ -745,8 +699,8 @@ class Engine:
             t.prompt_ms,
             t.predicted_ms,
         )
-        if self.drafter is not None and reason is not FinishReason.ERROR:
-            self.drafter.sync(s)
+        if reason is not FinishReason.ERROR:
+            self.spec.sync(s)  # the idle slot's snapshots carry the draft's state too
         s.release()
 
     def _fail_everything(self, message: str) -> None:
