@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 import time
 from types import FrameType
@@ -12,7 +13,7 @@ from typing import Any
 import uvicorn
 
 from .app import create_app
-from .config import Settings, parse_settings, warn_ignored
+from .config import Settings, csv_list, parse_settings, warn_ignored
 
 # llama-server's -lv thresholds: 0 generic output, 1 error, 2 warning, 3 info, 4+ debug.
 _LEVELS = {0: logging.ERROR, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}
@@ -54,6 +55,21 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def bind(hosts: list[str], port: int) -> list[socket.socket]:
+    """Listening sockets for ``--host a,b`` (llama-server listens on each address)."""
+    socks = []
+    for host in hosts:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+        socks.append(sock)
+    return socks
+
+
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     setup_logging(settings)
@@ -71,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     # uvicorn re-raises the signal it caught once it has shut down; with this no-op as the
     # handler it restores, the process then exits with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    DrainingServer(config, app.state.server).run()
+    hosts = csv_list(settings.host)
+    sockets = bind(hosts, settings.port) if len(hosts) > 1 else None
+    DrainingServer(config, app.state.server).run(sockets=sockets)
 
 
 if __name__ == "__main__":

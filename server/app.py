@@ -20,12 +20,14 @@ from .cache.disk import DiskTier
 from .cache.disk_files import FileCheck
 from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
-from .config import Settings, load_api_keys
+from .config import Settings, csv_list, load_api_keys
+from .embeddings import embeddings_on, pooling_of
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
 from .routes import cache as cache_routes
+from .routes import embeddings as embedding_routes
+from .routes import infill, native, openai, responses, slots, template
 from .routes import metrics as metrics_routes
-from .routes import native, openai, slots
 from .service import ServerState
 from .slots.engine import Engine, EngineOptions
 from .slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
@@ -43,6 +45,7 @@ def default_model_path() -> str:
 def model_options(s: Settings, path: str) -> Any:
     """The backend's options from the settings (the one place they are mapped)."""
     from .llama.backend import ModelOptions
+    from .llama.params import load_mode, tensor_overrides
 
     spec = spec_config(s)
     return ModelOptions(
@@ -60,6 +63,15 @@ def model_options(s: Settings, path: str) -> Any:
         seed=s.seed,
         backend_sampling=s.backend_sampling,
         outputs_per_seq=1 + spec.most_drafted if spec.enabled else 1,
+        embeddings=embeddings_on(s),
+        pooling=pooling_of(s),
+        type_k=s.cache_type_k,
+        type_v=s.cache_type_v,
+        split_mode=s.split_mode,
+        tensor_split=tuple(s.tensor_split or ()),
+        main_gpu=s.main_gpu,
+        load_mode=load_mode(s.load_mode, s.no_mmap, s.mlock),
+        tensor_overrides=tensor_overrides(s.override_tensor, s.cpu_moe, s.n_cpu_moe, s.n_cpu_ffn),
     )
 
 
@@ -73,6 +85,16 @@ def prompt_cache(s: Settings, n_ctx: int) -> PromptCache | None:
         limit_bytes=s.cache_ram * MiB if s.cache_ram > 0 else -1,
         limit_tokens=s.cache_ram_tokens or n_ctx,
     )
+
+
+def kv_label(s: Settings) -> str:
+    """The KV cache types in a disk entry's model id: another -ctk / -ctv (or -ctkd / -ctvd
+    with a draft model) makes another model's entries, never restored here. Empty for the
+    defaults, so the entries of servers without these flags stay valid."""
+    types = (s.cache_type_k, s.cache_type_v)
+    if spec_config(s).kind == SPEC_DRAFT:
+        types += (s.cache_type_k_draft, s.cache_type_v_draft)
+    return "" if set(types) == {"f16"} else ":kv=" + "/".join(types)
 
 
 def disk_tier(s: Settings, cache: PromptCache | None, backend: Any, model: str) -> DiskTier | None:
@@ -89,7 +111,8 @@ def disk_tier(s: Settings, cache: PromptCache | None, backend: Any, model: str) 
         n_vocab=backend.n_vocab,
         # states are only valid for the same weights: name and size tell models apart
         # (replicas mount the same file), the vocabulary size is checked as well
-        model=f"{os.path.basename(model)}:{os.path.getsize(model)}:{backend.n_vocab}",
+        model=f"{os.path.basename(model)}:{os.path.getsize(model)}:{backend.n_vocab}"
+        + kv_label(s),
     )
     disk = DiskTier(s.cache_disk, s.cache_disk_mib * MiB, check)
     disk.start()
@@ -137,6 +160,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
         prefix_share_min=s.prefix_share_min,
         sample_threads=s.sample_threads,
         spec=spec_config(s),
+        context_shift=s.context_shift,
     )
 
 
@@ -146,7 +170,13 @@ def draft_context(s: Settings, backend: Any) -> Any:
         return None
     from .llama.draft import DraftContext
 
-    draft = DraftContext(backend, s.spec_draft_model, s.n_gpu_layers_draft)
+    draft = DraftContext(
+        backend,
+        s.spec_draft_model,
+        s.n_gpu_layers_draft,
+        type_k=s.cache_type_k_draft,
+        type_v=s.cache_type_v_draft,
+    )
     log.info("draft model %s (n_swa=%d)", draft.path, draft.n_swa)
     return draft
 
@@ -191,7 +221,9 @@ def load(st: ServerState) -> None:
             _clean_save_dir(s.slot_save_path)
         path = s.model or default_model_path()
         st.model_path = path
-        st.model_name = s.alias or os.path.basename(path)
+        # as llama-server: the aliases form a sorted set, the first one names the model
+        st.model_aliases = sorted(set(csv_list(s.alias or "")))
+        st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
         backend = LlamaBackend(model_options(s, path))
         st.backend = backend
         st.template = pick_template(
@@ -253,10 +285,9 @@ def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
         log.warning("speculative decoding is off: recurrent memory cannot drop draft tokens")
     if s.prefix_share and not backend.kv_unified:
         log.warning("prefix sharing is off: it needs unified KV (--kv-unified)")
-
-
-def _csv(v: str) -> list[str]:
-    return [x.strip() for x in v.split(",") if x.strip()]
+    if s.context_shift and not engine.shifts:
+        # llama-server's words: its ctx_shift goes off the same way
+        log.warning("ctx_shift is not supported by this context, it will be disabled")
 
 
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
@@ -285,9 +316,13 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     errors.install(app)
     app.include_router(native.router)
     app.include_router(openai.router)
+    app.include_router(infill.router)
+    app.include_router(template.router)
+    app.include_router(responses.router)
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
     app.include_router(metrics_routes.router)
+    app.include_router(embedding_routes.router)
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
@@ -297,14 +332,14 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.add_middleware(ApiKeyAuth, keys=keys)
     app.add_middleware(
         RequestGuard,
-        cors_origins=_csv(settings.cors_origins),
-        allowed_hosts=_csv(settings.allowed_hosts or ""),
+        cors_origins=csv_list(settings.cors_origins),
+        allowed_hosts=csv_list(settings.allowed_hosts or ""),
     )
     app.add_middleware(
         CORSMiddleware,
-        allow_origins=_csv(settings.cors_origins),
-        allow_methods=_csv(settings.cors_methods),
-        allow_headers=_csv(settings.cors_headers),
+        allow_origins=csv_list(settings.cors_origins),
+        allow_methods=csv_list(settings.cors_methods),
+        allow_headers=csv_list(settings.cors_headers),
     )
     app.add_middleware(RequestCounter, metrics=st.metrics)
     return app

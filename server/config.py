@@ -25,6 +25,7 @@ __all__ = [
     "ignored_flags",
     "warn_ignored",
     "load_api_keys",
+    "csv_list",
 ]
 
 # llama-server's "auto" slot count (-np -1) in unified-KV mode.
@@ -45,11 +46,29 @@ class Settings(BaseModel):
     kv_unified: bool = True
     swa_full: bool = False
     flash_attn: str = "auto"
+    # KV cache data types (ggml type names), the target's and the draft model's
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    cache_type_k_draft: str = "f16"
+    cache_type_v_draft: str = "f16"
+    context_shift: bool = False  # a full generating slot drops half after n_keep, goes on
+    # model placement and loading (llama_model_params)
+    split_mode: str = "layer"
+    tensor_split: list[float] | None = None
+    main_gpu: int = 0
+    override_tensor: list[str] | None = None  # PATTERN=BUFFER_TYPE items
+    cpu_moe: bool = False
+    n_cpu_moe: int = Field(0, ge=0)
+    n_cpu_ffn: int = Field(0, ge=0)
+    load_mode: str = "auto"
+    no_mmap: bool | None = None  # None: not given (-lm decides)
+    mlock: bool | None = None
     backend_sampling: bool = False  # -bs: sampler chains in the decode graph when they can
     sample_threads: int = Field(-1, ge=-1)  # CPU sampling workers (-1: auto, 0: off)
     slot_prompt_similarity: float = Field(0.10, ge=0.0, le=1.0)
     n_predict: int = -1
     alias: str | None = None
+    tags: str | None = None
     jinja: bool = True
     chat_template: str | None = None
     chat_template_file: str | None = None
@@ -70,6 +89,12 @@ class Settings(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     keep: int = Field(0, ge=-1)  # a request's n_keep default (context shift)
+    # embeddings and reranking (server.embeddings): --reranking implies --embedding with
+    # pooling rank, as in llama-server; pooling None is the model's own
+    embedding: bool = False
+    reranking: bool = False
+    pooling: str | None = None
+    embd_normalize: int = 2
     # speculative decoding (server.slots.speculative)
     spec_type: list[str] = Field(default_factory=lambda: ["none"])
     spec_draft_model: str | None = None
@@ -116,6 +141,11 @@ class Settings(BaseModel):
     @classmethod
     def _auto_parallel(cls, v: Any) -> Any:
         return AUTO_PARALLEL if v == -1 else v
+
+
+def csv_list(v: str | None) -> list[str]:
+    """A comma-separated flag value as its items (empty ones dropped)."""
+    return [x.strip() for x in (v or "").split(",") if x.strip()]
 
 
 _TRUE = {"1", "true", "yes", "on", "enabled"}

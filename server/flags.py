@@ -132,9 +132,15 @@ OPTIONS: list[Opt] = [
     _o("--repeat-penalty", "repeat_penalty", "LLAMA_ARG_REPEAT_PENALTY", "default repeat penalty (default: 1.00, 1.0 = off)", float),
     _o("--presence-penalty", "presence_penalty", "LLAMA_ARG_PRESENCE_PENALTY", "default presence penalty (default: 0.00)", float),
     _o("--frequency-penalty", "frequency_penalty", "LLAMA_ARG_FREQUENCY_PENALTY", "default frequency penalty (default: 0.00)", float),
+    # --- embeddings and reranking (server.embeddings) ---
+    _o("--embedding --embeddings", "embedding", "LLAMA_ARG_EMBEDDINGS", "serve POST /embedding(s) and /v1/embeddings (generation keeps working) (default: off)", "bool"),
+    _o("--rerank --reranking", "reranking", "LLAMA_ARG_RERANKING", "serve POST /rerank (/v1/rerank): --embedding with --pooling rank, for reranker models (default: off)", "bool"),
+    _o("--pooling", "pooling", "LLAMA_ARG_POOLING", "pooling for embeddings: none, mean, cls, last or rank (default: the model's own)", choices=("none", "mean", "cls", "last", "rank")),
+    _o("--embd-normalize", "embd_normalize", "", "default embd_normalize of embedding requests: -1 none, 0 max absolute (int16 range), 1 taxicab, 2 Euclidean, >2 p-norm (default: 2)", int),
     _o("--keep", "keep", "LLAMA_ARG_KEEP", "default n_keep: prompt tokens kept by a context shift (default: 0, -1 = all)", int),
     # --- chat ---
-    _o("-a --alias", "alias", "LLAMA_ARG_ALIAS", "model name reported by the API"),
+    _o("-a --alias", "alias", "LLAMA_ARG_ALIAS", "model name(s) reported by the API, comma-separated: the first in sorted order is the id, all are listed as aliases"),
+    _o("--tags", "tags", "LLAMA_ARG_TAGS", "comma-separated tags listed with the model by /v1/models (informational)"),
     _o("--jinja", "jinja", "LLAMA_ARG_JINJA", "render chat with the model's Jinja template (default: on); --no-jinja: the built-in template that matches it", "bool", neg="--no-jinja"),
     _o("--chat-template", "chat_template", "LLAMA_ARG_CHAT_TEMPLATE", "built-in chat template name (chatml, gemma, llama3, mistral) or a Jinja template"),
     _o("--chat-template-file", "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", "file holding a Jinja chat template"),
@@ -144,7 +150,7 @@ OPTIONS: list[Opt] = [
     _o("-rea --reasoning", "reasoning", "LLAMA_ARG_REASONING", "thinking in templates that have it: on, off or auto (default: auto, the template's own default)", choices=("on", "off", "auto")),
     _o("--reasoning-effort", "reasoning_effort", "LLAMA_ARG_REASONING_EFFORT", "default reasoning_effort passed to the template (default: none)"),
     # --- HTTP ---
-    _o("--host", "host", "LLAMA_ARG_HOST", "address to listen on (default: 127.0.0.1)"),
+    _o("--host", "host", "LLAMA_ARG_HOST", "address(es) to listen on, comma-separated (default: 127.0.0.1)"),
     _o("--port", "port", "LLAMA_ARG_PORT", "port to listen on (default: 8080)", int),
     _o("--slots", "slots", "LLAMA_ARG_ENDPOINT_SLOTS", "expose the /slots endpoint (default: on)", "bool", neg="--no-slots"),
     _o("--metrics", "metrics", "LLAMA_ARG_ENDPOINT_METRICS", "expose Prometheus metrics at /metrics (default: off)", "bool"),
@@ -286,8 +292,51 @@ def _words(text: str) -> list[str]:
 
 
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+# their ggml type ids (ggml.h's enum ggml_type; server.llama.params maps them to llama.cpp)
+CACHE_TYPE_IDS = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+
+
+def cache_type_name(type_id: int) -> str:
+    """A ggml type id as llama-server spells the cache type (``type 12`` for another)."""
+    return next((k for k, v in CACHE_TYPE_IDS.items() if v == type_id), f"type {type_id}")
 ON_OFF_AUTO = ("on", "off", "auto")
 STRICT = ("0", "1")
+SPLIT_MODES = ("none", "layer", "row", "tensor")
+LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")
+
+
+def non_negative(text: str) -> int:
+    """``--n-cpu-moe``, ``--n-cpu-ffn``: a layer count, 0 or more (llama-server refuses less)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise _err("an integer >= 0", text) from None
+    if v < 0:
+        raise _err("an integer >= 0", text)
+    return v
+
+
+# Implemented flags whose value checkers are defined above: KV cache types, context shift,
+# model placement and loading (llama_context_params / llama_model_params, server.llama).
+# fmt: off
+OPTIONS += [
+    _o("-ctk --cache-type-k", "cache_type_k", "LLAMA_ARG_CACHE_TYPE_K", "KV cache data type for K: " + ", ".join(CACHE_TYPES) + " (default: f16)", choices=CACHE_TYPES),
+    _o("-ctv --cache-type-v", "cache_type_v", "LLAMA_ARG_CACHE_TYPE_V", "KV cache data type for V (default: f16); a quantized V needs flash attention (-fa auto turns it on, -fa off refuses it)", choices=CACHE_TYPES),
+    _o("--spec-draft-type-k -ctkd --cache-type-k-draft", "cache_type_k_draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K", "KV cache data type for K of the draft model (default: f16)", choices=CACHE_TYPES),
+    _o("--spec-draft-type-v -ctvd --cache-type-v-draft", "cache_type_v_draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", "KV cache data type for V of the draft model (default: f16)", choices=CACHE_TYPES),
+    _o("--context-shift", "context_shift", "LLAMA_ARG_CONTEXT_SHIFT", "when a generating slot's context is full, drop half of the tokens after n_keep and go on, as llama-server does (default: off; needs a KV cache that can shift)", "bool", neg="--no-context-shift"),
+    _o("-sm --split-mode", "split_mode", "LLAMA_ARG_SPLIT_MODE", "how to split the model across GPUs: none, layer, row or tensor (default: layer)", choices=SPLIT_MODES),
+    _o("-ts --tensor-split", "tensor_split", "LLAMA_ARG_TENSOR_SPLIT", "fraction of the model to offload to each GPU, comma-separated proportions, e.g. 3,1 (default: none)", floats),
+    _o("-mg --main-gpu", "main_gpu", "LLAMA_ARG_MAIN_GPU", "the GPU for the model (split-mode none), or for intermediate results and KV (split-mode row) (default: 0)", int),
+    _o("-ot --override-tensor", "override_tensor", "LLAMA_ARG_OVERRIDE_TENSOR", "tensor buffer type overrides: <tensor name pattern>=<buffer type>,... (default: none)", tensor_overrides),
+    _o("-cmoe --cpu-moe", "cpu_moe", "LLAMA_ARG_CPU_MOE", "keep all Mixture of Experts (MoE) weights in the CPU", "bool"),
+    _o("-ncmoe --n-cpu-moe", "n_cpu_moe", "LLAMA_ARG_N_CPU_MOE", "keep the MoE weights of the first N layers in the CPU (default: 0)", non_negative),
+    _o("-ncffn --n-cpu-ffn", "n_cpu_ffn", "LLAMA_ARG_N_CPU_FFN", "keep the dense FFN weights of the first N layers in the CPU (default: 0)", non_negative),
+    _o("-lm --load-mode", "load_mode", "LLAMA_ARG_LOAD_MODE", "model loading: auto, none, mmap, mlock, mmap+mlock or dio (default: auto)", choices=LOAD_MODES),
+    _o("--no-mmap", "no_mmap", "LLAMA_ARG_NO_MMAP", "do not memory-map the model (read it into memory); --mmap: map it (llama-server's earlier flags; they win over -lm)", "bool", neg="--mmap"),
+    _o("--mlock", "mlock", "LLAMA_ARG_MLOCK", "keep the model in RAM, never swapped out (llama-server's earlier flag; wins over -lm)", "bool"),
+]
+# fmt: on
 
 
 def _group(group: str, *rows: tuple[Any, ...]) -> list[Compat]:
@@ -324,21 +373,11 @@ COMPAT: list[Compat] = [
         ("-kvo --kv-offload | -nkvo --no-kv-offload", "LLAMA_ARG_KV_OFFLOAD", BOOL, True),
         ("--repack | -nr --no-repack", "LLAMA_ARG_REPACK", BOOL, True),
         ("--no-host", "LLAMA_ARG_NO_HOST", SWITCH),
-        ("-lm --load-mode", "LLAMA_ARG_LOAD_MODE", ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"), "auto"),
         ("-lzm --lazy-mode", "LLAMA_ARG_LAZY_MODE", ("on", "auto", "off"), "auto"),
-        ("--no-mmap", "LLAMA_ARG_NO_MMAP", SWITCH),
-        ("--mlock", "LLAMA_ARG_MLOCK", SWITCH),
         ("--check-tensors", "", SWITCH),
         ("--override-kv", "", kv_overrides),
         ("--op-offload | --no-op-offload", "", BOOL, True),
         ("-dev --device", "LLAMA_ARG_DEVICE", str),
-        ("-ot --override-tensor", "LLAMA_ARG_OVERRIDE_TENSOR", tensor_overrides),
-        ("-cmoe --cpu-moe", "LLAMA_ARG_CPU_MOE", SWITCH),
-        ("-ncmoe --n-cpu-moe", "LLAMA_ARG_N_CPU_MOE", int, 0),
-        ("-ncffn --n-cpu-ffn", "LLAMA_ARG_N_CPU_FFN", int, 0),
-        ("-sm --split-mode", "LLAMA_ARG_SPLIT_MODE", ("none", "layer", "row", "tensor"), "layer"),
-        ("-ts --tensor-split", "LLAMA_ARG_TENSOR_SPLIT", floats),
-        ("-mg --main-gpu", "LLAMA_ARG_MAIN_GPU", int, 0),
         ("-fit --fit", "LLAMA_ARG_FIT", ("on", "off"), "off"),
         ("-fitt --fit-target", "LLAMA_ARG_FIT_TARGET", ints),
         ("-fitc --fit-ctx", "LLAMA_ARG_FIT_CTX", int),
@@ -346,11 +385,8 @@ COMPAT: list[Compat] = [
     ),
     *_group(
         "KV cache",
-        ("-ctk --cache-type-k", "LLAMA_ARG_CACHE_TYPE_K", CACHE_TYPES, "f16"),
-        ("-ctv --cache-type-v", "LLAMA_ARG_CACHE_TYPE_V", CACHE_TYPES, "f16"),
         ("-dt --defrag-thold", "LLAMA_ARG_DEFRAG_THOLD", float, ANY),  # deprecated there too
         ("--kv-unified-per-slot", "LLAMA_ARG_KV_UNIFIED_PER_SLOT", int),
-        ("--context-shift | --no-context-shift", "LLAMA_ARG_CONTEXT_SHIFT", BOOL, False),
         ("--cache-prompt | --no-cache-prompt", "LLAMA_ARG_CACHE_PROMPT", BOOL, True),
         ("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", int, 0),
         ("-cb --cont-batching | -nocb --no-cont-batching", "LLAMA_ARG_CONT_BATCHING", BOOL, True),
@@ -437,8 +473,6 @@ COMPAT: list[Compat] = [
         "speculative decoding",
         ("-lcs --lookup-cache-static", "", str),
         ("-lcd --lookup-cache-dynamic", "", str),
-        ("--spec-draft-type-k -ctkd --cache-type-k-draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K", CACHE_TYPES, ANY),
-        ("--spec-draft-type-v -ctvd --cache-type-v-draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", CACHE_TYPES, ANY),
         ("--spec-draft-hf -hfd -hfrd --hf-repo-draft", "LLAMA_ARG_SPEC_DRAFT_HF_REPO", str),
         ("--spec-draft-threads -td --threads-draft", "", int, ANY),
         ("--spec-draft-threads-batch -tbd --threads-batch-draft", "", int, ANY),
@@ -488,10 +522,6 @@ COMPAT: list[Compat] = [
     ),
     *_group(
         "embeddings/reranking/infill",
-        ("--embedding --embeddings", "LLAMA_ARG_EMBEDDINGS", SWITCH),
-        ("--rerank --reranking", "LLAMA_ARG_RERANKING", SWITCH),
-        ("--pooling", "LLAMA_ARG_POOLING", ("none", "mean", "cls", "last", "rank")),
-        ("--embd-normalize", "", int, 2),
         ("--spm-infill", "", SWITCH),
     ),
     *_group(
@@ -526,7 +556,6 @@ COMPAT: list[Compat] = [
         ("--cors-credentials | --no-cors-credentials", "LLAMA_ARG_CORS_CREDENTIALS", BOOL, False),
         ("--sse-ping-interval", "LLAMA_ARG_SSE_PING_INTERVAL", int, -1),
         ("--threads-http", "LLAMA_ARG_THREADS_HTTP", int, ANY),  # asyncio: no HTTP threads
-        ("--tags", "LLAMA_ARG_TAGS", str, ANY),  # informational in llama-server
     ),
 ]
 # fmt: on

@@ -47,6 +47,7 @@ class ServerState:
     engine: Engine | None = None
     template: ChatTemplate | None = None
     model_name: str = ""
+    model_aliases: list[str] = field(default_factory=list)  # --alias a,b,c (sorted)
     model_path: str = ""
     loading: bool = True
     load_error: str = ""
@@ -268,6 +269,7 @@ class TaskGroup:
         stream: bool = True,
         user_start: int = -1,
         tenant: str = "",
+        return_progress: bool = False,
     ) -> Task:
         """Add a task (not yet running: ``submit`` starts them all)."""
         task = Task(
@@ -280,6 +282,7 @@ class TaskGroup:
             stream=stream,
             user_start=user_start,
             tenant=tenant,
+            return_progress=return_progress and stream,
             lagging=self._lagging(len(self.tasks)) if stream else None,
         )
         self.tasks.append(task)
@@ -417,6 +420,7 @@ class Submission:
     n: int = 1
     check: Callable[[], None] = _no_check
     constraint: Constraint | None = None  # structured output / forced format (server.constrained)
+    return_progress: bool = False  # PromptProgress events while the prompt is processed
 
 
 def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
@@ -455,6 +459,8 @@ async def submit(
         spec_n_max=-1 if body.spec_n_max is None else body.spec_n_max,
         spec_n_min=-1 if body.spec_n_min is None else body.spec_n_min,
         spec_p_min=-1.0 if body.spec_p_min is None else body.spec_p_min,
+        n_keep=st.settings.keep if body.n_keep is None else body.n_keep,
+        n_discard=body.n_discard,
     )
     group = TaskGroup(
         engine,
@@ -473,6 +479,7 @@ async def submit(
                 stream=job.stream,
                 user_start=p.user_start,
                 tenant=tenant,
+                return_progress=job.return_progress,
             )
     group.submit()
     return group

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ROLES, TemplateError
+from ..config import csv_list
 from ..constrained import Constraint
 from ..errors import APIError
 from ..schemas import ChatRequest, CompletionRequest
@@ -34,7 +35,7 @@ from ..tools.parse import Delta, Message, parse_message
 from ..tools.plan import ChatPlan, deltas_of, message_of, plan_chat
 from ..tools.prompt import prepare, thinking_forced_open
 from ..tools.spec import ToolSpecError
-from ..types import TaskError, TaskResult, TextChunk, TokenLogprob
+from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import SSE_DONE, SSE_HEADERS, sse, sse_error, state_of, token_logprobs
 
 router = APIRouter()
@@ -116,6 +117,8 @@ async def models(request: Request) -> dict[str, Any]:
         "data": [
             {
                 "id": st.model_name,
+                "aliases": st.model_aliases,
+                "tags": sorted(set(csv_list(st.settings.tags))),
                 "object": "model",
                 "created": int(st.started),
                 "owned_by": "llamacpp",
@@ -138,7 +141,8 @@ class Shape:
     whole)`` ends a choice, holding the whole text when ``whole`` (not streaming) and only
     the finish reason otherwise. ``opening`` chunks start a stream. Streamed, either may
     give a list (chat: a parser releases none or several deltas; the last final one holds
-    the finish reason)."""
+    the finish reason). ``progress_choice(index)`` is the choice of a ``prompt_progress``
+    chunk (return_progress)."""
 
     id_prefix: str
     obj: str
@@ -146,6 +150,12 @@ class Shape:
     text_choice: Callable[[int, TextChunk], Choice | list[Choice]]
     final_choice: Callable[[int, TaskResult, bool], Choice | list[Choice]]
     opening: list[Choice] = field(default_factory=list)
+    progress_choice: Callable[[int], Choice] = lambda index: {
+        "index": index,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+    }
 
 
 class _CompletionChoices:
@@ -208,6 +218,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         n=body.n,
         check=no_echo_logprobs,
         constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
+        return_progress=body.return_progress,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     choices = _CompletionChoices(st.backend, body, group)
@@ -333,8 +344,24 @@ def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan)
         }
         for i in range(n_choices)
     ]
+
+    def progress_choice(index: int) -> Choice:
+        # llama-server repeats the opening delta with each progress chunk
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": None},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
     return Shape(
-        "chatcmpl-", "chat.completion", "chat.completion.chunk", text_choice, final_choice, opening
+        "chatcmpl-",
+        "chat.completion",
+        "chat.completion.chunk",
+        text_choice,
+        final_choice,
+        opening,
+        progress_choice,
     )
 
 
@@ -400,6 +427,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         or constraint_of(
             response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
         ),
+        return_progress=body.return_progress,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     shape = _chat_shape(st.backend, body, len(group.tasks), plan)
@@ -465,6 +493,9 @@ async def _stream(
             for choice in flush:
                 yield sse({**base, "choices": [choice]})
             yield sse({**base, "choices": [final], "timings": ev.timings.as_dict()})
+        elif isinstance(ev, PromptProgress):
+            choice = shape.progress_choice(index)
+            yield sse({**base, "choices": [choice], "prompt_progress": ev.as_dict()})
         elif isinstance(ev, TaskError):
             yield sse_error(ev)
     if include_usage:

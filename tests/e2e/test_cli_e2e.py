@@ -69,3 +69,20 @@ def test_a_context_beyond_the_training_context_is_capped_per_slot(make_server):
     assert props["n_ctx"] == 65536 and props["n_ctx_slot"] == n_train < 65536
     assert s.client.get("/slots").json()[0]["n_ctx"] == n_train
     assert "exceeds the training context" in s.log_path.read_text()
+
+
+def test_several_addresses_aliases_and_tags(make_server):
+    """``--host a,b`` listens on each address (as llama-server); ``--alias`` names are a set
+    whose first (sorted) one is the model id; ``--tags`` are listed."""
+    import httpx
+
+    s = make_server("--host", "127.0.0.1,127.0.0.2", "--alias", "tiny,code,fim", "--tags", "b,a")
+    for host in ("127.0.0.1", "127.0.0.2"):
+        r = httpx.get(f"http://{host}:{s.port}/v1/models", timeout=30)
+        assert r.status_code == 200
+        model = r.json()["data"][0]
+        assert (model["id"], model["aliases"], model["tags"]) == (
+            "code",
+            ["code", "fim", "tiny"],
+            ["a", "b"],
+        )
