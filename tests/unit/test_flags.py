@@ -271,7 +271,7 @@ def test_malformed_values_fail(argv, env, named, capsys):
 
 
 def test_ignored_flags_give_one_warning_naming_them(caplog):
-    argv = ["--webui", "--mirostat", "2", "-hf", "a/b", "-ctk", "q8_0"]
+    argv = ["--webui", "--mirostat", "2", "-hf", "a/b", "--rope-scale", "2"]
     # These match what this server does anyway: accepted silently.
     argv += ["--no-mmproj", "-cb", "--no-context-shift", "--offline", "--log-colors", "off"]
     argv += ["--mirostat-lr", "0.10", "--no-webui-mcp-proxy", "--threads-http", "8"]
@@ -281,13 +281,13 @@ def test_ignored_flags_give_one_warning_naming_them(caplog):
         "--ui",
         "--mirostat",
         "--hf-repo",
-        "--cache-type-k",
+        "--rope-scale",
     }
     with caplog.at_level(logging.WARNING):
         msg = warn_ignored(s)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].getMessage() == msg
-    for name in ("--webui", "--mirostat", "--hf-repo", "--cache-type-k", "--repack"):
+    for name in ("--webui", "--mirostat", "--hf-repo", "--rope-scale", "--repack"):
         assert name in msg
     for name in ("--mmproj", "--cont-batching", "--context-shift", "--offline", "--temp"):
         assert name not in msg
@@ -300,7 +300,7 @@ def test_server_starts_anyway_with_one_warning(monkeypatch, caplog):
     started = []
     app = SimpleNamespace(state=SimpleNamespace(server=None))
     monkeypatch.setattr(cli, "create_app", lambda s: app.__dict__.update(settings=s) or app)
-    monkeypatch.setattr(cli.DrainingServer, "run", lambda self: started.append(self.config))
+    monkeypatch.setattr(cli.DrainingServer, "run", lambda self, sockets=None: started.append(self.config))
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     with caplog.at_level(logging.WARNING):
         cli.main(["--temp", "0.8", "--seed", "42", "--no-jinja", "--webui", "--rpc", "h:1"])
