@@ -11,11 +11,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .copyedit import LLAMA_NGRAM, OURS_NGRAM
 from .cpu import NOISY_CORES
 from .servers import LCP, LLAMA_SERVER, OURS
-from .workloads import WORKLOADS, Metric, Sample, Workload
+from .workloads import WORKLOADS, Metric, Sample, VariantRatio, Workload
 
-SERVER_ORDER = (LLAMA_SERVER, OURS, LCP)
+# (the -ngram configurations are workload 11's speculative llama-server and ours)
+SERVER_ORDER = (LLAMA_SERVER, LLAMA_NGRAM, OURS, OURS_NGRAM, LCP)
 SLOWER_THRESHOLD = 0.05  # worse by more than 5 % -> named in the "where we are slower" line
 
 
@@ -32,7 +34,8 @@ class Results:
 
     def servers(self, wid: int) -> list[str]:
         present = self.samples.get(wid, {})
-        return [s for s in SERVER_ORDER if s in present]
+        # configurations not in SERVER_ORDER (a workload's variants) after the known ones
+        return [s for s in SERVER_ORDER if s in present] + sorted(set(present) - set(SERVER_ORDER))
 
     def na(self, wid: int, server: str) -> str | None:
         reasons = [s.na for s in self.samples.get(wid, {}).get(server, []) if s.na]
@@ -56,6 +59,26 @@ def ratio(results: Results, wid: int, key: str) -> float | None:
     if ours is None or ref is None or ref == 0:
         return None
     return ours / ref
+
+
+def variant_ratio(results: Results, wid: int, vr: VariantRatio) -> float | None:
+    num = results.median(wid, vr.num, vr.key)
+    den = results.median(wid, vr.den, vr.key)
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def variant_lines(results: Results, w: Workload) -> list[str]:
+    """One line per configuration ratio the workload names, with its target when it has one."""
+    labels = {m.key: m.label for m in w.metrics}
+    out = []
+    for vr in w.variant_ratios:
+        r = variant_ratio(results, w.id, vr)
+        line = f"- {vr.num} / {vr.den}, {labels[vr.key]}: " + ("n/a" if r is None else f"{r:.2f}x")
+        if vr.target is not None:
+            met = "n/a" if r is None else ("met" if r >= vr.target else "NOT met")
+            line += f" (target ≥ {vr.target:g}: {met})"
+        out.append(line)
+    return out
 
 
 def worse_by(r: float, m: Metric) -> float:
@@ -207,6 +230,8 @@ def markdown(results: Results, meta: dict[str, Any]) -> str:
                 "",
             ]
         lines += _table(results, w)
+        if w.variant_ratios:
+            lines += ["", *variant_lines(results, w)]
         for s in results.servers(w.id):
             if results.na(w.id, s) and s != OURS:
                 lines += ["", f"{s}: n/a ({results.na(w.id, s)})."]
@@ -244,6 +269,10 @@ def json_dump(results: Results, meta: dict[str, Any]) -> dict[str, Any]:
                 s: {m.key: results.median(wid, s, m.key) for m in w.metrics} for s in per_server
             },
             "ratios": {m.key: ratio(results, wid, m.key) for m in w.metrics},
+            "variant_ratios": {
+                f"{vr.num} / {vr.den} {vr.key}": variant_ratio(results, wid, vr)
+                for vr in w.variant_ratios
+            },
             "samples": {s: [asdict(x) for x in xs] for s, xs in per_server.items()},
         }
     return out

@@ -55,7 +55,7 @@ from .servers import (
     stop_all,
     wait_ready,
 )
-from .workloads import FULL, QUICK, WORKLOADS, Ctx, Sample, Sizes
+from .workloads import FULL, QUICK, WORKLOADS, Ctx, Sample, Sizes, Variant
 
 
 def log(msg: str) -> None:
@@ -239,6 +239,20 @@ def main_specs(
     return specs
 
 
+def variant_specs(base: list[ServerSpec], variants: tuple[Variant, ...]) -> list[ServerSpec]:
+    """Each of llama-server and ours plain, then once per variant (its flags appended, its
+    suffix on the name); llama-cpp-python's server takes no such flags and is left out."""
+    out = []
+    for spec in base:
+        if spec.name == LCP:
+            continue
+        out.append(spec)
+        for v in variants:
+            argv = [*spec.argv, *v.flags]
+            out.append(dataclasses.replace(spec, name=spec.name + v.suffix, argv=argv))
+    return out
+
+
 # --- driving ------------------------------------------------------------------------------
 
 
@@ -353,20 +367,40 @@ def run_phase(
     results: Results,
     meta: dict[str, Any],
     label: str = "",
+    optional: bool = False,
 ) -> None:
-    """Start the servers (all of them loaded side by side), run the workloads, stop them."""
+    """Start the servers (all of them loaded side by side), run the workloads, stop them.
+    ``optional``: a server that does not start is n/a for these workloads (e.g. ours before
+    it accepts a variant's flags) instead of failing the run."""
     procs = [start(s, args.out_dir / "logs") for s in specs]
     try:
+        ready = []
         for sp in procs:
             log(f"starting {sp.name} on {sp.url} (log {sp.log_path})")
-            wait_ready(sp)
+            try:
+                wait_ready(sp)
+            except (RuntimeError, TimeoutError) as e:
+                if not optional:
+                    raise
+                _not_started(sp, e, wids, results)
+                continue
+            ready.append(sp)
             meta["commands"][sp.name + label] = sp.command_line()
         repeats = meta["repeats"]
         pacing = Pacing(args.settle, args.retries)
-        asyncio.run(drive(procs, wids, repeats, sizes, save_root, results, pacing))
+        asyncio.run(drive(ready, wids, repeats, sizes, save_root, results, pacing))
     finally:
         for sp in procs:
             stop(sp)
+
+
+def _not_started(sp: ServerProcess, e: Exception, wids: list[int], results: Results) -> None:
+    stop(sp)
+    lines = [ln for ln in sp.log_tail(5).splitlines() if ln.strip()]
+    why = f"did not start: {lines[-1] if lines else e}"[:300]
+    log(f"{sp.name} {why} (log {sp.log_path})")
+    for wid in wids:
+        results.add(wid, sp.name, Sample(na=why))
 
 
 def merge_earlier(args: argparse.Namespace, results: Results, meta: dict[str, Any]) -> None:
@@ -426,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-slots-") as tmp:
         save_root = Path(tmp)
-        main_wids = [w for w in wids if not WORKLOADS[w].ours_only]
+        main_wids = [w for w in wids if not WORKLOADS[w].ours_only and not WORKLOADS[w].variants]
         if main_wids:
             specs = main_specs(args, model, save_root, meta)
             run_phase(specs, main_wids, args, sizes, save_root, results, meta)
@@ -435,6 +469,10 @@ def run(args: argparse.Namespace) -> int:
             common = common_flags(model, args.threads, args.ctx_size, sizes.w6_slots)
             spec = ours_spec(common, None, shlex.split(args.ours_args))
             run_phase([spec], ours_only, args, sizes, save_root, results, meta, " (ours only)")
+        for wid in (w for w in wids if WORKLOADS[w].variants):
+            specs = variant_specs(main_specs(args, model, save_root, meta), WORKLOADS[wid].variants)
+            label = f" (workload {wid})"
+            run_phase(specs, [wid], args, sizes, save_root, results, meta, label, optional=True)
     merge_earlier(args, results, meta)
     write_outputs(args, results, meta)
     return 0

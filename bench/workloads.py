@@ -22,9 +22,11 @@ from .client import (
     run_concurrent,
     stream_completion,
 )
+from .copyedit import LLAMA_NGRAM, OURS_NGRAM, SPEC_FLAGS, SPEC_SUFFIX, run_copy_edit
+from .embed import EMBD_FLAGS, EMBD_SUFFIX, LLAMA_EMBD, OURS_EMBD, run_embedding_throughput
 from .prompts import PromptBook, short_text
 from .restart import restart_follow_up
-from .servers import ServerProcess
+from .servers import LLAMA_SERVER, OURS, ServerProcess
 from .structured import N_INTS, run_structured
 
 
@@ -61,6 +63,12 @@ class Sizes:
     w9_user_words: int = 30
     w9_out: int = 16
     w10_reps: int = 4
+    w11_texts: int = 1  # per repeat (one text each: a full run's 3 repeats take ~2 min)
+    w11_paragraphs: int = 8  # ~530 tokens of text, ~1,100-token prompt
+    w12_requests: int = 4
+    w12_texts: int = 32  # per request
+    w12_words: int = 8  # per text (~10 tokens)
+    w12_concurrency: int = 2
 
 
 FULL = Sizes()
@@ -76,6 +84,8 @@ QUICK = Sizes(
     w5_tokens=2000,
     w6_out=48,
     w7_doc=800,
+    w11_texts=3,
+    w12_requests=2,
 )
 
 
@@ -108,6 +118,20 @@ Runner = Callable[[Ctx, ServerProcess, int], Awaitable[Sample]]
 
 
 @dataclass(frozen=True)
+class Variant:
+    suffix: str  # appended to the server name, e.g. "-ngram"
+    flags: tuple[str, ...]  # appended to both servers' command lines
+
+
+@dataclass(frozen=True)
+class VariantRatio:
+    num: str  # server (configuration) names
+    den: str
+    key: str  # metric
+    target: float | None = None  # done when the ratio is at least this
+
+
+@dataclass(frozen=True)
 class Workload:
     id: int
     title: str
@@ -116,6 +140,11 @@ class Workload:
     run: Runner
     ours_only: bool = False
     restarts: bool = False  # restarts the server: the foreign-CPU meter cannot judge it
+    # Extra server configurations, each run beside the plain servers in the workload's own
+    # phase (every server once per variant, named server + suffix), and the ratios between
+    # configurations that the report gives.
+    variants: tuple[Variant, ...] = ()
+    variant_ratios: tuple[VariantRatio, ...] = ()
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -646,4 +675,88 @@ W10 = Workload(
     w10_structured,
 )
 
-WORKLOADS: dict[int, Workload] = {w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10)}
+
+# --- 11: copy-edit (speculative decoding) -------------------------------------------------
+
+
+async def w11_copy_edit(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    metrics = await run_copy_edit(
+        ctx.client, srv.url, f"w11-r{rep}", s.w11_texts, s.w11_paragraphs, rep * s.w11_texts
+    )
+    return Sample(metrics=metrics)
+
+
+W11 = Workload(
+    11,
+    "Copy-edit: the answer copies the prompt (speculative decoding)",
+    lambda s: (
+        f"{s.w11_texts} text(s) per repeat, one at a time: ~{s.w11_paragraphs * 66}-token "
+        f"story and 'Rewrite this text exactly, changing the name X to Y' (raw Gemma turn "
+        f"markup, the answer's first sentence primed), greedy, as many tokens as the text "
+        f"(ignore_eos); every server plain and with `{' '.join(SPEC_FLAGS)}` (the -ngram "
+        f"columns). The default 270M base model copies but keeps the old name; copied share "
+        f"= answer characters in runs of 24+ copied from the text"
+    ),
+    (
+        Metric("decode_tps_server", "decode (server timings), median of texts", "tok/s", True),
+        Metric("decode_tps", "decode (client, after first token)", "tok/s", True, chart=False),
+        Metric("wall_s", "wall time, all texts", "s", False, chart=False),
+        Metric("draft_n", "drafted tokens (timings.draft_n)", "tok", True, chart=False),
+        Metric("draft_n_accepted", "accepted drafts", "tok", True, chart=False),
+        Metric("acceptance", "accepted / drafted", "share", True, chart=False),
+        Metric("copied_share", "copied share of the answers", "share", True, chart=False),
+        Metric("predicted_n", "generated tokens", "tok", True, chart=False),
+    ),
+    w11_copy_edit,
+    variants=(Variant(SPEC_SUFFIX, SPEC_FLAGS),),
+    variant_ratios=(
+        VariantRatio(OURS_NGRAM, OURS, "decode_tps_server", 1.5),
+        VariantRatio(OURS_NGRAM, LLAMA_NGRAM, "decode_tps_server", 1.0),
+        VariantRatio(LLAMA_NGRAM, LLAMA_SERVER, "decode_tps_server"),
+        VariantRatio(OURS_NGRAM, OURS, "wall_s"),
+        VariantRatio(OURS_NGRAM, LLAMA_NGRAM, "wall_s"),
+    ),
+)
+
+# --- 12: embedding throughput -----------------------------------------------------------------
+
+
+async def w12_embeddings(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    metrics = await run_embedding_throughput(
+        ctx.client,
+        srv.url,
+        f"w12-r{rep}",
+        s.w12_requests,
+        s.w12_texts,
+        s.w12_words,
+        s.w12_concurrency,
+    )
+    if metrics is None:
+        return Sample(na=f"started without --embedding (see {srv.name}{EMBD_SUFFIX})")
+    return Sample(metrics=metrics)
+
+
+W12 = Workload(
+    12,
+    "Embedding throughput",
+    lambda s: (
+        f"{s.w12_requests} /v1/embeddings requests of {s.w12_texts} short texts "
+        f"(~{s.w12_words} words each), {s.w12_concurrency} in flight; every server with "
+        f"`{' '.join(EMBD_FLAGS)}` (the -embd columns; the plain servers cannot embed)"
+    ),
+    (
+        Metric("rps", "requests per second", "req/s", True),
+        Metric("texts_per_s", "texts embedded per second", "text/s", True, chart=False),
+        Metric("prompt_tps", "prompt tokens per second", "tok/s", True, chart=False),
+        Metric("wall_s", "wall time", "s", False, chart=False),
+    ),
+    w12_embeddings,
+    variants=(Variant(EMBD_SUFFIX, EMBD_FLAGS),),
+    variant_ratios=(VariantRatio(OURS_EMBD, LLAMA_EMBD, "rps", 0.9),),
+)
+
+WORKLOADS: dict[int, Workload] = {
+    w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12)
+}

@@ -111,8 +111,7 @@ def disk_tier(s: Settings, cache: PromptCache | None, backend: Any, model: str) 
         n_vocab=backend.n_vocab,
         # states are only valid for the same weights: name and size tell models apart
         # (replicas mount the same file), the vocabulary size is checked as well
-        model=f"{os.path.basename(model)}:{os.path.getsize(model)}:{backend.n_vocab}"
-        + kv_label(s),
+        model=f"{os.path.basename(model)}:{os.path.getsize(model)}:{backend.n_vocab}" + kv_label(s),
     )
     disk = DiskTier(s.cache_disk, s.cache_disk_mib * MiB, check)
     disk.start()

@@ -83,6 +83,24 @@ class Rendered:
     last_user_offset: int
 
 
+class _ConcatUndefined(jinja2.Undefined):
+    """An undefined variable joined to a string is the empty string, as in llama.cpp's Jinja
+    (FireFunction v2 adds ``functions``, which only some callers define)."""
+
+    def __add__(self, other: Any) -> Any:
+        return other if isinstance(other, str) else super().__add__(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return other if isinstance(other, str) else super().__radd__(other)
+
+
+def _date_context() -> dict[str, str]:
+    """Today's date in the variables llama.cpp gives every template (common_chat_extra_context):
+    Llama 3.x prints ``date_string``, FireFunction ``datetime``."""
+    now = datetime.datetime.now()
+    return {"datetime": now.strftime("%b %d %Y"), "date_string": now.strftime("%d %b %Y")}
+
+
 def _raise(msg: str) -> None:
     raise TemplateError(f"chat template rejected the messages: {msg}", client=True)
 
@@ -98,6 +116,7 @@ class ChatTemplate:
         # loopcontrols ({% break %}, {% continue %}): Hugging Face renders with it, and
         # templates use it (Command R7B, Kimi K3, ...)
         env = ImmutableSandboxedEnvironment(
+            undefined=_ConcatUndefined,
             trim_blocks=True,
             lstrip_blocks=True,
             autoescape=False,
@@ -124,7 +143,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                **extra,
+                **{**_date_context(), **extra},
             )
         except SecurityError as e:
             raise TemplateError(f"chat template tried an unsafe operation: {e}") from e

@@ -45,6 +45,10 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default tier exists"),
     "suffix": (lambda v: not v, "suffix (insertion) is not supported"),
     "best_of": (lambda v: v in (None, 1), "best_of other than 1 is not supported"),
+    # the Responses API: only its stateless subset (llama-server's wording for the first)
+    "previous_response_id": (lambda v: not v, "llama.cpp does not support 'previous_response_id'."),
+    "conversation": (_absent, "conversations (stored state) are not supported"),
+    "background": (_not_true, "background responses are not supported"),
 }
 
 
@@ -81,6 +85,8 @@ class SamplingFields(_Req):
     id_slot: Annotated[int, Field(ge=-1, le=1023)] = -1
     cache_prompt: bool = True
     n_probs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] = 0
+    # llama-server's prompt_progress events in streamed responses
+    return_progress: bool = False
     timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None  # seconds
     # vLLM's field: names the tenant whose cached prefixes this request may reuse
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -92,6 +98,10 @@ class SamplingFields(_Req):
     spec_n_max: int | None = Field(None, ge=0, le=256, alias="speculative.n_max")
     spec_n_min: int | None = Field(None, ge=0, le=256, alias="speculative.n_min")
     spec_p_min: float | None = Field(None, ge=0.0, le=1.0, alias="speculative.p_min")
+    # --context-shift: prompt tokens kept (-1: all; default: --keep), and tokens dropped
+    # after them (0: half of the rest), as llama-server's n_keep / n_discard
+    n_keep: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    n_discard: Annotated[int, Field(ge=0, le=1_000_000)] = 0
 
     @field_validator("stop")
     @classmethod
@@ -245,3 +255,35 @@ class SlotActionBody(_Req):
 
 
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+
+
+class InfillRequest(SamplingFields):
+    """llama-server's /infill. The FIM fields are checked by ``server.infill`` (in llama-server's
+    order and words, after the model's FIM tokens), so they are untyped here."""
+
+    input_prefix: Any = None
+    input_suffix: Any = None
+    input_extra: Any = None
+    prompt: Any = None
+    n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
+    max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    stream: bool = False
+
+
+class ResponsesRequest(SamplingFields):
+    """/v1/responses: server.responses maps it onto a chat body, which ChatRequest then
+    checks. Fields not named here pass through to that chat body (hence extra="allow");
+    those that need stored state are refused (UNSUPPORTED)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    stream: bool = False
+    previous_response_id: Any = None
+    store: Any = None
+    background: Any = None
+    conversation: Any = None
+
+    _refused = field_validator("previous_response_id", "store", "background", "conversation")(
+        _refuse_unsupported
+    )

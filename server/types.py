@@ -54,6 +54,9 @@ class CacheCells:
     kind: str
     pos: list[int] = field(default_factory=list)
     seqs: list[tuple[int, ...]] = field(default_factory=list)
+    # the ggml types of the K and V rows, every layer's (empty when no rows were read)
+    k_types: set[int] = field(default_factory=set)
+    v_types: set[int] = field(default_factory=set)
 
     def positions_of(self, seq: int) -> list[int]:
         return [p for p, ss in zip(self.pos, self.seqs, strict=True) if seq in ss]
@@ -108,6 +111,10 @@ class GenParams:
     spec_n_max: int = -1
     spec_n_min: int = -1
     spec_p_min: float = -1.0
+    # --context-shift: prompt tokens kept when a full slot shifts (-1: the whole prompt),
+    # and how many after them it drops (0: half of the rest), llama-server's fields
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 class FinishReason(str, enum.Enum):
@@ -182,6 +189,7 @@ class TaskResult:
     error: str = ""
     t_queue_ms: float = 0.0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    truncated: bool = False  # the context filled up (stopped there, or shifted)
 
 
 @dataclass
@@ -192,7 +200,27 @@ class TaskError:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-Event = TextChunk | TaskResult | TaskError
+@dataclass
+class PromptProgress:
+    """Prompt processing progress of a task that asked for it (``return_progress``, streamed
+    only): llama-server's ``prompt_progress``. ``processed`` counts the prompt tokens in the
+    slot (``cache`` reused ones included); it reaches ``total`` when the prompt is in."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "total": self.total,
+            "cache": self.cache,
+            "processed": self.processed,
+            "time_ms": self.time_ms,
+        }
+
+
+Event = TextChunk | TaskResult | TaskError | PromptProgress
 
 
 @dataclass
@@ -208,6 +236,8 @@ class Task:
     stream: bool = True
     # Token index where the last user message starts (chat), a good checkpoint position.
     user_start: int = -1
+    # send PromptProgress events while the prompt is processed (streamed tasks only)
+    return_progress: bool = False
     id: int = field(default_factory=lambda: next(_task_ids))
     t_enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False

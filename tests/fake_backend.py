@@ -40,6 +40,9 @@ class FakeBatch:
             self.logits.append(logits_last and i == len(tokens) - 1)
         return self.n - 1
 
+    def outputs_all(self) -> None:
+        self.logits = [True] * self.n
+
     def add_tokens(self, tokens: list[int], pos: list[int], seqs: list[int]) -> int:
         i0 = self.n
         if i0 + len(tokens) > self.capacity:
@@ -105,6 +108,7 @@ class FakeBackend:
         self.model = next_token
         # cells the KV holds that no slot accounts for (seq, pos): a leak, for integrity tests
         self.stray_cells: list[tuple[int, int]] = []
+        self.can_shift = True  # llama_memory_can_shift: seq_add may move positions
 
     # ---- tokenizer ----
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
@@ -198,6 +202,20 @@ class FakeBackend:
         for p, t in self.kv[src].items():
             if p0 <= p < hi:
                 self.kv[dst][p] = t
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Move the cells at [p0, p1) by ``delta``, as llama.cpp's seq_add (a cell moved
+        below 0 is removed); only where the memory can shift."""
+        assert self.can_shift, "seq_add on a memory that cannot shift (llama.cpp aborts)"
+        m = self.kv[seq]
+        hi = p1 if p1 >= 0 else 1 << 30
+        moved = {p: t for p, t in m.items() if p0 <= p < hi}
+        for p in moved:
+            del m[p]
+        for p, t in moved.items():
+            if p + delta >= 0:
+                assert p + delta not in m, f"seq {seq}: two cells at position {p + delta}"
+                m[p + delta] = t
 
     def seq_pos_min(self, seq: int) -> int:
         return min(self.kv[seq]) if self.kv[seq] else -1

@@ -7,6 +7,10 @@ Layout, little-endian:
   SCKP      u32 magic, u32 version 1, u32 count, per checkpoint: i64 n_tokens, i32 pos_min,
             i32 pos_max, then data_tgt, data_dft, data_spec as (u64 length, bytes)
   SDFT      only with a draft model: u32 magic, u32 version 1, two (u64 length, bytes) buffers
+  SKVT      u32 magic, u32 version 1, i32 type_k, i32 type_v: the KV cache's ggml types
+            (-ctk / -ctv) of the context that saved it. Ours: llama-server stops reading at
+            it. The state bytes record each layer's types too (the restore checks those,
+            so a file without SKVT is checked as well); SKVT names them without parsing.
 
 Reading never trusts the file: every length is checked against the bytes that are left
 before anything is allocated, and the llama.cpp restore is done from memory with
@@ -26,6 +30,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..flags import cache_type_name
 from ..types import Checkpoint, StateBuf
 
 log = logging.getLogger("server.slotfile")
@@ -34,6 +39,7 @@ GGSQ_MAGIC = 0x67677371  # 'ggsq'
 STATE_HEADER_MAGIC = 0xAF143CD8  # llama_state_seq_get_data's leading u32
 SCKP_MAGIC = 0x504B4353  # 'SCKP'
 SDFT_MAGIC = 0x54464453  # 'SDFT'
+SKVT_MAGIC = 0x54564B53  # 'SKVT'
 APPENDIX_VERSION = 1
 TOKEN_NULL = -1  # llama-server's packed token list starts with LLAMA_TOKEN_NULL
 PACKED_TOKENS_VERSION = 1
@@ -90,6 +96,7 @@ class ParsedFile:
 class Appendices:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     draft: tuple[bytes, bytes] | None = None  # SDFT: the draft context's state, spec state
+    kv_types: tuple[int, int] | None = None  # SKVT: ggml types of K and V (None: not given)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -204,7 +211,7 @@ def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> App
     view = memoryview(buf)
     while pos + 8 <= len(buf):
         magic, version = struct.unpack_from("<II", buf, pos)
-        if magic not in (SCKP_MAGIC, SDFT_MAGIC):
+        if magic not in (SCKP_MAGIC, SDFT_MAGIC, SKVT_MAGIC):
             break
         if version != APPENDIX_VERSION:
             out.warnings.append(f"appendix {magic:#x} has version {version}; ignored")
@@ -212,6 +219,8 @@ def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> App
         try:
             if magic == SCKP_MAGIC:
                 out.checkpoints, p = _checkpoints(view, pos + 8, n_tokens, out.warnings)
+            elif magic == SKVT_MAGIC:
+                out.kv_types, p = _take(view, pos + 8, "<ii")
             else:
                 dft, p = _take_buffer(view, pos + 8)
                 spec, p = _take_buffer(view, p)
@@ -249,11 +258,33 @@ def draft_parts(draft: bytes | bytearray) -> list[bytes | memoryview]:
     ]
 
 
+def kv_types_parts(kv_types: tuple[int, int] | None) -> list[bytes | memoryview]:
+    """The SKVT appendix: the KV cache's ggml types (nothing when unknown)."""
+    if kv_types is None:
+        return []
+    return [struct.pack("<IIii", SKVT_MAGIC, APPENDIX_VERSION, *kv_types)]
+
+
 def appendix_parts(
-    checkpoints: list[Checkpoint], draft: bytes | bytearray = b""
+    checkpoints: list[Checkpoint],
+    draft: bytes | bytearray = b"",
+    kv_types: tuple[int, int] | None = None,
 ) -> list[bytes | memoryview]:
-    """Everything after the body: SCKP, then SDFT when there is a draft state."""
-    return checkpoint_parts(checkpoints) + draft_parts(draft)
+    """Everything after the body: SCKP, SDFT when there is a draft state, then SKVT."""
+    return checkpoint_parts(checkpoints) + draft_parts(draft) + kv_types_parts(kv_types)
+
+
+def kv_types_problem(app: Appendices, want: tuple[int, int] | None) -> str | None:
+    """Why a file whose SKVT names other KV cache types than ``want`` cannot be restored;
+    None when they match or either is unknown."""
+    if app.kv_types is None or want is None or tuple(app.kv_types) == tuple(want):
+        return None
+    name = cache_type_name
+    (k, v), (wk, wv) = app.kv_types, want
+    return (
+        f"it was saved with KV cache types K {name(k)}, V {name(v)}; this server's are "
+        f"K {name(wk)}, V {name(wv)} (-ctk / -ctv)"
+    )
 
 
 def encode_checkpoints(checkpoints: list[Checkpoint]) -> bytes:
@@ -269,14 +300,19 @@ def temp_for(path: Path) -> Path:
 
 
 def finish_file(
-    tmp: Path, path: Path, checkpoints: list[Checkpoint], draft: bytes | bytearray = b""
+    tmp: Path,
+    path: Path,
+    checkpoints: list[Checkpoint],
+    draft: bytes | bytearray = b"",
+    kv_types: tuple[int, int] | None = None,
 ) -> int:
-    """Append the appendices (SCKP, and SDFT with a ``draft`` state) to the body in ``tmp``, make it durable (fdatasync), rename it
+    """Append the appendices (SCKP, SDFT with a ``draft`` state, SKVT with ``kv_types``) to
+    the body in ``tmp``, make it durable (fdatasync), rename it
     to ``path``, fsync the directory. A crash or a full disk never leaves a partial file under
     ``path``; the temporary file is removed on failure. Returns the file's size."""
     try:
         with open(tmp, "ab") as f:
-            for part in appendix_parts(checkpoints, draft):
+            for part in appendix_parts(checkpoints, draft, kv_types):
                 f.write(part)
             f.flush()
             os.fdatasync(f.fileno())
@@ -300,6 +336,7 @@ def write_file(
     version: int,
     checkpoints: list[Checkpoint],
     draft: bytes | bytearray = b"",
+    kv_types: tuple[int, int] | None = None,
 ) -> int:
     """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header + state
     bytes), byte for byte what llama_state_seq_save_file writes, then the appendix."""
@@ -315,4 +352,4 @@ def write_file(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return finish_file(tmp, path, checkpoints, draft)
+    return finish_file(tmp, path, checkpoints, draft, kv_types)

@@ -18,8 +18,10 @@ import llama_cpp as L
 import numpy as np
 
 from ..constrained import ConstraintCompiler, ConstraintVocab
+from ..infill import FimTokens
 from ..types import SamplingParams, TokenLogprob, TokenMatcher
 from .memory import SeqMemory, memory_layout
+from .params import KV_TYPES, load_model
 
 log = logging.getLogger("server.llama")
 
@@ -67,6 +69,19 @@ class ModelOptions:
     # logits rows one sequence may ask for in one decode: 1 + the longest speculative draft
     # (the -bs output buffer is sized by it)
     outputs_per_seq: int = 1
+    # --embedding: the context may compute embeddings (switched on per decode by
+    # set_embeddings), pooled with ``pooling`` (a llama_pooling_type; -1: the model's own)
+    embeddings: bool = False
+    pooling: int = -1
+    # KV cache data types (-ctk / -ctv: server.llama.params.KV_TYPES names)
+    type_k: str = "f16"
+    type_v: str = "f16"
+    # model placement and loading (llama_model_params; server.llama.params.model_params)
+    split_mode: str = "layer"
+    tensor_split: tuple[float, ...] = ()
+    main_gpu: int = 0
+    load_mode: str = "auto"
+    tensor_overrides: tuple[tuple[str, str], ...] = ()  # (pattern, buffer type name)
 
 
 class LlamaBatch:
@@ -116,6 +131,10 @@ class LlamaBatch:
             self._logits[i1 - 1] = 1
         self.n = i1
         return i1 - 1
+
+    def outputs_all(self) -> None:
+        """Mark every token of the batch as an output (embeddings mode wants them all)."""
+        self._logits[: self.n] = 1
 
     def add_tokens(self, tokens: list[int], pos: list[int], seqs: list[int]) -> int:
         """Append one token per entry (token, position, sequence), each with its logits
@@ -225,12 +244,16 @@ def _context_params(opts: ModelOptions, n_ctx_train: int) -> tuple[Any, int]:
     cparams.swa_full = opts.swa_full
     cparams.no_perf = True
     cparams.flash_attn_type = {"on": 1, "off": 0}.get(opts.flash_attn, -1)
+    cparams.type_k = KV_TYPES[opts.type_k]
+    cparams.type_v = KV_TYPES[opts.type_v]
     if opts.backend_sampling:
         # as llama-server: one output per slot per decode (more with speculation: its draft
         # rows). The output buffer then holds that many rows of sampled logits,
         # probabilities and candidates, not n_batch rows (gigabytes for a 262k vocabulary)
         cparams.n_outputs_max = opts.n_parallel * opts.outputs_per_seq
         cparams.n_outputs_max_per_seq = opts.outputs_per_seq
+    if opts.embeddings:
+        cparams.pooling_type = opts.pooling  # embeddings stay off until set_embeddings(True)
     return cparams, threads
 
 
@@ -245,6 +268,17 @@ def _slot_context(n_ctx_seq: int, n_ctx_train: int) -> int:
         )
         return n_ctx_train
     return n_ctx_seq
+
+
+def _fim_tokens(vocab: Any) -> FimTokens:
+    """The vocabulary's fill-in-the-middle tokens (-1, LLAMA_TOKEN_NULL, where it has none)."""
+    return FimTokens(
+        pre=L.llama_vocab_fim_pre(vocab),
+        suf=L.llama_vocab_fim_suf(vocab),
+        mid=L.llama_vocab_fim_mid(vocab),
+        rep=L.llama_vocab_fim_rep(vocab),
+        sep=L.llama_vocab_fim_sep(vocab),
+    )
 
 
 class LlamaBackend(SeqMemory):
@@ -262,11 +296,7 @@ class LlamaBackend(SeqMemory):
         if not os.path.isfile(opts.path):
             raise FileNotFoundError(f"model file not found: {opts.path}")
         self.opts = opts
-        mparams = L.llama_model_default_params()
-        mparams.n_gpu_layers = opts.n_gpu_layers if opts.n_gpu_layers >= 0 else 999
-        self.model = L.llama_model_load_from_file(opts.path.encode(), mparams)
-        if not self.model:
-            raise RuntimeError(f"failed to load model {opts.path}")
+        self.model, self._mparams = load_model(opts)  # the params' arrays live with the model
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
@@ -285,6 +315,9 @@ class LlamaBackend(SeqMemory):
             self.n_ctx if opts.kv_unified else self.n_ctx // opts.n_parallel, self.n_ctx_train
         )
         self.n_swa, self.is_recurrent, self.kv_kinds = memory_layout(self.model, opts.swa_full)
+        # K/V ggml types of every layer (a state of others is refused); --context-shift
+        self.kv_type_ids = (KV_TYPES[opts.type_k], KV_TYPES[opts.type_v])
+        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
         self.n_threads = threads
         self.seed = opts.seed
         self.backend_sampling = opts.backend_sampling
@@ -306,6 +339,12 @@ class LlamaBackend(SeqMemory):
         self.chat_template = self._model_chat_template()
         self.model_size = L.llama_model_size(self.model)
         self.n_params = L.llama_model_n_params(self.model)
+        # --embedding: the pooling the context resolved (-1: embeddings off), the width of
+        # an embedding, and what set_embeddings last switched the context to
+        self.pooling = L.llama_pooling_type(self.ctx) if opts.embeddings else -1
+        self.n_embd_out = L.llama_model_n_embd_out(self.model)
+        self.n_cls_out = max(1, L.llama_model_n_cls_out(self.model))
+        self._embeddings_on = False
 
     # ---- metadata -----------------------------------------------------------------
 
@@ -326,6 +365,16 @@ class LlamaBackend(SeqMemory):
         return ptr.decode("utf-8", "replace") if isinstance(ptr, bytes) else None
 
     # ---- vocabulary (thread-safe: read-only) -------------------------------------
+
+    @property
+    def fim(self) -> FimTokens:
+        """The fill-in-the-middle tokens /infill builds its prompt with (server.infill)."""
+        return _fim_tokens(self.vocab)
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the vocabulary starts a text with BOS (llama_vocab_get_add_bos)."""
+        return bool(L.llama_vocab_get_add_bos(self.vocab))
 
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True
@@ -373,6 +422,44 @@ class LlamaBackend(SeqMemory):
             self.batch.raw.n_tokens = count
             return L.llama_decode(self.ctx, self.batch.raw)
         return L.llama_decode(self.ctx, self.batch.view(start, count))
+
+    def set_embeddings(self, on: bool) -> None:
+        """Switch the context to computing embeddings (every token of a decode is then an
+        output, pooled per sequence) or back to logits only. Between decodes."""
+        if on != self._embeddings_on:
+            L.llama_set_embeddings(self.ctx, on)
+            self._embeddings_on = on
+
+    def embedding_of_seq(self, seq: int) -> np.ndarray | None:
+        """The pooled embedding (rank pooling: the scores) of ``seq`` from the last decode, a
+        copy; None when it has none."""
+        ptr = L.llama_get_embeddings_seq(self.ctx, seq)
+        if not ptr:
+            return None
+        n = self.n_cls_out if self.pooling == L.LLAMA_POOLING_TYPE_RANK else self.n_embd_out
+        return np.ctypeslib.as_array(ptr, shape=(n,)).copy()
+
+    def embedding_rows(self, start: int, count: int) -> np.ndarray | None:
+        """Pooling none: the token embeddings of batch rows [start, start+count) of the last
+        decode (every row is an output in embeddings mode), a copy; None when missing."""
+        ptr = L.llama_get_embeddings(self.ctx)
+        if not ptr:
+            return None
+        rows = np.ctypeslib.as_array(ptr, shape=(start + count, self.n_embd_out))
+        return rows[start:].copy()
+
+    def rerank_parts(self) -> tuple[str | None, int, int, int, bool, bool, bool]:
+        """What a rerank prompt is built from (server.embeddings.RerankParts): the model's
+        "rerank" template (None: none), BOS, EOS (SEP without one), SEP, and whether the
+        vocabulary adds BOS, EOS and SEP."""
+        ptr = L.llama_model_chat_template(self.model, b"rerank")
+        template = ptr.decode("utf-8", "replace") if isinstance(ptr, bytes) else None
+        v = self.vocab
+        eos, sep = L.llama_vocab_eos(v), L.llama_vocab_sep(v)
+        adds = (L.llama_vocab_get_add_bos, L.llama_vocab_get_add_eos, L.llama_vocab_get_add_sep)
+        add_bos, add_eos, add_sep = (bool(f(v)) for f in adds)
+        bos = L.llama_vocab_bos(v)
+        return template, bos, eos if eos >= 0 else sep, sep, add_bos, add_eos, add_sep
 
     def new_sampler(self, p: SamplingParams, history: list[int]) -> Sampler:
         """A sampler chain as llama-server orders it: bias, penalties, top-k, top-p, min-p, temp, dist.

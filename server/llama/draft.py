@@ -17,12 +17,20 @@ import numpy as np
 
 from .backend import LlamaBackend, LlamaBatch, _context_params
 from .memory import SeqMemory, memory_layout
+from .params import KV_TYPES
 
 log = logging.getLogger("server.llama.draft")
 
 
 class DraftContext(SeqMemory):
-    def __init__(self, target: LlamaBackend, path: str | None, n_gpu_layers: int = -1) -> None:
+    def __init__(
+        self,
+        target: LlamaBackend,
+        path: str | None,
+        n_gpu_layers: int = -1,
+        type_k: str = "f16",
+        type_v: str = "f16",
+    ) -> None:
         own = bool(path) and os.path.realpath(path) != os.path.realpath(target.opts.path)
         self.path = path if own else target.opts.path
         self._own_model = own
@@ -45,9 +53,15 @@ class DraftContext(SeqMemory):
         if recurrent:
             self.close()
             raise RuntimeError("a recurrent draft model cannot drop rejected tokens")
-        # the target's context shape, sampled on the CPU (greedy), one output row per slot
+        # the target's context shape, sampled on the CPU (greedy), one output row per slot;
+        # its own KV cache types (-ctkd / -ctvd: f16 unless given, as llama-server)
         opts = dataclasses.replace(
-            target.opts, n_ctx=target.n_ctx, backend_sampling=False, outputs_per_seq=1
+            target.opts,
+            n_ctx=target.n_ctx,
+            backend_sampling=False,
+            outputs_per_seq=1,
+            type_k=type_k,
+            type_v=type_v,
         )
         cparams, _ = _context_params(opts, L.llama_model_n_ctx_train(self.model))
         self.ctx = L.llama_init_from_model(self.model, cparams)
@@ -55,6 +69,8 @@ class DraftContext(SeqMemory):
             self.close()
             raise RuntimeError("failed to create the draft context (out of memory?)")
         self.mem = L.llama_get_memory(self.ctx)
+        self.can_shift = bool(L.llama_memory_can_shift(self.mem))
+        self.kv_type_ids = (KV_TYPES[type_k], KV_TYPES[type_v])
         self.n_batch = L.llama_n_batch(self.ctx)
         self.batch = LlamaBatch(self.n_batch)
 

@@ -74,16 +74,17 @@ def _cells(r: _Reader, count: int, ext: bool, out: CacheCells) -> None:
         out.seqs.append(seqs)
 
 
-def _skip_rows(r: _Reader, count: int) -> None:
-    """Skip a stream's K rows, then its V rows (row-major or transposed)."""
+def _skip_rows(r: _Reader, count: int, out: CacheCells) -> None:
+    """Skip a stream's K rows, then its V rows (row-major or transposed), noting each
+    layer's K and V type in ``out`` (llama.cpp writes them before the rows)."""
     v_trans, n_layer = r.take(_U32), r.take(_U32)
     if v_trans > 1 or n_layer > 4096:
         raise StateFormatError("implausible layer header")
     for _ in range(n_layer):
-        r.take(_I32)
+        out.k_types.add(r.take(_I32))
         r.skip(count * r.take(_U64))
     for _ in range(n_layer):
-        r.take(_I32)
+        out.v_types.add(r.take(_I32))
         if v_trans:
             el, n_embd = r.take(_U32), r.take(_U32)
             r.skip(count * el * n_embd)
@@ -100,7 +101,7 @@ def _cache(r: _Reader, kind: str, ext: bool) -> CacheCells:
         count = r.take(_U32)
         if count:
             _cells(r, count, ext, out)
-            _skip_rows(r, count)
+            _skip_rows(r, count, out)
     return out
 
 

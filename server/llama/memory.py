@@ -48,6 +48,12 @@ class SeqMemory:
     def seq_clear(self, seq: int) -> None:
         L.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Move the positions [p0, p1) of ``seq`` by ``delta`` (a context shift). Only for a
+        memory that can shift (llama_memory_can_shift): llama.cpp aborts at the next decode
+        otherwise."""
+        L.llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+
     # ---- sequence state -----------------------------------------------------------
 
     def state_size(self, seq: int, partial: bool = False) -> int:

@@ -66,6 +66,7 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
         "seed": p.seed if task is not None else st.settings.seed,
+        "n_keep": task.gen.n_keep if task is not None else st.settings.keep,
     }
     if task is not None:
         out.update(
@@ -75,5 +76,6 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
             cache_prompt=task.cache_prompt,
             stream=task.stream,
             logit_bias=[[t, b] for t, b in task.sampling.logit_bias.items()],
+            n_discard=task.gen.n_discard,
         )
     return out

@@ -21,7 +21,7 @@ from ..service import (
     submit,
     tenant_of,
 )
-from ..types import FinishReason, Task, TaskError, TaskResult, TextChunk
+from ..types import FinishReason, PromptProgress, Task, TaskError, TaskResult, TextChunk
 from .common import SSE_HEADERS, generation_settings, sse, sse_error, state_of, token_logprobs
 
 router = APIRouter()
@@ -69,6 +69,13 @@ async def props(request: Request) -> dict[str, Any]:
             # -bs: requests whose sampler ran on the backend, and CPU fallbacks by reason
             "backend_sampled": engine.stats.backend_sampled,
             "backend_sampling_fallbacks": dict(engine.stats.sampling_fallbacks),
+            # in-flight prefix sharing: waits skipped or given up because computing was
+            # estimated faster, and the step-cost estimate behind that (null: none yet)
+            "prefix_shared_tokens": engine.stats.prefix_shared_tokens,
+            "prefix_waits_skipped": engine.stats.prefix_waits_skipped,
+            "prefix_waits_abandoned": engine.stats.prefix_waits_abandoned,
+            "step_seconds_fixed": engine.sharing.speed.per_step,
+            "step_seconds_per_token": engine.sharing.speed.per_token,
         },
         "endpoint_slots": st.settings.slots,
         "endpoint_props": st.settings.props,
@@ -124,7 +131,7 @@ def _final(
         "generation_settings": generation_settings(st, task),
         "prompt": prompt,
         "has_new_line": "\n" in content,
-        "truncated": False,
+        "truncated": r.truncated,
         "stop_type": _stop_type(r),
         "stopping_word": r.stop_word,
         "timings": r.timings.as_dict(),
@@ -152,6 +159,7 @@ async def completion(body: NativeCompletionRequest, request: Request) -> Respons
         n_probs=body.n_probs,
         logprobs=body.n_probs > 0,
         constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
+        return_progress=body.return_progress,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     # llama-server echoes a text prompt only
@@ -183,10 +191,26 @@ async def _stream(st: ServerState, group: TaskGroup, prompt_echo: str) -> AsyncI
                     st.backend, ev.logprobs, with_id=True
                 )
             yield sse(chunk)
+        elif isinstance(ev, PromptProgress):
+            yield sse(progress_chunk(ev))
         elif isinstance(ev, TaskResult):
             yield sse(_final(st, task, ev, "", prompt_echo))
         elif isinstance(ev, TaskError):
             yield sse_error(ev)
+
+
+def progress_chunk(ev: PromptProgress) -> dict[str, Any]:
+    """llama-server's /completion (and /infill) progress chunk: no text, ``prompt_progress``."""
+    return {
+        "index": 0,
+        "content": "",
+        "tokens": [],
+        "stop": False,
+        "id_slot": -1,
+        "tokens_predicted": 0,
+        "tokens_evaluated": ev.total,
+        "prompt_progress": ev.as_dict(),
+    }
 
 
 @router.post("/tokenize")

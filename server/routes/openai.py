@@ -345,24 +345,21 @@ def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan)
         for i in range(n_choices)
     ]
 
-    def progress_choice(index: int) -> Choice:
-        # llama-server repeats the opening delta with each progress chunk
-        return {
-            "index": index,
-            "delta": {"role": "assistant", "content": None},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-
-    return Shape(
-        "chatcmpl-",
-        "chat.completion",
-        "chat.completion.chunk",
-        text_choice,
-        final_choice,
-        opening,
-        progress_choice,
+    shape = Shape(
+        "chatcmpl-", "chat.completion", "chat.completion.chunk", text_choice, final_choice, opening
     )
+    shape.progress_choice = _chat_progress_choice
+    return shape
+
+
+def _chat_progress_choice(index: int) -> Choice:
+    """A chat progress chunk's choice: llama-server repeats the opening delta with each."""
+    return {
+        "index": index,
+        "delta": {"role": "assistant", "content": None},
+        "logprobs": None,
+        "finish_reason": None,
+    }
 
 
 def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:

@@ -17,7 +17,7 @@ from ..cache import slot_file
 from ..errors import APIError
 from ..schemas import SlotActionBody
 from ..service import ServerState, tenant_of
-from ..slots.audit import seq_state_problem
+from ..slots.audit import kv_type_problem, seq_state_problem
 from ..slots.engine import Engine, EngineDead
 from ..slots.slot import Slot
 from ..slots.store import FileAppendix
@@ -148,7 +148,15 @@ def plan_restore(backend: Any, parsed: slot_file.ParsedFile) -> RestorePlan:
         raise slot_file.SlotFileError(
             f"the slot file's state does not match its {len(parsed.tokens)} tokens: {problem}"
         )
-    return RestorePlan(True, end, slot_file.parse_appendices(parsed.buf, end, len(parsed.tokens)))
+    # another KV cache type (-ctk / -ctv): the state's own per-layer types, then SKVT
+    want = getattr(backend, "kv_type_ids", None)
+    app = slot_file.parse_appendices(parsed.buf, end, len(parsed.tokens))
+    problem = kv_type_problem(caches, want) or slot_file.kv_types_problem(app, want)
+    if problem:
+        raise slot_file.SlotFileError(
+            f"the slot file's KV cache does not fit this server: {problem}"
+        )
+    return RestorePlan(True, end, app)
 
 
 def _erase_op(slot_id: int):
@@ -223,7 +231,7 @@ async def _save(engine: Engine, sid: int, path: Path, name: str) -> dict[str, An
     try:
         n_saved, app = await asyncio.wrap_future(engine.call(_save_op(sid, tmp), slot=sid))
         written = await asyncio.to_thread(
-            slot_file.finish_file, tmp, path, app.checkpoints, app.draft
+            slot_file.finish_file, tmp, path, app.checkpoints, app.draft, app.kv_types
         )
     finally:
         tmp.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ..flags import cache_type_name
 from ..types import CacheCells
 from .policy import window_intact
 
@@ -76,3 +77,18 @@ def kv_problems(caches: Sequence[CacheCells], n_tokens: Sequence[int | None]) ->
             if problem:
                 problems.append(f"slot {s}: {problem}")
     return problems
+
+
+def kv_type_problem(caches: Sequence[CacheCells], want: tuple[int, int] | None) -> str | None:
+    """Why a state's K/V rows (the ggml types llama.cpp records per layer) cannot load into a
+    context whose cache types are ``want`` (K, V); None when they can, when ``want`` is
+    unknown, or when the state holds no rows. A state of other types has other row sizes:
+    llama.cpp refuses it too, but it is refused here first, with the types named."""
+    if want is None:
+        return None
+    for c in caches:
+        for what, got, w in (("K", c.k_types, want[0]), ("V", c.v_types, want[1])):
+            if got and got != {w}:
+                names = ",".join(cache_type_name(t) for t in sorted(got))
+                return f"its {what} cache type is {names}, this server's is {cache_type_name(w)}"
+    return None

@@ -19,7 +19,7 @@ import logging
 from typing import Any, Protocol
 
 from ..types import Checkpoint, StateBuf
-from .audit import kv_problems, seq_state_problem
+from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .policy import window_intact
 from .slot import Slot
 
@@ -40,6 +40,7 @@ class DraftMemory(Protocol):
     def seq_pos_min(self, seq: int) -> int: ...
     def seq_pos_max(self, seq: int) -> int: ...
     def seq_clear(self, seq: int) -> None: ...
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None: ...
     def state_size(self, seq: int, partial: bool = False) -> int: ...
     def state_get(self, seq: int, partial: bool = False, size: int | None = None) -> StateBuf: ...
     def state_set(
@@ -70,6 +71,21 @@ class DraftKV:
     def clear(self, slot: Slot) -> None:
         self.d.seq_clear(slot.id)
         slot.n_dft = 0
+
+    def shift(self, slot: Slot, n_keep: int, n_discard: int) -> None:
+        """The target's context shifted (SlotStore.shift): the draft shifts the same way
+        when it holds moved tokens and its memory can shift, else keeps at most its first
+        ``n_keep`` tokens (it catches up when it next drafts)."""
+        n, end = slot.n_dft, n_keep + n_discard
+        if n <= end or not getattr(self.d, "can_shift", False):
+            self.cut(slot, min(n, n_keep))
+            return
+        if self.d.seq_rm(slot.id, n_keep, end):
+            self.d.seq_add(slot.id, end, n, -n_discard)
+            if self.d.seq_pos_max(slot.id) == n - n_discard - 1:
+                slot.n_dft = n - n_discard
+                return
+        self.clear(slot)
 
     def copy(self, src: Slot, dst: Slot, n: int) -> None:
         """``dst``'s target just took ``src``'s first ``n`` tokens: take its draft's too."""
@@ -124,6 +140,8 @@ class DraftKV:
         problem = None if read is None else seq_state_problem(read[0], n, self.n_swa)
         if problem is None and read is not None and read[1] != len(data):
             problem = "bytes after the state"
+        if problem is None and read is not None:
+            problem = kv_type_problem(read[0], getattr(self.d, "kv_type_ids", None))
         if problem:
             log.warning("slot %d: draft state dropped: %s", slot.id, problem)
             return False

@@ -22,6 +22,7 @@ from ..cache.prompt_cache import PromptCache
 from ..types import (
     Event,
     FinishReason,
+    PromptProgress,
     Task,
     TaskError,
     TaskResult,
@@ -33,6 +34,7 @@ from . import disk_glue, ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .draft_kv import DraftMemory
+from .embed import EmbedQueue, EmbedTask
 from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
 from .sampling import ParallelSampling, cpu_reason
 from .sharing import PrefixSharing
@@ -40,7 +42,7 @@ from .slot import Slot, SlotRun, SlotState
 from .spec_step import Speculation
 from .speculative import SpecConfig
 from .stats import EngineStats
-from .store import SlotStore
+from .store import SlotStore, shift_span
 
 log = logging.getLogger("server.slots.engine")
 
@@ -62,6 +64,7 @@ class EngineOptions:
     sample_threads: int = -1
     sample_parallel_min: int = 4
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-*)
+    context_shift: bool = False  # --context-shift: a full slot shifts (SlotStore.shift)
 
 
 class EngineDead(RuntimeError):
@@ -100,7 +103,7 @@ class Engine:
             enabled=opts.prefix_share and backend.kv_unified,
             min_wait=opts.prefix_share_min,
         )
-        self._inbox: queue.SimpleQueue[Task | _Op | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Task | EmbedTask | _Op | None] = queue.SimpleQueue()
         self._ops: list[_Op] = []
         self._outbox: list[tuple[Callable[[Event], None], Event]] = []
         self._wake = threading.Event()
@@ -108,6 +111,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.par = ParallelSampling(opts.sample_threads, opts.sample_parallel_min)
+        # --embedding: prompt-only tasks run on idle slots within a step (slots/embed.py)
+        self.embed = EmbedQueue(
+            backend, self.store, cache, self._send, self._flush, self._free_idle_kv
+        )
 
     @property
     def slots(self) -> list[Slot]:
@@ -132,7 +139,7 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def submit(self, task: Task) -> None:
+    def submit(self, task: Task | EmbedTask) -> None:
         if not self.alive:
             raise EngineDead("the engine is not running")
         self._inbox.put(task)
@@ -149,7 +156,7 @@ class Engine:
 
     def queue_depth(self) -> int:
         """Tasks waiting for a slot, including those not yet picked up (approximate, lock-free)."""
-        return len(self.waiting) + self._inbox.qsize()
+        return len(self.waiting) + len(self.embed) + self._inbox.qsize()
 
     def n_idle_slots(self) -> int:
         return sum(1 for s in self.slots if s.task is None)
@@ -191,7 +198,9 @@ class Engine:
             seen = n
 
     def _has_work(self) -> bool:
-        return bool(self.waiting or self._ops) or any(not s.idle for s in self.slots)
+        return bool(self.waiting or self._ops or self.embed.waiting) or any(
+            not s.idle for s in self.slots
+        )
 
     def _drain_inbox(self) -> None:
         while True:
@@ -203,6 +212,8 @@ class Engine:
                 continue
             if isinstance(item, _Op):
                 self._ops.append(item)
+            elif isinstance(item, EmbedTask):
+                self.embed.waiting.append(item)
             else:
                 self.waiting.append(item)
 
@@ -234,7 +245,8 @@ class Engine:
         self._admit()
         decoded = False
         try:
-            decoded = self._decode_step()
+            embedded = self.embed.step() if self.embed.waiting else False
+            decoded = self._decode_step() or embedded
             if decoded:
                 self.stats.on_step(time.perf_counter() - t0)
         finally:
@@ -350,6 +362,8 @@ class Engine:
                 n_past = self.sharing.copy(self.slots[held.slot], slot, held.n_tokens)
             wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
         run = slot.start(task, n_past)
+        if task.return_progress:  # llama-server's first (0 %) progress event
+            self._progress(slot)
         if wait is not None:
             self.sharing.wait_on(slot, wait)
         run.sampler = self.b.new_sampler(task.sampling, task.prompt)
@@ -530,6 +544,8 @@ class Engine:
             n = self.store.commit(s)
             if s.state is SlotState.PREFILL:
                 run.n_processed += n
+                if run.task.return_progress:
+                    self._progress(s)
             if s.i_batch < 0:
                 continue
             s.i_batch, idx = -1, s.i_batch
@@ -631,7 +647,7 @@ class Engine:
             self._finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
             return False
         limit = self._token_limit(run.task)
-        if (limit >= 0 and run.n_decoded >= limit) or len(s.tokens) + 1 >= s.n_ctx:
+        if (limit >= 0 and run.n_decoded >= limit) or self._context_full(s):
             self._finish(s, FinishReason.LENGTH)
             return False
         run.next_token = tok
@@ -651,6 +667,43 @@ class Engine:
         if tok < 0 or not m.accept(tok):
             raise RuntimeError(f"the constraint admits no token: {m.error() or 'dead end'}")
         return tok
+
+    def _progress(self, s: Slot) -> None:
+        """Send the slot's prompt progress (tasks with ``return_progress``, streamed only):
+        ``processed`` is what the slot holds of the prompt, cached tokens included."""
+        run = s.run
+        if run.task.stream:
+            t_ms = int((time.perf_counter() - run.t_start) * 1e3)
+            self._send(run.task, PromptProgress(run.n_prompt, run.n_cached, len(s.tokens), t_ms))
+
+    @property
+    def shifts(self) -> bool:
+        """--context-shift is on and the KV cache can move positions (llama-server turns
+        it off otherwise)."""
+        return self.opts.context_shift and bool(getattr(self.b, "can_shift", False))
+
+    def _context_full(self, s: Slot) -> bool:
+        """Whether the slot has no room for its next token. With --context-shift a full slot
+        drops half of what follows n_keep and goes on (llama-server's rule: shift_span); the
+        run is ``truncated`` either way."""
+        if len(s.tokens) + 1 < s.n_ctx:
+            return False
+        run = s.run
+        run.truncated = True
+        if not self.shifts:
+            return True
+        gen = run.task.gen
+        add_bos = bool(getattr(self.b, "add_bos", False))
+        n_keep, n_discard = shift_span(
+            len(s.tokens), s.n_ctx, run.n_prompt, gen.n_keep, gen.n_discard, add_bos
+        )
+        if not self.store.shift(s, n_keep, n_discard):
+            return True
+        if run.history is not None:
+            run.history.truncate(n_keep)
+        self.stats.context_shifts += 1
+        log.info("slot %d: context shift, n_keep = %d, n_discard = %d", s.id, n_keep, n_discard)
+        return False
 
     def _token_limit(self, task: Task) -> int:
         """Most tokens to generate: the request's max_tokens capped by --n-predict (-1: none)."""
@@ -711,12 +764,13 @@ class Engine:
                 s.release()
         while self.waiting:
             self.waiting.popleft().emit(TaskError(503, message))
+        self.embed.fail_all(message)
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, Task):
+            if isinstance(item, Task | EmbedTask):
                 item.emit(TaskError(503, message))
             elif isinstance(item, _Op):
                 item.future.set_exception(EngineDead(message))
@@ -756,6 +810,7 @@ def _result_of(
         error=error,
         t_queue_ms=(run.t_start - run.task.t_enqueued) * 1e3,
         logprobs=run.logprobs,
+        truncated=run.truncated,
     )
 
 

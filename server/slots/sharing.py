@@ -6,7 +6,9 @@ Two sources of cached tokens beyond a slot's own KV and the RAM cache:
 - *in flight*: when another slot is still prefilling a prompt with a long common prefix, the
   new task's slot waits (is not decoded) until that slot has passed the common length, then
   copies it. The computing slot ends a prefill chunk exactly there, so its sliding window at
-  the cut is still in memory when the waiters copy.
+  the cut is still in memory when the waiters copy. A slot waits only while that is estimated
+  to finish its prompt no later than computing it itself (slots/share_cost.py, from measured
+  step times); it re-checks every step, and one that gives up copies what the source holds.
 
 Waiting never deadlocks: a slot only waits on a slot that is prefilling (never on a waiting
 one), prefilling slots are scheduled oldest first, and a waiter whose source stopped (done,
@@ -19,6 +21,7 @@ import logging
 from typing import NamedTuple
 
 from ..types import lcp
+from .share_cost import PrefillQueue, StepSpeed, queue_of, wait_pays
 from .slot import Slot, SlotState
 from .stats import EngineStats
 from .store import SlotStore
@@ -37,6 +40,8 @@ class PrefixSharing:
         self.stats = stats
         self.enabled = enabled
         self.min_wait = min_wait  # least gain worth waiting for (--prefix-share-min)
+        self.speed = StepSpeed()  # tests may inject their own
+        self._seen = (0, 0.0)  # stats.n_steps, stats.step_seconds_total last observed
 
     def held_source(
         self, dst: Slot, prompt: list[int], n_past: int, tenant: str = ""
@@ -89,16 +94,28 @@ class PrefixSharing:
         log.debug("slot %d: shared %d of %d tokens from slot %d", dst.id, got, n, src.id)
         return got
 
-    def wait_on(self, dst: Slot, src: Source) -> None:
+    def wait_on(self, dst: Slot, src: Source) -> bool:
+        """Make ``dst`` (started, prefilling) wait for ``src`` unless computing its prompt
+        itself is estimated to be faster; whether it waits."""
         s = self.store.slots[src.slot]
+        sole = src.n_tokens not in s.run.share_marks
+        if not wait_pays(self.speed, self._queue(), s, dst, src.n_tokens, sole):
+            self.stats.prefix_waits_skipped += 1
+            log.debug("slot %d: computes itself rather than wait for slot %d", dst.id, s.id)
+            return False
         dst.state = SlotState.WAIT
         run = dst.run
         run.wait_src, run.wait_task, run.wait_target = src.slot, s.task.id, src.n_tokens
         s.run.share_marks.add(src.n_tokens)  # the source ends a chunk there
         log.debug("slot %d: waits for slot %d to reach %d tokens", dst.id, src.slot, src.n_tokens)
+        return True
 
     def resolve_waiters(self) -> None:
-        """Waiters whose source reached the target (or stopped) copy and start prefilling."""
+        """Called once per step before the batch is built. Waiters whose source reached the
+        target (or stopped) copy and start prefilling; so do those for which waiting no longer
+        pays. A pass over the slots, plus a sorted snapshot of the queue while any waits."""
+        self._observe_step()
+        q = None
         for w in self.store.slots:
             if w.state is not SlotState.WAIT:
                 continue
@@ -110,15 +127,49 @@ class PrefixSharing:
                 and src.state is SlotState.PREFILL
             )
             if computing and len(src.tokens) < run.wait_target:
-                continue
-            task = w.task
-            w.state = SlotState.PREFILL
-            held = self.held_source(w, task.prompt, len(w.tokens), task.tenant)
-            if held is not None:
-                self.copy(self.store.slots[held.slot], w, held.n_tokens)
-            run.n_cached = len(w.tokens)  # what this task will not compute itself
-            if not computing:
-                # the source went away: wait on another computing slot, or take over
-                again = self.inflight_source(w, task.prompt, len(w.tokens), task.tenant)
-                if again is not None:
-                    self.wait_on(w, again)
+                if q is None:
+                    q = self._queue()
+                sole = not self._mark_shared(src, w)
+                if wait_pays(self.speed, q, src, w, run.wait_target, sole):
+                    continue
+                self.stats.prefix_waits_abandoned += 1
+                log.debug("slot %d: stops waiting for slot %d", w.id, src.id)
+                if sole:
+                    src.run.share_marks.discard(run.wait_target)
+                q = None  # the queue changed: this slot computes more itself
+            self._start(w, again=not computing)
+
+    def _start(self, w: Slot, again: bool) -> None:
+        """The waiter ``w`` takes what a held source gives and prefills the rest; with
+        ``again`` (its source went away) it may wait on another computing slot instead."""
+        task = w.task
+        w.state = SlotState.PREFILL
+        held = self.held_source(w, task.prompt, len(w.tokens), task.tenant)
+        if held is not None:
+            self.copy(self.store.slots[held.slot], w, held.n_tokens)
+        w.run.n_cached = len(w.tokens)  # what this task will not compute itself
+        if again:
+            other = self.inflight_source(w, task.prompt, len(w.tokens), task.tenant)
+            if other is not None:
+                self.wait_on(w, other)
+
+    def _mark_shared(self, src: Slot, w: Slot) -> bool:
+        """Whether another waiter needs ``src`` to end a chunk at ``w``'s target."""
+        key = (src.id, src.task.id, w.run.wait_target)
+        waits = (
+            (o.run.wait_src, o.run.wait_task, o.run.wait_target)
+            for o in self.store.slots
+            if o is not w and o.state is SlotState.WAIT
+        )
+        return key in waits
+
+    def _queue(self) -> PrefillQueue:
+        return queue_of(self.store.slots, self.store.b.n_batch)
+
+    def _observe_step(self) -> None:
+        """Feed the last decoding step to the speed estimate: its time (stats.on_step) and
+        its batch, which the backend still holds until the next batch is built."""
+        n, secs = self.stats.n_steps, self.stats.step_seconds_total
+        if n == self._seen[0] + 1:
+            self.speed.observe(self.store.b.batch.n, secs - self._seen[1])
+        self._seen = (n, secs)

@@ -51,6 +51,8 @@ class SlotRun:
     draft: list[int] = field(default_factory=list)
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    # the context filled up: the run stopped there, or shifted it (llama-server's truncated)
+    truncated: bool = False
 
     @property
     def n_prompt(self) -> int:

@@ -40,6 +40,7 @@ class EngineStats:
     prefix_waits_skipped: int = 0
     prefix_waits_abandoned: int = 0
     kv_exhausted: int = 0  # requests ended because the KV cache had no room left
+    context_shifts: int = 0  # --context-shift: full slots that dropped half and went on
     # -bs: tasks whose chain ran on the backend, and those that fell back to the CPU, by why
     backend_sampled: int = 0
     sampling_fallbacks: dict[str, int] = field(default_factory=dict)

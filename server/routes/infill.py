@@ -1,0 +1,70 @@
+"""llama-server's /infill: fill in the middle, for models with FIM tokens. The prompt is
+built as llama-server builds it (server.infill); the response is /completion's."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import APIError
+from ..infill import InfillInputError, InfillLimits, check_infill_body, infill_prompt
+from ..schemas import InfillRequest
+from ..service import Prompt, ServerState, Submission, constraint_of, submit, tenant_of
+from .common import SSE_HEADERS, state_of
+from .native import _final, _stream
+
+router = APIRouter()
+
+_FIM_FIELDS = {"input_prefix", "input_suffix", "input_extra", "prompt"}
+
+
+def _prompt(st: ServerState, body: InfillRequest, extra: list) -> list[Prompt]:
+    """The FIM prompt: ``prompt`` (special tokens parsed, no BOS) goes after the prefix."""
+    b = st.backend
+    lim = InfillLimits(
+        n_batch=b.n_batch,
+        n_predict=st.settings.n_predict,
+        n_ctx=b.n_ctx_slot,
+        spm=bool(getattr(st.settings, "spm_infill", False)),
+    )
+    bos = b.bos_id if b.add_bos and b.bos_id >= 0 else None
+    tokens = b.tokenize(body.prompt or "", False, True)
+    return [
+        Prompt(
+            infill_prompt(
+                b.tokenize, b.fim, bos, body.input_prefix, body.input_suffix, extra, tokens, lim
+            )
+        )
+    ]
+
+
+@router.post("/infill")
+async def infill(body: InfillRequest, request: Request) -> Response:
+    """Code infill: 501 (llama-server's error) for a model without FIM tokens, 400 for a
+    malformed body; otherwise /completion's response, streamed or not."""
+    st = state_of(request)
+    st.require_engine()
+    missing = st.backend.fim.missing()
+    if missing:
+        raise APIError(501, f"Infill is not supported by this model: {missing}")
+    try:
+        extra = check_infill_body(body.model_dump(include=body.model_fields_set & _FIM_FIELDS))
+    except InfillInputError as e:
+        raise APIError(400, str(e)) from None
+    job = Submission(
+        prompts=lambda: _prompt(st, body, extra),
+        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
+        stream=body.stream,
+        n_probs=body.n_probs,
+        logprobs=body.n_probs > 0,
+        constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
+        return_progress=body.return_progress,
+    )
+    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
+    echo = body.prompt if isinstance(body.prompt, str) else ""
+    if not body.stream:
+        (r,) = await group.results(request)
+        return JSONResponse(_final(st, group.tasks[0], r, r.text, echo, probs=body.n_probs > 0))
+    return StreamingResponse(
+        _stream(st, group, echo), media_type="text/event-stream", headers=SSE_HEADERS
+    )

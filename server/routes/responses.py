@@ -1,0 +1,201 @@
+"""OpenAI's Responses API, the stateless subset llama-server serves: the body becomes a chat
+request (server.responses), runs through chat's rendering, tools and ``service.submit``, and
+answers as a ``response`` object or llama-server's stream of Responses events
+(``event: <type>`` lines; no [DONE])."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..errors import APIError
+from ..responses import (
+    ResponsesInputError,
+    call_item,
+    message_item,
+    new_id,
+    output_items,
+    reasoning_item,
+    response_object,
+    text_part,
+    to_chat_body,
+    usage,
+)
+from ..schemas import ChatRequest, ResponsesRequest
+from ..service import Submission, TaskGroup, constraint_of, submit, tenant_of
+from ..tools.parse import Delta, Message, ToolCall, parse_message
+from ..tools.plan import ChatPlan
+from ..types import PromptProgress, TaskError, TaskResult, TextChunk
+from .common import SSE_HEADERS, sse_error, state_of
+from .openai import _max_tokens, _plan, _tool_constraint, render_chat
+
+router = APIRouter()
+
+Ev = tuple[str, dict[str, Any]]  # (event type, data)
+
+
+def _sse(events: list[Ev]) -> str:
+    """Events framed as llama-server frames them: an ``event:`` line, then ``data:``."""
+    return "".join(
+        f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n" for name, data in events
+    )
+
+
+def _chat_request(body: ResponsesRequest) -> ChatRequest:
+    """The chat request of a Responses body; 400 with llama-server's message when the input
+    cannot be mapped, the chat body's own validation errors otherwise."""
+    raw = body.model_dump(exclude_unset=True, by_alias=True)
+    try:
+        return ChatRequest.model_validate(to_chat_body(raw))
+    except ResponsesInputError as e:
+        raise APIError(400, str(e)) from None
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+@router.post("/v1/responses")
+@router.post("/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """Create a response (never stored): the answer's output items, or their stream."""
+    st = state_of(request)
+    chat = _chat_request(body)
+    plan = _plan(st, chat)
+    job = Submission(
+        prompts=lambda: [render_chat(st, chat, plan)],
+        max_tokens=_max_tokens(chat.max_completion_tokens, chat.max_tokens),
+        stream=chat.stream,
+        constraint=_tool_constraint(plan)
+        or constraint_of(
+            response_format=chat.response_format, json_schema=chat.json_schema, grammar=chat.grammar
+        ),
+        return_progress=chat.return_progress,
+    )
+    group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt))
+    model = chat.model or st.model_name
+    if not chat.stream:
+        (r,) = await group.results(request)
+        m = Message(content=r.text) if plan.plain else parse_message(r.text, plan.parser())
+        out = output_items(m, new_id("msg_"), new_id("rs_"))
+        use = usage(r.n_prompt, r.timings.predicted_n, r.timings.cache_n)
+        return JSONResponse(response_object(new_id("resp_"), model, out, use))
+    stream = _ResponseStream(plan, model)
+    return StreamingResponse(stream.run(group), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/v1/responses/input_tokens")
+@router.post("/responses/input_tokens")
+async def responses_input_tokens(body: ResponsesRequest, request: Request) -> dict[str, Any]:
+    """llama-server's token count of a Responses body: the tokens its chat prompt feeds the
+    model (nothing generated)."""
+    st = state_of(request)
+    chat = _chat_request(body)
+    plan = _plan(st, chat)
+    prompt = await asyncio.to_thread(render_chat, st, chat, plan)
+    return {"input_tokens": len(prompt.tokens), "object": "response.input_tokens"}
+
+
+class _ResponseStream:
+    """One streamed response: llama-server's events from the parsed chat deltas. The
+    created/in_progress pair opens at the first engine event; a progress event
+    (return_progress) repeats in_progress with ``prompt_progress``."""
+
+    def __init__(self, plan: ChatPlan, model: str) -> None:
+        self.plan = plan
+        self.parser = plan.parser()
+        self.model = model
+        self.resp_id, self.msg_id, self.rs_id = new_id("resp_"), new_id("msg_"), new_id("rs_")
+        self.msg = Message()
+        self.created = self.text_started = self.thinking_started = False
+        self.fc_ids: dict[int, str] = {}  # call index -> its fc_ item id
+
+    async def run(self, group: TaskGroup) -> AsyncIterator[str]:
+        async for _, ev in group.events():
+            if isinstance(ev, PromptProgress):
+                events = self._head(progress=True)
+                events[-1][1]["prompt_progress"] = ev.as_dict()
+                yield _sse(events)
+            elif isinstance(ev, TextChunk):
+                d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
+                yield _sse(self._head() + self._deltas(d))
+            elif isinstance(ev, TaskResult):
+                rest = Delta() if self.plan.plain else self.parser.finish()
+                yield _sse(self._head() + self._deltas(rest) + self._done(ev))
+            elif isinstance(ev, TaskError):
+                yield sse_error(ev)
+
+    def _status(self, kind: str) -> Ev:
+        response = {"id": self.resp_id, "object": "response", "status": "in_progress"}
+        return kind, {"type": kind, "response": response}
+
+    def _head(self, progress: bool = False) -> list[Ev]:
+        if not self.created:
+            self.created = True
+            return [self._status("response.created"), self._status("response.in_progress")]
+        return [self._status("response.in_progress")] if progress else []
+
+    def _deltas(self, d: Delta) -> list[Ev]:
+        """The events of one parser delta: reasoning, text, then tool call pieces, each kind
+        opening its output item the first time."""
+        self.msg.add(d)
+        out: list[Ev] = []
+        if d.reasoning:
+            if not self.thinking_started:
+                self.thinking_started = True
+                item = {**reasoning_item(self.rs_id, ""), "content": [], "status": "in_progress"}
+                out.append(_ev("response.output_item.added", item=item))
+            out.append(_ev("response.reasoning_text.delta", delta=d.reasoning, item_id=self.rs_id))
+        if d.content:
+            if not self.text_started:
+                self.text_started = True
+                item = {**message_item(self.msg_id, ""), "content": [], "status": "in_progress"}
+                out.append(_ev("response.output_item.added", item=item))
+                part = {"type": "output_text", "text": ""}
+                out.append(_ev("response.content_part.added", item_id=self.msg_id, part=part))
+            out.append(_ev("response.output_text.delta", item_id=self.msg_id, delta=d.content))
+        for c in d.calls:
+            if c.id is not None:
+                item = call_item(ToolCall(c.id, c.name or "", ""), status="in_progress")
+                self.fc_ids[c.index] = item["id"]
+                out.append(_ev("response.output_item.added", item=item))
+            if c.arguments:
+                fc_id = self.fc_ids.get(c.index, "")
+                out.append(
+                    _ev("response.function_call_arguments.delta", delta=c.arguments, item_id=fc_id)
+                )
+        return out
+
+    def _done(self, r: TaskResult) -> list[Ev]:
+        """The closing events: each output item done, then response.completed with the
+        whole response, its usage and llama-server's ``timings``."""
+        m, out, events = self.msg, [], []
+        if m.reasoning:
+            item = reasoning_item(self.rs_id, m.reasoning)
+            events.append(_ev("response.output_item.done", item=item))
+            out.append(item)
+        if m.content:
+            events.append(_ev("response.output_text.done", item_id=self.msg_id, text=m.content))
+            part = text_part(m.content)
+            events.append(_ev("response.content_part.done", item_id=self.msg_id, part=part))
+            item = message_item(self.msg_id, m.content)
+            events.append(_ev("response.output_item.done", item=item))
+            out.append(item)
+        for c in m.tool_calls:
+            item = call_item(c)
+            events.append(_ev("response.output_item.done", item=item))
+            out.append(item)
+        use = usage(r.n_prompt, r.timings.predicted_n, r.timings.cache_n)
+        response = response_object(self.resp_id, self.model, out, use)
+        completed = _ev("response.completed", response=response)
+        completed[1]["timings"] = r.timings.as_dict()
+        return [*events, completed]
+
+
+def _ev(kind: str, **data: Any) -> Ev:
+    return kind, {"type": kind, **data}

@@ -1,0 +1,59 @@
+"""llama-server's /apply-template (the prompt a chat request is rendered to) and
+/v1/chat/completions/input_tokens (its length in tokens), without generating. The rendering
+is /v1/chat/completions' own (tools, tool history, reasoning switches and
+chat_template_kwargs included), so the text is what the model would read."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ..chat import TemplateError
+from ..errors import APIError
+from ..schemas import ChatRequest
+from ..service import ServerState
+from ..tools.plan import ChatPlan
+from ..tools.prompt import prepare
+from .common import state_of
+from .openai import _messages, _plan, render_chat
+
+router = APIRouter()
+
+
+class ApplyTemplateRequest(ChatRequest):
+    """A chat body; ``add_generation_prompt`` false leaves the assistant turn unopened."""
+
+    add_generation_prompt: bool = True
+
+
+def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan, add_gen: bool) -> str:
+    """The chat template's text for ``body`` (APIError 400 when the template rejects the
+    messages, 500 when the template itself fails)."""
+    try:
+        prepared = prepare(st.template, _messages(body), plan.spec, plan.kwargs)
+        return st.template.render(
+            prepared.messages, add_generation_prompt=add_gen, **prepared.extra
+        )
+    except TemplateError as e:
+        raise APIError(400 if e.client else 500, str(e)) from e
+
+
+@router.post("/apply-template")
+async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, Any]:
+    """``{"prompt": text}``: the rendered conversation, nothing generated."""
+    st = state_of(request)
+    plan = _plan(st, body)  # requires the engine: the template comes with the model
+    text = await asyncio.to_thread(render_text, st, body, plan, body.add_generation_prompt)
+    return {"prompt": text}
+
+
+@router.post("/v1/chat/completions/input_tokens")
+@router.post("/chat/completions/input_tokens")
+async def chat_input_tokens(body: ChatRequest, request: Request) -> dict[str, Any]:
+    """llama-server's token count of a chat body: the tokens its prompt feeds the model."""
+    st = state_of(request)
+    plan = _plan(st, body)
+    prompt = await asyncio.to_thread(render_chat, st, body, plan)
+    return {"input_tokens": len(prompt.tokens), "object": "response.input_tokens"}
