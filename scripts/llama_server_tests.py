@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,7 +64,8 @@ if "-m" not in args and "--model" not in args:
     args = ["-m", {model!r}] + args
 target = os.environ["LLAMA_COMPAT_TARGET"]
 if target == "ours":
-    os.chdir({root!r})
+    # the tests' relative paths (--chat-template-file ../../../models/...) stay valid
+    os.environ["PYTHONPATH"] = {root!r}
     os.execv(sys.executable, [sys.executable, "-m", "server"] + args)
 os.execv(target, [target] + args)
 '''
@@ -79,12 +79,11 @@ def llama_server_bin() -> Path:
 
 
 def prepare(work: Path) -> tuple[Path, Path, Path]:
-    """A copy of the test tree, the wrapper, and a directory holding the extra deps."""
-    src = sdist_dir() / "vendor/llama.cpp/tools/server/tests"
-    if not src.is_dir():
-        raise SystemExit(f"{src} is missing: run bench/build_llama_server.sh first")
-    tests = work / "tests"
-    shutil.copytree(src, tests)
+    """The test tree (run where it is: its tests name files of the llama.cpp tree by
+    relative paths), the wrapper, and a directory holding the extra deps."""
+    tests = sdist_dir() / "vendor/llama.cpp/tools/server/tests"
+    if not tests.is_dir():
+        raise SystemExit(f"{tests} is missing: run bench/build_llama_server.sh first")
     deps = work / "deps"
     pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "--target", str(deps), *DEPS], check=True)

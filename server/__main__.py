@@ -89,7 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     hosts = csv_list(settings.host)
     sockets = bind(hosts, settings.port) if len(hosts) > 1 else None
-    DrainingServer(config, app.state.server).run(sockets=sockets)
+    state = app.state.server
+    server = DrainingServer(config, state)
+    state.on_load_failed = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=sockets)
+    if state.load_error:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

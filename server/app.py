@@ -268,6 +268,8 @@ def load(st: ServerState) -> None:
     except Exception as e:
         log.exception("failed to load the model")
         st.load_error = str(e)
+        if st.on_load_failed is not None:
+            st.on_load_failed()  # the CLI exits (status 1), as llama-server does
     finally:
         st.loading = False
 

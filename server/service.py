@@ -51,6 +51,7 @@ class ServerState:
     model_path: str = ""
     loading: bool = True
     load_error: str = ""
+    on_load_failed: Callable[[], None] | None = None  # set by the CLI: stop serving
     metrics: Any = None
     started: float = field(default_factory=time.time)
     # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
@@ -270,6 +271,7 @@ class TaskGroup:
         user_start: int = -1,
         tenant: str = "",
         return_progress: bool = False,
+        timings_per_token: bool = False,
     ) -> Task:
         """Add a task (not yet running: ``submit`` starts them all)."""
         task = Task(
@@ -283,6 +285,7 @@ class TaskGroup:
             user_start=user_start,
             tenant=tenant,
             return_progress=return_progress and stream,
+            timings_per_token=timings_per_token and stream,
             lagging=self._lagging(len(self.tasks)) if stream else None,
         )
         self.tasks.append(task)
@@ -421,6 +424,7 @@ class Submission:
     check: Callable[[], None] = _no_check
     constraint: Constraint | None = None  # structured output / forced format (server.constrained)
     return_progress: bool = False  # PromptProgress events while the prompt is processed
+    timings_per_token: bool = False  # streamed text chunks carry timings
 
 
 def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
@@ -480,6 +484,7 @@ async def submit(
                 user_start=p.user_start,
                 tenant=tenant,
                 return_progress=job.return_progress,
+                timings_per_token=job.timings_per_token,
             )
     group.submit()
     return group

@@ -86,3 +86,21 @@ def test_several_addresses_aliases_and_tags(make_server):
             ["code", "fim", "tiny"],
             ["a", "b"],
         )
+
+
+def test_a_model_that_cannot_load_ends_the_process(tmp_path):
+    """As llama-server: a model that fails to load is an exit (status 1), not a server that
+    answers 503 forever."""
+    from tests.e2e.conftest import free_port
+
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "-m", str(bad), "--port", str(free_port())],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "failed to load the model" in proc.stderr

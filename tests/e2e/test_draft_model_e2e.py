@@ -37,7 +37,7 @@ def test_self_draft_agrees_with_plain_decoding_on_two_slots(make_server):
     out: dict[int, dict] = {}
 
     def go(i: int) -> None:
-        out[i] = complete(s, prompts[i], 200, cache_prompt=False)
+        out[i] = complete(s, prompts[i], 120, cache_prompt=False)
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
     for th in threads:
@@ -49,7 +49,7 @@ def test_self_draft_agrees_with_plain_decoding_on_two_slots(make_server):
         t = out[i]["timings"]
         # a model drafting for itself agrees with itself nearly always
         assert t["draft_n"] > 0 and t["draft_n_accepted"] >= 0.8 * t["draft_n"], t
-        plain = complete(s, p, 200, cache_prompt=False, **{"speculative.n_max": 0})
+        plain = complete(s, p, 120, cache_prompt=False, **{"speculative.n_max": 0})
         assert_agrees(out[i], plain)
     drafted = metric(s, "llamacpp:spec_decode_num_draft_tokens_total")
     assert drafted == sum(out[i]["timings"]["draft_n"] for i in range(2))

@@ -22,7 +22,8 @@ def copy_prompt(seed: int) -> str:
 
 def complete(s, prompt: str, n: int, **kw) -> dict:
     body = {"prompt": prompt, "n_predict": n, "temperature": 0, "n_probs": 2, **kw}
-    r = s.client.post("/completion", json=body)
+    # generous: two slots of long prompts on a busy 2-core machine
+    r = s.client.post("/completion", json=body, timeout=600)
     r.raise_for_status()
     return r.json()
 

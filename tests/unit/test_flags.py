@@ -298,9 +298,11 @@ def test_ignored_flags_give_one_warning_naming_them(caplog):
 
 def test_server_starts_anyway_with_one_warning(monkeypatch, caplog):
     started = []
-    app = SimpleNamespace(state=SimpleNamespace(server=None))
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(load_error="")))
     monkeypatch.setattr(cli, "create_app", lambda s: app.__dict__.update(settings=s) or app)
-    monkeypatch.setattr(cli.DrainingServer, "run", lambda self, sockets=None: started.append(self.config))
+    monkeypatch.setattr(
+        cli.DrainingServer, "run", lambda self, sockets=None: started.append(self.config)
+    )
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     with caplog.at_level(logging.WARNING):
         cli.main(["--temp", "0.8", "--seed", "42", "--no-jinja", "--webui", "--rpc", "h:1"])
