@@ -87,6 +87,7 @@ class SamplingFields(_Req):
     n_probs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] = 0
     # llama-server's prompt_progress events in streamed responses
     return_progress: bool = False
+    timings_per_token: bool = False  # llama-server's timings on every streamed chunk
     timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None  # seconds
     # vLLM's field: names the tenant whose cached prefixes this request may reuse
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None

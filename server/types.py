@@ -173,6 +173,7 @@ class TextChunk:
     text: str
     tokens: list[int]
     logprobs: list[TokenLogprob]
+    timings: Timings | None = None  # the run's so far, for tasks with timings_per_token
 
 
 @dataclass
@@ -238,6 +239,7 @@ class Task:
     user_start: int = -1
     # send PromptProgress events while the prompt is processed (streamed tasks only)
     return_progress: bool = False
+    timings_per_token: bool = False  # TextChunks carry the run's timings so far (streamed)
     id: int = field(default_factory=lambda: next(_task_ids))
     t_enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False

@@ -59,6 +59,7 @@ async def infill(body: InfillRequest, request: Request) -> Response:
         logprobs=body.n_probs > 0,
         constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
         return_progress=body.return_progress,
+        timings_per_token=body.timings_per_token,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     echo = body.prompt if isinstance(body.prompt, str) else ""

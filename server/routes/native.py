@@ -160,6 +160,7 @@ async def completion(body: NativeCompletionRequest, request: Request) -> Respons
         logprobs=body.n_probs > 0,
         constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
         return_progress=body.return_progress,
+        timings_per_token=body.timings_per_token,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     # llama-server echoes a text prompt only
@@ -190,6 +191,8 @@ async def _stream(st: ServerState, group: TaskGroup, prompt_echo: str) -> AsyncI
                 chunk["completion_probabilities"] = token_logprobs(
                     st.backend, ev.logprobs, with_id=True
                 )
+            if ev.timings is not None:
+                chunk["timings"] = ev.timings.as_dict()
             yield sse(chunk)
         elif isinstance(ev, PromptProgress):
             yield sse(progress_chunk(ev))

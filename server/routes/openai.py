@@ -219,6 +219,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         check=no_echo_logprobs,
         constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
         return_progress=body.return_progress,
+        timings_per_token=body.timings_per_token,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     choices = _CompletionChoices(st.backend, body, group)
@@ -425,6 +426,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
             response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
         ),
         return_progress=body.return_progress,
+        timings_per_token=body.timings_per_token,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
     shape = _chat_shape(st.backend, body, len(group.tasks), plan)
@@ -482,8 +484,11 @@ async def _stream(
     results: list[TaskResult] = []
     async for index, ev in group.events():
         if isinstance(ev, TextChunk):
-            for choice in _listed(shape.text_choice(index, ev)):
-                yield sse({**base, "choices": [choice]})
+            chunks = [{**base, "choices": [c]} for c in _listed(shape.text_choice(index, ev))]
+            if chunks and ev.timings is not None:  # timings_per_token: on the last one
+                chunks[-1]["timings"] = ev.timings.as_dict()
+            for chunk in chunks:
+                yield sse(chunk)
         elif isinstance(ev, TaskResult):
             results.append(ev)
             *flush, final = _listed(shape.final_choice(index, ev, False))

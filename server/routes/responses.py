@@ -76,6 +76,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             response_format=chat.response_format, json_schema=chat.json_schema, grammar=chat.grammar
         ),
         return_progress=chat.return_progress,
+        timings_per_token=chat.timings_per_token,
     )
     group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt))
     model = chat.model or st.model_name
@@ -123,7 +124,10 @@ class _ResponseStream:
                 yield _sse(events)
             elif isinstance(ev, TextChunk):
                 d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
-                yield _sse(self._head() + self._deltas(d))
+                events = self._head() + self._deltas(d)
+                if events and ev.timings is not None:  # timings_per_token
+                    events[-1][1]["timings"] = ev.timings.as_dict()
+                yield _sse(events)
             elif isinstance(ev, TaskResult):
                 rest = Delta() if self.plan.plain else self.parser.finish()
                 yield _sse(self._head() + self._deltas(rest) + self._done(ev))

@@ -717,7 +717,10 @@ class Engine:
         those whose text was held back as a possible stop-string prefix."""
         if run.task.stream:
             n = run.n_emitted
-            self._send(run.task, TextChunk(text, run.generated[n:], run.logprobs[n:]))
+            chunk = TextChunk(text, run.generated[n:], run.logprobs[n:])
+            if run.task.timings_per_token:  # llama-server's timings on every chunk
+                chunk.timings = _timings_of(run, time.perf_counter())
+            self._send(run.task, chunk)
             run.n_emitted = len(run.generated)
         run.out_text.append(text)
 
@@ -785,12 +788,10 @@ class Engine:
         return self.store.check_integrity()
 
 
-def _result_of(
-    slot_id: int, run: SlotRun, reason: FinishReason, stop_word: str, error: str, now: float
-) -> TaskResult:
-    """The TaskResult of a run ending now: its text, tokens and token accounting."""
+def _timings_of(run: SlotRun, now: float) -> Timings:
+    """The run's token accounting and times so far (all of them when it ends now)."""
     t_first = run.t_first or now
-    timings = Timings(
+    return Timings(
         cache_n=run.n_cached,
         prompt_n=run.n_processed,
         prompt_ms=(t_first - run.t_start) * 1e3,
@@ -799,6 +800,13 @@ def _result_of(
         draft_n=run.n_drafted,
         draft_n_accepted=run.n_draft_accepted,
     )
+
+
+def _result_of(
+    slot_id: int, run: SlotRun, reason: FinishReason, stop_word: str, error: str, now: float
+) -> TaskResult:
+    """The TaskResult of a run ending now: its text, tokens and token accounting."""
+    timings = _timings_of(run, now)
     return TaskResult(
         id_slot=slot_id,
         finish=reason,

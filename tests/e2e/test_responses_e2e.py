@@ -173,6 +173,13 @@ def test_responses_return_progress(server: ServerProc) -> None:
     """llama-server's telemetry test: progress rides on response.in_progress events."""
     body = {"input": "This is a test" * 10, "max_output_tokens": 4, "stream": True}
     events = _events(server, "/responses", {**body, "return_progress": True})
+    deltas = [d for d in events if d["type"] == "response.output_text.delta"]
+    assert not any("timings" in d for d in deltas)
+    events = _events(
+        server, "/responses", {**body, "return_progress": True, "timings_per_token": True}
+    )
+    deltas = [d for d in events if d["type"] == "response.output_text.delta"]
+    assert deltas and all("prompt_per_second" in d["timings"] for d in deltas)
     progress = [d for d in events if "prompt_progress" in d]
     assert progress and all(d["type"] == "response.in_progress" for d in progress)
     p = [d["prompt_progress"] for d in progress]
@@ -181,6 +188,21 @@ def test_responses_return_progress(server: ServerProc) -> None:
     assert completed["type"] == "response.completed" and "usage" in completed["response"]
     assert "timings" in completed
     assert not any("prompt_progress" in d for d in _events(server, "/responses", body))
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions", "/v1/chat/completions"])
+def test_timings_per_token(server: ServerProc, path: str) -> None:
+    body = {"prompt": "Once upon a time", "n_predict": 4, "max_tokens": 4, "stream": True}
+    if "chat" in path:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    plain = _events(server, path, body)
+    assert sum("timings" in e for e in plain) == 1  # the final chunk's only
+    events = _events(server, path, {**body, "timings_per_token": True})
+    text = [e for e in events if e.get("content") or (e.get("choices") or [{}])[0].get("text")]
+    text += [e for e in events if (e.get("choices") or [{}])[0].get("delta", {}).get("content")]
+    assert text and all(e["timings"]["predicted_n"] >= 1 for e in text)
+    n = [e["timings"]["predicted_n"] for e in text]
+    assert n == sorted(n)
 
 
 def _events(server: ServerProc, path: str, body: dict) -> list[dict]:

@@ -44,3 +44,17 @@ def test_no_progress_unless_asked_or_when_not_streaming() -> None:
     run(e, t1, t2)
     assert c1.result is not None and c2.result is not None
     assert _progress(c1.events) == [] and _progress(c2.events) == []
+
+
+def test_timings_per_token_ride_on_each_text_chunk() -> None:
+    e, _ = make_engine(n_batch=64)
+    t, c = task(range(100), max_tokens=4)
+    t.timings_per_token = True
+    plain, cp = task(range(200, 300), max_tokens=4)
+    run(e, t, plain)
+    chunks = [ev for ev in c.events if isinstance(ev, TextChunk)]
+    assert chunks and all(ch.timings is not None for ch in chunks)
+    assert [ch.timings.predicted_n for ch in chunks] == list(range(1, len(chunks) + 1))
+    assert all(ch.timings.prompt_n == 100 for ch in chunks)
+    assert c.result.timings.predicted_n == 4
+    assert all(ev.timings is None for ev in cp.events if isinstance(ev, TextChunk))
