@@ -246,25 +246,7 @@ def load(st: ServerState) -> None:
         engine.stats.observers.append(st.metrics.observe)
         engine.start()
         st.engine = engine
-        log.info(
-            "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
-            "chat template %s, checkpoints %s, RAM cache %s, disk cache %s, backend sampling %s, "
-            "CPU sampling threads %d, speculative decoding %s",
-            path,
-            backend.n_ctx,
-            backend.n_ctx_slot,
-            s.parallel,
-            backend.n_batch,
-            backend.n_swa,
-            backend.kv_unified,
-            st.template.name,
-            "on" if engine.ckpt.enabled else "off",
-            f"{s.cache_ram} MiB" if cache else "off",
-            f"{s.cache_disk_mib} MiB in {s.cache_disk}" if disk else "off",
-            "on" if s.backend_sampling else "off",
-            engine.par.workers,
-            engine.opts.spec.kind,
-        )
+        _log_loaded(st, path)
     except Exception as e:
         log.exception("failed to load the model")
         st.load_error = str(e)
@@ -272,6 +254,29 @@ def load(st: ServerState) -> None:
             st.on_load_failed()  # the CLI exits (status 1), as llama-server does
     finally:
         st.loading = False
+
+
+def _log_loaded(st: ServerState, path: str) -> None:
+    s, b, engine = st.settings, st.backend, st.engine
+    log.info(
+        "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
+        "chat template %s, checkpoints %s, RAM cache %s, disk cache %s, backend sampling %s, "
+        "CPU sampling threads %d, speculative decoding %s",
+        path,
+        b.n_ctx,
+        b.n_ctx_slot,
+        s.parallel,
+        b.n_batch,
+        b.n_swa,
+        b.kv_unified,
+        st.template.name,
+        "on" if engine.ckpt.enabled else "off",
+        f"{s.cache_ram} MiB" if engine.cache else "off",
+        f"{s.cache_disk_mib} MiB in {s.cache_disk}" if engine.disk else "off",
+        "on" if s.backend_sampling else "off",
+        engine.par.workers,
+        engine.opts.spec.kind,
+    )
 
 
 def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
