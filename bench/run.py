@@ -239,14 +239,17 @@ def main_specs(
     return specs
 
 
-def variant_specs(base: list[ServerSpec], variants: tuple[Variant, ...]) -> list[ServerSpec]:
+def variant_specs(
+    base: list[ServerSpec], variants: tuple[Variant, ...], plain: bool = True
+) -> list[ServerSpec]:
     """Each of llama-server and ours plain, then once per variant (its flags appended, its
     suffix on the name); llama-cpp-python's server takes no such flags and is left out."""
     out = []
     for spec in base:
         if spec.name == LCP:
             continue
-        out.append(spec)
+        if plain:  # (a workload with variants_only leaves the plain servers out)
+            out.append(spec)
         for v in variants:
             argv = [*spec.argv, *v.flags]
             out.append(dataclasses.replace(spec, name=spec.name + v.suffix, argv=argv))
@@ -470,7 +473,10 @@ def run(args: argparse.Namespace) -> int:
             spec = ours_spec(common, None, shlex.split(args.ours_args))
             run_phase([spec], ours_only, args, sizes, save_root, results, meta, " (ours only)")
         for wid in (w for w in wids if WORKLOADS[w].variants):
-            specs = variant_specs(main_specs(args, model, save_root, meta), WORKLOADS[wid].variants)
+            w = WORKLOADS[wid]
+            specs = variant_specs(
+                main_specs(args, model, save_root, meta), w.variants, not w.variants_only
+            )
             label = f" (workload {wid})"
             run_phase(specs, [wid], args, sizes, save_root, results, meta, label, optional=True)
     merge_earlier(args, results, meta)

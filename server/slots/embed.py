@@ -27,7 +27,7 @@ import numpy as np
 
 from ..types import TaskError
 from . import ram
-from .slot import Slot
+from .slot import Slot, SlotState
 from .store import SlotStore
 
 log = logging.getLogger("server.slots.embed")
@@ -126,9 +126,14 @@ class EmbedQueue:
 
     def _place(self) -> list[_Placed]:
         """Lend idle slots (empty first, then least recently used) to the waiting tasks, in
-        order, while their prompts fit one physical batch together."""
+        order, while their prompts fit one physical batch together. A lent slot that holds
+        tokens goes to the RAM cache first (when there is one): its prefix is not lost."""
+        slots = self.store.slots
+        # a slot that a waiting task will copy a prefix from this step is not lent
+        held = {s.run.wait_src for s in slots if s.state is SlotState.WAIT and s.run is not None}
         idle = sorted(
-            (s for s in self.store.slots if s.idle), key=lambda s: (bool(s.tokens), s.last_used)
+            (s for s in slots if s.idle and s.id not in held),
+            key=lambda s: (bool(s.tokens), s.last_used),
         )
         budget = min(self.b.n_ubatch, self.b.n_batch)
         batch = self.b.batch

@@ -408,3 +408,26 @@ def test_routes_refuse_without_the_flags() -> None:
     emb = TestClient(create_app(parse_settings(["--embedding", "--pooling", "mean"], env={})))
     r = emb.post("/rerank", json={"query": "q", "documents": ["a"]})
     assert r.status_code == 501
+
+
+def test_engine_never_lends_a_waiting_tasks_prefix_source() -> None:
+    from server.slots.slot import SlotState
+
+    e, b = _engine(n_seq=3)
+    t, c = task([1, 2, 3, 4], max_tokens=2)
+    e._inbox.put(t)
+    _run(e)
+    src = next(s for s in e.slots if s.tokens)
+    kept = list(src.tokens)
+    waiter = next(s for s in e.slots if s is not src)
+    t2, _ = task([1, 2, 3, 4, 5], max_tokens=2)
+    waiter.start(t2, 0)
+    waiter.state, waiter.run.wait_src = SlotState.WAIT, src.id  # copies from src next step
+    e._drain_inbox()
+    cols = _embed(e, [[6, 7], [8, 9]])
+    e._drain_inbox()
+    e.embed.step()  # alone: the step's resolve_waiters would start the waiter
+    e._flush()
+    assert all(isinstance(x.events[0], EmbedResult) for x in cols)
+    assert src.tokens == kept and b.kv[src.id] and not b.kv[waiter.id]
+    assert {s for d in b.embedding_decodes for s, _, _ in d} == {3 - src.id - waiter.id}
