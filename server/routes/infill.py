@@ -4,14 +4,14 @@ built as llama-server builds it (server.infill); the response is /completion's."
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..errors import APIError
 from ..infill import InfillInputError, InfillLimits, check_infill_body, infill_prompt
 from ..schemas import InfillRequest
-from ..service import Prompt, ServerState, Submission, constraint_of, submit, tenant_of
-from .common import SSE_HEADERS, state_of
-from .native import _final, _stream
+from ..service import Prompt, ServerState
+from .common import state_of
+from .native import run_native
 
 router = APIRouter()
 
@@ -51,21 +51,4 @@ async def infill(body: InfillRequest, request: Request) -> Response:
         extra = check_infill_body(body.model_dump(include=body.model_fields_set & _FIM_FIELDS))
     except InfillInputError as e:
         raise APIError(400, str(e)) from None
-    job = Submission(
-        prompts=lambda: _prompt(st, body, extra),
-        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
-        stream=body.stream,
-        n_probs=body.n_probs,
-        logprobs=body.n_probs > 0,
-        constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
-        return_progress=body.return_progress,
-        timings_per_token=body.timings_per_token,
-    )
-    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
-    echo = body.prompt if isinstance(body.prompt, str) else ""
-    if not body.stream:
-        (r,) = await group.results(request)
-        return JSONResponse(_final(st, group.tasks[0], r, r.text, echo, probs=body.n_probs > 0))
-    return StreamingResponse(
-        _stream(st, group, echo), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    return await run_native(st, request, body, lambda: _prompt(st, body, extra))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -152,8 +152,16 @@ def _native_prompt(st: ServerState, prompt: str | list[int]) -> list[Prompt]:
 async def completion(body: NativeCompletionRequest, request: Request) -> Response:
     """llama-server's completion: one prompt, one result object (or a stream of chunks)."""
     st = state_of(request)
+    return await run_native(st, request, body, lambda: _native_prompt(st, body.prompt))
+
+
+async def run_native(
+    st: ServerState, request: Request, body: Any, prompts: Callable[[], list[Prompt]]
+) -> Response:
+    """Run one native-completion request (/completion, /infill) on ``prompts()``: the final
+    object, or the stream of chunks. llama-server echoes a text ``prompt`` only."""
     job = Submission(
-        prompts=lambda: _native_prompt(st, body.prompt),
+        prompts=prompts,
         max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
         stream=body.stream,
         n_probs=body.n_probs,
@@ -163,7 +171,6 @@ async def completion(body: NativeCompletionRequest, request: Request) -> Respons
         timings_per_token=body.timings_per_token,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
-    # llama-server echoes a text prompt only
     prompt_echo = body.prompt if isinstance(body.prompt, str) else ""
     if not body.stream:
         (r,) = await group.results(request)
