@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,9 +104,24 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
     return tests, wrapper, deps
 
 
-def run(target: str, tests: Path, wrapper: Path, deps: Path, files: list[str], out: Path) -> Path:
-    xml = out / f"llama-tests-{'ours' if target == 'ours' else 'llama-server'}.xml"
+def side_tree(tests: Path, ours: bool) -> Path:
+    """Each side's own copy of the test tree (they write slot files and caches under it),
+    beside the original so that its relative paths into llama.cpp still hold."""
+    tree = tests.parent / ("tests-ours" if ours else "tests-llama-server")
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(tests, tree, ignore=shutil.ignore_patterns("tmp", "__pycache__"))
+    return tree
+
+
+def start(
+    target: str, tests: Path, wrapper: Path, deps: Path, files: list[str], out: Path
+) -> tuple[subprocess.Popen, Path]:
+    """Start one side's pytest run (both sides run at once, on their own ports)."""
+    ours = target == "ours"
+    tests = side_tree(tests, ours)
+    xml = out / f"llama-tests-{'ours' if ours else 'llama-server'}.xml"
     env = {
+        "PORT": "8180" if ours else "8080",
         **os.environ,
         "LLAMA_SERVER_BIN_PATH": str(wrapper),
         "LLAMA_COMPAT_TARGET": target,
@@ -115,8 +131,8 @@ def run(target: str, tests: Path, wrapper: Path, deps: Path, files: list[str], o
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     cmd += [f"unit/{f}.py" for f in files]
     print("running", target, "...", flush=True)
-    subprocess.run(cmd, cwd=tests, env=env)
-    return xml
+    log = open(out / f"llama-tests-{'ours' if ours else 'llama-server'}.log", "w")
+    return subprocess.Popen(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT), xml
 
 
 def outcomes(xml: Path) -> dict[str, str]:
@@ -166,11 +182,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="llama-tests-") as tmp:
         tests, wrapper, deps = prepare(Path(tmp))
-        xmls = {}
+        runs = {}
         if args.target in ("both", "llama-server"):
-            xmls["llama-server"] = run(str(llama_server_bin()), tests, wrapper, deps, files, out)
+            runs["llama-server"] = start(str(llama_server_bin()), tests, wrapper, deps, files, out)
         if args.target in ("both", "ours"):
-            xmls["ours"] = run("ours", tests, wrapper, deps, files, out)
+            runs["ours"] = start("ours", tests, wrapper, deps, files, out)
+        xmls = {}
+        for side, (proc, xml) in runs.items():
+            proc.wait()
+            xmls[side] = xml
     # compare with the other side's latest run when only one side ran now
     xmls.setdefault("ours", out / "llama-tests-ours.xml")
     xmls.setdefault("llama-server", out / "llama-tests-llama-server.xml")
