@@ -27,6 +27,20 @@ def terminate(proc: subprocess.Popen, timeout: float = 20) -> None:
             proc.wait()
 
 
+def llama_server_client(port: int, timeout: float = 60) -> httpx.Client:
+    """A client for a llama-server started on ``port``, once its /health answers 200."""
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if client.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    return client
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,12 +8,10 @@ import os
 import re
 import signal
 import subprocess
-import time
 
-import httpx
 import pytest
 
-from .conftest import free_port, long_text
+from .conftest import free_port, llama_server_client, long_text
 from .test_slots_e2e import LLAMA_SERVER, action
 
 Q8 = ("-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on")
@@ -74,15 +72,7 @@ def test_llama_servers_quantized_file_is_checked_by_its_state(make_server, tmp_p
     with open(tmp_path / "llama-server.log", "w") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
-        ls = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if ls.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        ls = llama_server_client(port)
         prompt = long_text(100, seed=5)
         r = ls.post("/completion", json={"prompt": prompt, "n_predict": 4, "id_slot": 0})
         r.raise_for_status()

@@ -10,7 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import assert_agrees_with_cold, first_token, free_port, long_text, terminate
+from .conftest import (
+    assert_agrees_with_cold,
+    first_token,
+    free_port,
+    llama_server_client,
+    long_text,
+    terminate,
+)
 
 LLAMA_SERVER = Path(
     os.environ.get(
@@ -234,17 +241,7 @@ def test_interchange_with_llama_server(make_server, save_dir, draft):
         stderr=subprocess.STDOUT,
     )
     try:
-        ls = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-        import time
-
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if ls.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        ls = llama_server_client(port)
         # Same KV layout on both sides (unified, full-size SWA cache). With a sliding window
         # llama-server reuses a restored slot only through a checkpoint, and it does not
         # read our checkpoint appendix, so --swa-full lets its cache_n show the reuse.
