@@ -128,7 +128,7 @@ def start(
         "PYTHONPATH": os.pathsep.join([str(deps), str(tests)]),
         "LLAMA_CACHE": str(tests / "tmp"),
     }
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     cmd += [f"unit/{f}.py" for f in files]
     print("running", target, "...", flush=True)
     log = open(out / f"llama-tests-{'ours' if ours else 'llama-server'}.log", "w")

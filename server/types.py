@@ -141,22 +141,21 @@ class Timings:
     draft_n_accepted: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
+        """llama-server's ``timings``: the generation rate counts decode steps, one fewer
+        than the tokens (the first comes from the prompt's last logits, not a decode)."""
+        steps = max(self.predicted_n - 1, 0)
         pps = self.prompt_n / self.prompt_ms * 1e3 if self.prompt_ms > 0 else 0.0
-        dps = self.predicted_n / self.predicted_ms * 1e3 if self.predicted_ms > 0 else 0.0
+        dps = steps / self.predicted_ms * 1e3 if self.predicted_ms > 0 else 0.0
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3)
-            if self.prompt_n
-            else 0.0,
-            "prompt_per_second": round(pps, 3),
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": pps,
             "predicted_n": self.predicted_n,
-            "predicted_ms": round(self.predicted_ms, 3),
-            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3)
-            if self.predicted_n
-            else 0.0,
-            "predicted_per_second": round(dps, 3),
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / steps if steps else 0.0,
+            "predicted_per_second": dps,
             # as llama-server: only when something was drafted
             **(
                 {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}
@@ -211,6 +210,7 @@ class PromptProgress:
     cache: int
     processed: int
     time_ms: int
+    timings: Timings | None = None  # with timings_per_token: the prompt's so far
 
     def as_dict(self) -> dict[str, int]:
         return {

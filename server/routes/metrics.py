@@ -23,4 +23,6 @@ async def metrics(request: Request) -> Response:
             "not_supported_error",
         )
     st.require_engine()
-    return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    # llama-server's header: scrapers tell a restart from a counter reset by it
+    headers = {"Process-Start-Time-Unix": str(int(st.started))}
+    return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST, headers=headers)

@@ -220,6 +220,7 @@ def progress_chunk(ev: PromptProgress) -> dict[str, Any]:
         "tokens_predicted": 0,
         "tokens_evaluated": ev.total,
         "prompt_progress": ev.as_dict(),
+        **({"timings": ev.timings.as_dict()} if ev.timings is not None else {}),
     }
 
 

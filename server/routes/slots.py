@@ -47,13 +47,17 @@ def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
         "n_prompt_tokens_cache": run.n_cached if run is not None else 0,
         "n_prompt_tokens_processed": run.n_processed if run is not None else 0,
         "n_decoded": n_decoded,
-        "next_token": {
-            "has_next_token": task is not None,
-            "n_remain": (task.gen.max_tokens - n_decoded)
-            if task is not None and task.gen.max_tokens >= 0
-            else -1,
-            "n_decoded": n_decoded,
-        },
+        # llama-server's shape (a one-item list); an idle slot keeps no budget of its last task
+        "next_token": [
+            {
+                "has_next_token": task is not None,
+                "has_new_line": False,
+                "n_remain": (task.gen.max_tokens - n_decoded)
+                if task is not None and task.gen.max_tokens >= 0
+                else -1,
+                "n_decoded": n_decoded if task is not None else 0,
+            }
+        ],
         "params": generation_settings(st, task) if viewer is None or viewer == s.tenant else {},
         "checkpoints": {
             "count": len(ckpts),

@@ -673,8 +673,12 @@ class Engine:
         ``processed`` is what the slot holds of the prompt, cached tokens included."""
         run = s.run
         if run.task.stream:
-            t_ms = int((time.perf_counter() - run.t_start) * 1e3)
-            self._send(run.task, PromptProgress(run.n_prompt, run.n_cached, len(s.tokens), t_ms))
+            t_ms = (time.perf_counter() - run.t_start) * 1e3
+            ev = PromptProgress(run.n_prompt, run.n_cached, len(s.tokens), int(t_ms))
+            if run.task.timings_per_token:  # llama-server's: 0 ms until a prompt token is in
+                ms = t_ms if run.n_processed else 0.0
+                ev.timings = Timings(cache_n=run.n_cached, prompt_n=run.n_processed, prompt_ms=ms)
+            self._send(run.task, ev)
 
     @property
     def shifts(self) -> bool:
