@@ -104,22 +104,22 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
     return tests, wrapper, deps
 
 
-def side_tree(tests: Path, ours: bool) -> Path:
+def side_tree(tests: Path, ours: bool, tag: str) -> Path:
     """Each side's own copy of the test tree (they write slot files and caches under it),
     beside the original so that its relative paths into llama.cpp still hold."""
-    tree = tests.parent / ("tests-ours" if ours else "tests-llama-server")
+    tree = tests.parent / (("tests-ours" if ours else "tests-llama-server") + tag)
     shutil.rmtree(tree, ignore_errors=True)
     shutil.copytree(tests, tree, ignore=shutil.ignore_patterns("tmp", "__pycache__"))
     return tree
 
 
 def start(
-    target: str, tests: Path, wrapper: Path, deps: Path, files: list[str], out: Path
+    target: str, tests: Path, wrapper: Path, deps: Path, files: list[str], out: Path, tag: str
 ) -> tuple[subprocess.Popen, Path]:
     """Start one side's pytest run (both sides run at once, on their own ports)."""
     ours = target == "ours"
-    tests = side_tree(tests, ours)
-    xml = out / f"llama-tests-{'ours' if ours else 'llama-server'}.xml"
+    tests = side_tree(tests, ours, tag)
+    xml = out / f"llama-tests-{'ours' if ours else 'llama-server'}{tag}.xml"
     env = {
         "PORT": "8180" if ours else "8080",
         **os.environ,
@@ -131,7 +131,7 @@ def start(
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     cmd += [f"unit/{f}.py" for f in files]
     print("running", target, "...", flush=True)
-    log = open(out / f"llama-tests-{'ours' if ours else 'llama-server'}.log", "w")
+    log = open(out / f"llama-tests-{'ours' if ours else 'llama-server'}{tag}.log", "w")
     return subprocess.Popen(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT), xml
 
 
@@ -176,6 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(FILES), help="comma-separated test files")
     ap.add_argument("--target", choices=("both", "ours", "llama-server"), default="both")
+    ap.add_argument("--tag", default="", help="suffix of this run's output files")
     args = ap.parse_args()
     files = [f.strip() for f in args.only.split(",") if f.strip()]
     out = ROOT / "bench/out"
@@ -184,19 +185,21 @@ def main() -> None:
         tests, wrapper, deps = prepare(Path(tmp))
         runs = {}
         if args.target in ("both", "llama-server"):
-            runs["llama-server"] = start(str(llama_server_bin()), tests, wrapper, deps, files, out)
+            runs["llama-server"] = start(
+                str(llama_server_bin()), tests, wrapper, deps, files, out, args.tag
+            )
         if args.target in ("both", "ours"):
-            runs["ours"] = start("ours", tests, wrapper, deps, files, out)
+            runs["ours"] = start("ours", tests, wrapper, deps, files, out, args.tag)
         xmls = {}
         for side, (proc, xml) in runs.items():
             proc.wait()
             xmls[side] = xml
     # compare with the other side's latest run when only one side ran now
-    xmls.setdefault("ours", out / "llama-tests-ours.xml")
-    xmls.setdefault("llama-server", out / "llama-tests-llama-server.xml")
+    xmls.setdefault("ours", out / f"llama-tests-ours{args.tag}.xml")
+    xmls.setdefault("llama-server", out / f"llama-tests-llama-server{args.tag}.xml")
     if all(x.exists() for x in xmls.values()):
         text = report(outcomes(xmls["ours"]), outcomes(xmls["llama-server"]))
-        (out / "llama-tests.md").write_text(text)
+        (out / f"llama-tests{args.tag}.md").write_text(text)
         print(text)
 
 
