@@ -10,23 +10,15 @@ import jsonschema
 import openai
 import pytest
 
+from tests.tool_cases import PYTHON_RESPONSES
+
 from .conftest import ServerProc
 
 INPUT = [
     {"role": "system", "content": "Book"},
     {"role": "user", "content": "What is the best book"},
 ]
-PYTHON = {
-    "type": "function",
-    "name": "python",
-    "description": "Runs code in an ipython interpreter and returns the result.",
-    "parameters": {
-        "type": "object",
-        "properties": {"code": {"type": "string", "maxLength": 30}},
-        "required": ["code"],
-        "additionalProperties": False,
-    },
-}
+PYTHON = PYTHON_RESPONSES
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 
 from server.tools.parse import OutputParser, ToolFormat, parse_message
 from server.tools.plan import message_of
+from tests.tool_cases import PYTHON, TEST_TOOL
 
 from .conftest import ServerProc
 
@@ -32,19 +33,6 @@ WEATHER = {
                 "days": {"type": "integer", "minimum": 1, "maximum": 7},
             },
             "required": ["location", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-PYTHON = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Runs code in an ipython interpreter and returns the result.",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "maxLength": 30}},
-            "required": ["code"],
             "additionalProperties": False,
         },
     },
@@ -293,18 +281,6 @@ def test_thinking_opened_by_the_template(make_server) -> None:  # noqa: ANN001
 
 # ---- llama.cpp's own cases (tools/server/tests/unit/test_tool_call.py) ------------------
 
-TEST_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "test",
-        "description": "",
-        "parameters": {
-            "type": "object",
-            "properties": {"success": {"type": "boolean", "const": True}},
-            "required": ["success"],
-        },
-    },
-}
 CODING = [
     {"role": "system", "content": "You are a coding assistant."},
     {"role": "user", "content": "Write an example"},

@@ -14,19 +14,8 @@ from server.routes.openai import _plan
 from server.routes.template import ApplyTemplateRequest, render_text
 from server.service import ServerState
 from tests.llama_sdist import vendored
+from tests.tool_cases import TEST_TOOL
 
-TEST_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "test",
-        "description": "",
-        "parameters": {
-            "type": "object",
-            "properties": {"success": {"type": "boolean", "const": True}},
-            "required": ["success"],
-        },
-    },
-}
 TOOLS = pytest.mark.parametrize("tools", [None, [], [TEST_TOOL]], ids=["none", "empty", "tool"])
 
 
