@@ -23,6 +23,9 @@ async def metrics(request: Request) -> Response:
             "not_supported_error",
         )
     st.require_engine()
-    # llama-server's header: scrapers tell a restart from a counter reset by it
-    headers = {"Process-Start-Time-Unix": str(int(st.started))}
-    return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST, headers=headers)
+    response = Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    # llama-server's header: scrapers tell a restart from a counter reset by it. Appended raw
+    # because Starlette lower-cases the names it is given, and some clients (llama.cpp's own
+    # tests among them) look this one up case-sensitively; h11 sends names as they are.
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(int(st.started)).encode()))
+    return response
