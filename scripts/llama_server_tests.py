@@ -114,14 +114,20 @@ def side_tree(tests: Path, ours: bool, tag: str) -> Path:
 
 
 def start(
-    target: str, tests: Path, wrapper: Path, deps: Path, files: list[str], out: Path, tag: str
+    target: str,
+    tests: Path,
+    wrapper: Path,
+    deps: Path,
+    files: list[str],
+    out: Path,
+    args: argparse.Namespace,
 ) -> tuple[subprocess.Popen, Path]:
     """Start one side's pytest run (both sides run at once, on their own ports)."""
-    ours = target == "ours"
+    ours, tag = target == "ours", args.tag
     tests = side_tree(tests, ours, tag)
     xml = out / f"llama-tests-{'ours' if ours else 'llama-server'}{tag}.xml"
     env = {
-        "PORT": "8180" if ours else "8080",
+        "PORT": str(args.port + (100 if ours else 0)),
         **os.environ,
         "LLAMA_SERVER_BIN_PATH": str(wrapper),
         "LLAMA_COMPAT_TARGET": target,
@@ -129,7 +135,7 @@ def start(
         "LLAMA_CACHE": str(tests / "tmp"),
     }
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}"]
-    cmd += [f"unit/{f}.py" for f in files]
+    cmd += [f"unit/{f}.py" for f in files] + (["-k", args.k] if args.k else [])
     print("running", target, "...", flush=True)
     log = open(out / f"llama-tests-{'ours' if ours else 'llama-server'}{tag}.log", "w")
     return subprocess.Popen(cmd, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT), xml
@@ -177,6 +183,8 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(FILES), help="comma-separated test files")
     ap.add_argument("--target", choices=("both", "ours", "llama-server"), default="both")
     ap.add_argument("--tag", default="", help="suffix of this run's output files")
+    ap.add_argument("-k", default="", help="pytest -k expression: run only the matching tests")
+    ap.add_argument("--port", type=int, default=8080, help="llama-server's port; ours is +100")
     args = ap.parse_args()
     files = [f.strip() for f in args.only.split(",") if f.strip()]
     out = ROOT / "bench/out"
@@ -186,10 +194,10 @@ def main() -> None:
         runs = {}
         if args.target in ("both", "llama-server"):
             runs["llama-server"] = start(
-                str(llama_server_bin()), tests, wrapper, deps, files, out, args.tag
+                str(llama_server_bin()), tests, wrapper, deps, files, out, args
             )
         if args.target in ("both", "ours"):
-            runs["ours"] = start("ours", tests, wrapper, deps, files, out, args.tag)
+            runs["ours"] = start("ours", tests, wrapper, deps, files, out, args)
         xmls = {}
         for side, (proc, xml) in runs.items():
             proc.wait()
