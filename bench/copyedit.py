@@ -147,7 +147,12 @@ async def run_copy_edit(
         old, new = NAME_PAIRS[(first + i) % len(NAME_PAIRS)]
         task = copy_task(f"{tag}-{i}", n_paragraphs, old, new)
         n = await _count_tokens(client, url, task.source)
-        r = await stream_completion(client, url, completion_payload(task.prompt, n))
+        # cache_prompt off: each server prefills the whole prompt in the same ubatches, so both
+        # generate the same greedy text and the speeds compare like for like. With the cache
+        # on, the servers reuse different prefixes of the previous text's prompt (llama.cpp is
+        # not batch-invariant), their answers drift apart, and so do their draft acceptances.
+        payload = completion_payload(task.prompt, n, cache_prompt=False)
+        r = await stream_completion(client, url, payload)
         results.append(r)
         shares.append(copied_share(r.text, task))
     drafted = _sum_timing(results, "draft_n")
