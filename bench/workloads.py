@@ -695,7 +695,8 @@ W11 = Workload(
         f"{s.w11_texts} text(s) per repeat, one at a time: ~{s.w11_paragraphs * 66}-token "
         f"story and 'Rewrite this text exactly, changing the name X to Y' (raw Gemma turn "
         f"markup, the answer's first sentence primed), greedy, as many tokens as the text "
-        f"(ignore_eos), prompt cache off (both prefill alike, so both write the same text); every server plain and with `{' '.join(SPEC_FLAGS)}` (the -ngram "
+        f"(ignore_eos), prompt cache off (both prefill alike, so both write the same text); "
+        f"every server plain and with `{' '.join(SPEC_FLAGS)}` (the -ngram "
         f"columns). The default 270M base model copies but keeps the old name; copied share "
         f"= answer characters in runs of 24+ copied from the text"
     ),
