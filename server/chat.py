@@ -51,6 +51,16 @@ BUILTIN_TEMPLATES: dict[str, str] = {
         "{% else %}{{ message['content'] + eos_token }}{% endif %}"
         "{% endfor %}"
     ),
+    # Cohere Command R (llama.cpp's LLM_CHAT_TEMPLATE_COMMAND_R): contents trimmed
+    "command-r": (
+        "{% set tokens = {'system': '<|SYSTEM_TOKEN|>', 'user': '<|USER_TOKEN|>',"
+        " 'assistant': '<|CHATBOT_TOKEN|>'} %}"
+        "{% for message in messages %}{% if message['role'] in tokens %}"
+        "{{ '<|START_OF_TURN_TOKEN|>' + tokens[message['role']] + message['content'] | trim"
+        " + '<|END_OF_TURN_TOKEN|>' }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}"
+    ),
 }
 
 # GGUF architecture -> built-in template, for models whose metadata carries none.
@@ -81,6 +91,25 @@ class Rendered:
     prompt: str
     # Character offset in ``prompt`` where the last user message's turn starts (-1 if none).
     last_user_offset: int
+    # The prompt ends inside reasoning the answer continues (a continued reasoning_content).
+    in_reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A final message continued rather than answered (llama-server's assistant prefill,
+    vLLM's ``continue_final_message``). The messages before it are rendered with the
+    assistant turn opened; ``content`` then starts the answer. ``in_reasoning`` continues
+    its ``reasoning`` inside the template's thinking block instead."""
+
+    content: str
+    reasoning: str = ""
+    in_reasoning: bool = False
+
+
+def _opens_thinking(prompt: str) -> bool:
+    """The prompt ends inside an open ``<think>`` (as tools.prompt.thinking_forced_open)."""
+    return prompt.rstrip().endswith("<think>")
 
 
 class _ConcatUndefined(jinja2.Undefined):
@@ -152,10 +181,24 @@ class ChatTemplate:
         except Exception as e:  # jinja UndefinedError, TypeError inside the template, ...
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
-    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> Rendered:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continuation: Continuation | None = None,
+        **extra: Any,
+    ) -> Rendered:
         """Render, also locating where the last user turn begins (a checkpoint position):
-        the rendered prefix before it is the rendering of the messages before it."""
-        text = self.render(messages, add_generation_prompt=True, **extra)
+        the rendered prefix before it is the rendering of the messages before it. With a
+        ``continuation`` (its message not in ``messages``) the assistant turn is opened and
+        the continued text follows it, without the turn's end."""
+        text = self.render(
+            messages, add_generation_prompt=add_generation_prompt or bool(continuation), **extra
+        )
+        in_reasoning = False
+        if continuation is not None:
+            tail, in_reasoning = self._continued(text, continuation)
+            text += tail
         last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
         offset = -1
         if last_user > 0:
@@ -165,7 +208,28 @@ class ChatTemplate:
                 head = ""
             if head and text.startswith(head):
                 offset = len(head)
-        return Rendered(text, offset)
+        return Rendered(text, offset, in_reasoning)
+
+    def _continued(self, prompt: str, c: Continuation) -> tuple[str, bool]:
+        """What follows the opened assistant turn ``prompt`` to continue ``c``, and whether
+        the answer then goes on inside the reasoning. Where the template opened a thinking
+        block, continued content comes after the (closed) reasoning, as the template writes
+        an answer's; TemplateError (client) where there is no reasoning to continue."""
+        opened = _opens_thinking(prompt)
+        if c.in_reasoning:
+            if opened:
+                return c.reasoning, True
+            if "<think>" in self.source:
+                return "<think>\n" + c.reasoning, True
+            raise TemplateError(
+                "chat template rejected the messages: it has no reasoning block to continue "
+                "the final message's reasoning_content in",
+                client=True,
+            )
+        if opened:
+            reasoning = c.reasoning.rstrip("\n")
+            return (reasoning + "\n" if reasoning else "") + "</think>\n\n" + c.content, False
+        return c.content, False
 
 
 def pick_template(
@@ -211,6 +275,7 @@ _MARKERS = (
     ("<|start_header_id|>", "llama3"),
     ("<|im_start|>", "chatml"),
     ("[INST]", "mistral"),
+    ("<|START_OF_TURN_TOKEN|>", "command-r"),
 )
 
 

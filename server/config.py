@@ -92,12 +92,19 @@ class Settings(BaseModel):
     # embeddings and reranking (server.embeddings): --reranking implies --embedding with
     # pooling rank, as in llama-server; pooling None is the model's own
     embedding: bool = False
+    spm_infill: bool = False  # /infill builds suffix/prefix/middle (server.infill)
     reranking: bool = False
     pooling: str | None = None
     embd_normalize: int = 2
     # speculative decoding (server.slots.speculative)
     spec_type: list[str] = Field(default_factory=lambda: ["none"])
     spec_draft_model: str | None = None
+    # the draft model's placement and threads (server.llama.draft.DraftOptions)
+    threads_draft: int = -1
+    threads_batch_draft: int = -1
+    override_tensor_draft: list[str] | None = None
+    cpu_moe_draft: bool = False
+    n_cpu_moe_draft: int = Field(0, ge=0)
     spec_draft_n_max: int = Field(3, ge=0, le=256)
     spec_draft_n_min: int = Field(0, ge=0, le=256)
     spec_draft_p_min: float = Field(0.0, ge=0.0)  # above 1: the draft model never drafts
@@ -121,9 +128,11 @@ class Settings(BaseModel):
     api_key: str | None = None
     api_key_file: str | None = None
     allowed_hosts: str | None = None
-    cors_origins: str = "*"
-    cors_methods: str = "*"
+    cors_origins: str | None = None  # None: "*", or "localhost" with tools (cors.effective_origins)
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
     cors_headers: str = "*"
+    cors_credentials: bool = True
+    ui_mcp_proxy: bool = False
     ssl_key_file: str | None = None
     ssl_cert_file: str | None = None
     max_body_mb: float = Field(16, gt=0)
@@ -132,6 +141,7 @@ class Settings(BaseModel):
     slot_save_path: str | None = None
     verbose: bool = False
     log_verbosity: int = 3
+    prefill_assistant: bool = True
     log_disable: bool = False
     log_file: str | None = None
     # Accepted-and-ignored llama-server flags that were given: Compat.name -> value.

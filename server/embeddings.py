@@ -19,6 +19,7 @@ import numpy as np
 from .config import Settings
 from .errors import APIError
 from .schemas import _Req
+from .service import until_disconnected
 from .slots.embed import EmbedEvent, EmbedResult, EmbedTask, too_large
 from .slots.engine import EngineDead
 from .types import TaskError
@@ -151,6 +152,9 @@ def check_prompts(prompts: list[list[int]], n_vocab: int, n_ubatch: int, n_ctx: 
             raise APIError(
                 400, f"token id {int(bad[0])} is outside the vocabulary (0..{n_vocab - 1})"
             )
+        # llama-server's order for a prompt it cannot split: the batch first
+        if len(toks) > n_ubatch:
+            raise APIError(400, too_large(len(toks), n_ubatch))
         if len(toks) > n_ctx:
             raise APIError(
                 400,
@@ -160,8 +164,6 @@ def check_prompts(prompts: list[list[int]], n_vocab: int, n_ubatch: int, n_ctx: 
                 n_prompt_tokens=len(toks),
                 n_ctx=n_ctx,
             )
-        if len(toks) > n_ubatch:
-            raise APIError(400, too_large(len(toks), n_ubatch))
 
 
 def encoding_base64(fmt: Any) -> bool:
@@ -297,6 +299,10 @@ def rerank_response(
 # ---- running ------------------------------------------------------------------------------
 
 
+# put in a request's event queue when its client disconnected
+CLIENT_GONE = object()
+
+
 def _emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[EmbedEvent], None]:
     """A task's ``emit``: thread-safe; the engine batches deliveries per loop (``deliver``)."""
 
@@ -311,10 +317,14 @@ def _emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[Emb
     return emit
 
 
-async def run_embeddings(st: Any, prompts: list[list[int]]) -> list[EmbedResult]:
+async def run_embeddings(
+    st: Any, prompts: list[list[int]], request: Any = None
+) -> list[EmbedResult]:
     """Embed ``prompts`` on the engine, one task each (they share decodes with every other
     request's); results in prompt order. APIError: 503 when the queue is full or the engine
-    stopped, 408 after the server's --timeout, a task's error as it comes."""
+    stopped, 408 after the server's --timeout, a task's error as it comes. With ``request``,
+    a client that disconnects cancels the prompts not embedded yet (within ~0.25 s); the
+    answer then goes nowhere."""
     engine = st.require_engine()
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[EmbedEvent] = asyncio.Queue()
@@ -331,11 +341,17 @@ async def run_embeddings(st: Any, prompts: list[list[int]]) -> list[EmbedResult]
         )
     out: list[EmbedResult | None] = [None] * len(tasks)
     deadline = time.monotonic() + st.settings.timeout
+    watcher = None
+    if request is not None:  # a disconnect ends the wait below with CLIENT_GONE
+        watcher = asyncio.create_task(until_disconnected(request))
+        watcher.add_done_callback(lambda _: q.put_nowait(CLIENT_GONE))
     try:
         for t in tasks:
             engine.submit(t)
         for _ in tasks:
             ev = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
+            if ev is CLIENT_GONE:
+                raise APIError(499, "the client disconnected", "cancelled_error")
             if isinstance(ev, TaskError):
                 raise APIError(ev.status, ev.message, ev.type, **ev.extra)
             out[ev.index] = ev
@@ -346,6 +362,8 @@ async def run_embeddings(st: Any, prompts: list[list[int]]) -> list[EmbedResult]
             408, f"the request timed out after {st.settings.timeout:g} s", "timeout_error"
         ) from None
     finally:
+        if watcher is not None:
+            watcher.cancel()
         for t in tasks:
             t.cancel()  # those still waiting are dropped; finished ones ignore it
     return [r for r in out if r is not None]

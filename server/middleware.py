@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .cors import LOCAL_HOSTS, LOCALHOST, hostname, normalize_origin, origin_host
 from .errors import error_body
 from .metrics import ServerMetrics, endpoint_label
 
@@ -141,21 +142,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
-# Endpoints that change server state (files, slots, settings): not for any web page.
-_STATE_PREFIXES = ("/slots", "/cache", "/props")
-
-
-def _hostname(authority: str) -> str:
-    """``host[:port]`` (or ``[v6]:port``) without the port, lower case."""
-    a = authority.strip().lower()
-    if a.startswith("["):
-        return a[: a.find("]") + 1] if "]" in a else a
-    return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
-
-
-def _origin_host(origin: str) -> str:
-    return _hostname(origin.split("://", 1)[1]) if "://" in origin else ""
+# Endpoints that change server state (files, slots, settings) or reach other hosts (the CORS
+# proxy): not for any web page.
+_STATE_PREFIXES = ("/slots", "/cache", "/props", "/cors-proxy")
 
 
 def _json_type(ctype: bytes) -> bool:
@@ -169,8 +158,11 @@ class RequestGuard:
 
     - with ``allowed_hosts``, the Host header must name one of them (403);
     - a request with an ``Origin`` must come from an allowed origin: one of ``cors_origins``
-      when set; when it is ``*`` (the default), any origin may generate, but only local
-      pages (localhost, 127.0.0.1, [::1]) may reach the endpoints that change state (403);
+      when set (the item ``localhost``: any local page); when it is ``*`` (the default), any
+      origin may generate, but only local pages (localhost, 127.0.0.1, [::1]) may reach the
+      endpoints that change state or the CORS proxy, and a page on another site may not send
+      cookies (403: preflights allow credentials, as llama-server's do, so a browser would
+      otherwise send the user's cookies to a cookie-authenticating proxy in front);
     - a POST body must be JSON (``application/json`` or ``+json``, else 415); a missing type
       and curl's form type pass only without an Origin, so ``curl -d`` keeps working.
 
@@ -180,23 +172,32 @@ class RequestGuard:
     def __init__(self, app: ASGIApp, cors_origins: list[str], allowed_hosts: list[str]) -> None:
         self.app = app
         self.any_origin = cors_origins in ([], ["*"])
-        self.origins = {o.rstrip("/").lower() for o in cors_origins}
-        self.hosts = {_hostname(h) for h in allowed_hosts}
+        self.origins = {normalize_origin(o) for o in cors_origins}
+        self.hosts = {hostname(h) for h in allowed_hosts}
+
+    def _origin_refusal(self, scope: Scope, origin: str) -> tuple[int, str] | None:
+        local = origin_host(origin) in LOCAL_HOSTS
+        if not self.any_origin:
+            named = origin in self.origins or (LOCALHOST in self.origins and local)
+            return None if named else (403, f"origin {origin!r} is not allowed (--cors-origins)")
+        if scope.get("path", "").startswith(_STATE_PREFIXES) and not local:
+            return 403, f"origin {origin!r} may not change server state; see --cors-origins"
+        host = hostname((_header(scope, b"host") or b"").decode("latin-1"))
+        if _header(scope, b"cookie") and not local and origin_host(origin) != host:
+            return 403, f"origin {origin!r} may not send cookies; see --cors-origins"
+        return None
 
     def _refusal(self, scope: Scope) -> tuple[int, str] | None:
         if self.hosts:
             host = (_header(scope, b"host") or b"").decode("latin-1")
-            if _hostname(host) not in self.hosts:
+            if hostname(host) not in self.hosts:
                 return 403, f"host {host!r} is not allowed (--allowed-hosts)"
         origin_raw = _header(scope, b"origin")
-        origin = origin_raw.decode("latin-1").rstrip("/").lower() if origin_raw else None
+        origin = normalize_origin(origin_raw.decode("latin-1")) if origin_raw else None
         if origin is not None and scope.get("method") != "OPTIONS":
-            if not self.any_origin and origin not in self.origins:
-                return 403, f"origin {origin!r} is not allowed (--cors-origins)"
-            path = scope.get("path", "")
-            local = _origin_host(origin) in _LOCAL_HOSTS
-            if self.any_origin and path.startswith(_STATE_PREFIXES) and not local:
-                return 403, f"origin {origin!r} may not change server state; see --cors-origins"
+            refusal = self._origin_refusal(scope, origin)
+            if refusal is not None:
+                return refusal
         if scope.get("method") in ("POST", "PUT", "PATCH"):
             ctype = _header(scope, b"content-type")
             lenient = origin is None and (

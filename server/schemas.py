@@ -79,7 +79,7 @@ class SamplingFields(_Req):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     repeat_last_n: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
-    logit_bias: dict[str, float] | list[list[Any]] | None = None
+    logit_bias: dict[str, Any] | list[list[Any]] | None = None  # service._logit_bias
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     id_slot: Annotated[int, Field(ge=-1, le=1023)] = -1
@@ -88,6 +88,8 @@ class SamplingFields(_Req):
     # llama-server's prompt_progress events in streamed responses
     return_progress: bool = False
     timings_per_token: bool = False  # llama-server's timings on every streamed chunk
+    # llama-server's debug field: __verbose in OpenAI responses (default: --verbose)
+    verbose: bool | None = None
     timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None  # seconds
     # vLLM's field: names the tenant whose cached prefixes this request may reuse
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
@@ -201,6 +203,10 @@ class ChatRequest(SamplingFields):
     reasoning_format: Literal["none", "auto", "deepseek"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # vLLM's: open the assistant turn; continue the final message instead (llama-server
+    # also continues a final assistant message by itself: --prefill-assistant)
+    add_generation_prompt: bool = True
+    continue_final_message: bool | Literal["content", "reasoning_content"] | None = None
     # refused when they ask for something (UNSUPPORTED)
     audio: Any = None
     modalities: Any = None
@@ -226,12 +232,17 @@ class ChatRequest(SamplingFields):
 
 
 class NativeCompletionRequest(SamplingFields):
-    """llama-server's /completion. ``max_tokens`` wins over ``n_predict``."""
+    """llama-server's /completion. ``max_tokens`` wins over ``n_predict``. ``prompt`` takes
+    every form of llama-server's (server.prompts checks it)."""
 
-    prompt: str | list[int]
+    prompt: Any
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     stream: bool = False
+    # n_probs reports the sampler chain's final distribution (prob/top_probs)
+    post_sampling_probs: bool = False
+    # only these fields of the final object ("a/b": a nested one, moved to the top)
+    response_fields: list[str] | None = None
 
 
 class TokenizeRequest(_Req):
@@ -269,6 +280,8 @@ class InfillRequest(SamplingFields):
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     stream: bool = False
+    post_sampling_probs: bool = False  # as /completion's
+    response_fields: list[str] | None = None  # as /completion's
 
 
 class ResponsesRequest(SamplingFields):

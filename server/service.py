@@ -130,29 +130,57 @@ def sampling_from(
     return p
 
 
-def _logit_bias(raw: dict[str, float] | list[list[Any]], backend: Any) -> dict[int, float]:
-    """``{"id": bias}`` or ``[[id, bias], ...]`` (``false`` bans the token) as token -> bias."""
-    items = raw.items() if isinstance(raw, dict) else [(x[0], x[1]) for x in raw if len(x) == 2]
+def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Any) -> dict[int, float]:
+    """llama-server's logit_bias forms as token -> bias: ``[[tok, bias], ...]`` or
+    ``{"tok": bias}``, where ``tok`` is a token id or a text whose every token (tokenized
+    without BOS) gets the bias, and ``false`` as the bias bans the token. As there, entries
+    that are not pairs or whose bias is neither a number nor false are skipped; unlike there,
+    an id outside the vocabulary or a bias outside [-100, 100] is a 400, not ignored."""
+    if isinstance(raw, dict):
+        items: list[tuple[Any, Any]] = list(raw.items())
+    else:
+        items = [(x[0], x[1]) for x in raw if isinstance(x, list) and len(x) == 2]
     out: dict[int, float] = {}
     for k, v in items:
-        try:
-            tok = int(k)
-        except (TypeError, ValueError):
-            raise APIError(400, f"logit_bias key {k!r} is not a token id") from None
-        if not 0 <= tok < backend.n_vocab:
-            raise APIError(
-                400, f"logit_bias token {tok} is outside the vocabulary (0..{backend.n_vocab - 1})"
-            )
-        if v is False:
-            v = float("-inf")
-        try:
-            fv = float(v)
-        except (TypeError, ValueError):
-            raise APIError(400, f"logit_bias value for {tok} is not a number") from None
-        if fv != fv or (abs(fv) > 100 and fv != float("-inf")):
-            raise APIError(400, f"logit_bias value for {tok} must be within [-100, 100]")
-        out[tok] = fv
+        bias = _bias_value(v)
+        if bias is None:
+            continue
+        if bias != bias or (abs(bias) > 100 and bias != float("-inf")):
+            raise APIError(400, f"logit_bias value for {k!r} must be within [-100, 100]")
+        for tok in _bias_tokens(k, backend, isinstance(raw, dict)):
+            out[tok] = bias
     return out
+
+
+def _bias_value(v: Any) -> float | None:
+    """A logit_bias value as a float (``false``: -inf), None when it is neither."""
+    if v is False:
+        return float("-inf")
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+def _bias_tokens(key: Any, backend: Any, from_dict: bool) -> list[int]:
+    """The tokens one logit_bias key names: an id (a whole decimal string in the object
+    form), or the tokens of a text. APIError 400 for an id outside the vocabulary."""
+    tok: int | None = None
+    if isinstance(key, int) and not isinstance(key, bool):
+        tok = key
+    elif isinstance(key, str) and from_dict:
+        try:
+            tok = int(key)
+        except ValueError:
+            tok = None
+    if tok is None:
+        if not isinstance(key, str):
+            return []
+        return backend.tokenize(key, False, False)
+    if not 0 <= tok < backend.n_vocab:
+        raise APIError(
+            400, f"logit_bias token {tok} is outside the vocabulary (0..{backend.n_vocab - 1})"
+        )
+    return [tok]
 
 
 def constraint_of(
@@ -385,13 +413,18 @@ class TaskGroup:
         return [r for r in out if r is not None]
 
     async def _watch(self, request: Any) -> None:
-        # Polled: Starlette tells a non-streaming handler of a disconnect only when asked.
-        while True:
-            await asyncio.sleep(0.25)
-            if await request.is_disconnected():
-                log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
-                self.cancel()
-                return
+        await until_disconnected(request)
+        log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
+        self.cancel()
+
+
+async def until_disconnected(request: Any, period: float = 0.25) -> None:
+    """Returns once the client of ``request`` has gone. Polled: Starlette tells a
+    non-streaming handler of a disconnect only when asked."""
+    while True:
+        await asyncio.sleep(period)
+        if await request.is_disconnected():
+            return
 
 
 class Prompt(NamedTuple):
@@ -425,6 +458,9 @@ class Submission:
     constraint: Constraint | None = None  # structured output / forced format (server.constrained)
     return_progress: bool = False  # PromptProgress events while the prompt is processed
     timings_per_token: bool = False  # streamed text chunks carry timings
+    # llama-server's post_sampling_probs: the n_probs reported are the sampler chain's
+    # final distribution (SamplingParams.post_probs), not the model's
+    post_sampling: bool = False
 
 
 def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
@@ -450,12 +486,16 @@ async def submit(
     # streams of other requests keep flowing meanwhile.
     prompts = await asyncio.to_thread(_checked_prompts, job, b)
     sampling = sampling_from(body, b, st.settings)
+    if job.post_sampling:
+        sampling.post_probs = job.n_probs
     job.check()
     if job.constraint is not None:
         # binding to the vocabulary takes milliseconds to tens of them: off the event loop
         sampling.constraint = await asyncio.to_thread(compile_constraint, b, job.constraint)
     gen = GenParams(
-        max_tokens=job.max_tokens,
+        # llama-server: a request without a limit (-1) gets --n-predict's; one with a limit
+        # keeps it, above --n-predict too
+        max_tokens=job.max_tokens if job.max_tokens >= 0 else st.settings.n_predict,
         stop=stops_from(body),
         ignore_eos=body.ignore_eos,
         n_probs=job.n_probs,

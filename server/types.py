@@ -97,6 +97,10 @@ class SamplingParams:
     # Constrained decoding (a server.constrained.CompiledConstraint): every sampled token
     # must keep the output inside it; None samples freely.
     constraint: TokenConstraint | None = None
+    # llama-server's post_sampling_probs: report this many of the candidates the chain
+    # leaves (their probabilities after bias, penalties, top-k/p, min-p and temperature)
+    # instead of the model's top log-probabilities; 0: off
+    post_probs: int = 0
 
 
 @dataclass

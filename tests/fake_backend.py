@@ -184,6 +184,11 @@ class FakeBackend:
     def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:
         return TokenLogprob(token, -0.5, [(token, -0.5)][:n])
 
+    def sampled_logprobs(self, sampler: FakeSampler, idx: int, token: int, n: int) -> TokenLogprob:
+        if sampler.p.post_probs:  # as if the chain left only the sampled token
+            return TokenLogprob(token, 0.0, [(token, 0.0)][:n])
+        return self.top_logprobs(idx, token, n)
+
     # ---- memory ----
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
         m = self.kv[seq]

@@ -84,7 +84,8 @@ def _normalized(node: dict[str, Any]) -> dict[str, Any]:
     - numbers without a bound get +-MAX_NUMBER: an unbounded integer lets a weak model write
       digits until max_tokens ("2000000..."); bounded, it has at most 16 digits;
     - a draft-04 tuple (``items`` a list) becomes ``prefixItems`` with ``additionalItems``
-      (default: none) as ``items``;
+      (default: none) as ``items``; a tuple holds all its items (``minItems`` its length,
+      unless the schema sets one), as llama.cpp writes exactly those;
     - without a ``type``, ``properties`` make an object and ``items`` an array."""
     out = dict(node)
     if not any(k in node for k in _NOT_INFERRED):
@@ -95,6 +96,8 @@ def _normalized(node: dict[str, Any]) -> dict[str, Any]:
     if isinstance(node.get("items"), list) and "prefixItems" not in node:
         out["prefixItems"] = node["items"]
         out["items"] = out.pop("additionalItems", False)
+    if isinstance(out.get("prefixItems"), list):
+        out.setdefault("minItems", len(out["prefixItems"]))
     _bound_numbers(out)
     for k in _ONE:
         if isinstance(out.get(k), dict):

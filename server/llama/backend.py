@@ -208,6 +208,22 @@ class _Candidates:
         L.llama_sampler_apply(chain, ctypes.byref(a))
         return int(a.data[a.selected].id)
 
+    def post_probs(self, tok: int, n: int) -> TokenLogprob:
+        """The distribution the chain left after the last ``sample`` (llama-server's
+        post_sampling_probs): ``tok``'s log-probability and the ``n`` likeliest candidates',
+        those of probability 0 left out as there. numpy over the remaining candidates."""
+        a = self.arr
+        rows = (L.llama_token_data * a.size).from_address(ctypes.addressof(a.data.contents))
+        v = np.frombuffer(rows, dtype=_TOKEN_DATA)
+        p = v["p"]
+        k = min(n, len(p))
+        top = np.argpartition(-p, k - 1)[:k] if 0 < k < len(p) else np.arange(k)
+        top = top[np.argsort(-p[top], kind="stable")]
+        top = top[p[top] > 0.0]
+        sel = float(p[a.selected]) if 0 <= a.selected < len(p) else 0.0
+        logp = float(np.log(sel)) if sel > 0.0 else float("-inf")
+        return TokenLogprob(tok, logp, [(int(v["id"][i]), float(np.log(p[i]))) for i in top])
+
 
 class Sampler:
     """One llama_sampler chain for one task; freed when the task ends."""
@@ -223,6 +239,11 @@ class Sampler:
         # the context and sequence the chain is attached to for backend sampling (-bs)
         self._ctx: Any = None
         self.seq = -1
+        # post_sampling_probs: candidates to report per sampled row (0: off), and what the
+        # chain left at each row sampled since (Backend.sampled_logprobs takes them)
+        self.n_post = 0
+        self.argmax_only = False  # temperature 0: the chain picks the largest logit
+        self.post: dict[int, TokenLogprob] = {}
 
     def free(self) -> None:
         if self.ptr:
@@ -503,13 +524,45 @@ class LlamaBackend(SeqMemory):
             add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         active = penalties and p.repeat_last_n != 0
         greedy = p.temperature <= 0.0 and not p.logit_bias and not active
-        return Sampler(chain, stateful=active, greedy=greedy)
+        smp = Sampler(chain, stateful=active, greedy=greedy)
+        smp.n_post, smp.argmax_only = p.post_probs, p.temperature <= 0.0
+        return smp
 
     def sample(self, sampler: Sampler, idx: int) -> int:
+        if sampler.n_post:
+            return self._sample_post(sampler, idx)
         if sampler.greedy and sampler._ctx is None:
             return self.argmax(idx)
         # a chain attached to the backend returns the token the graph sampled
         return L.llama_sampler_sample(sampler.ptr, self.ctx, idx)
+
+    def _sample_post(self, sampler: Sampler, idx: int, logits: np.ndarray | None = None) -> int:
+        """``sample`` (from ``logits`` when given, else output ``idx``'s row) on the server's
+        candidates array, keeping what the chain left there in ``sampler.post[idx]``. A
+        temperature-0 chain computes no probabilities: its pick had probability 1, as
+        llama-server reports it (its chain ends in a temperature-0 dist)."""
+        if sampler.greedy and logits is None:
+            tok = self.argmax(idx)
+        else:
+            if logits is None:
+                ptr = L.llama_get_logits_ith(self.ctx, idx)
+                logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            if self._candidates is None:
+                self._candidates = _Candidates(self.n_vocab)
+            tok = self._candidates.sample(sampler.ptr, logits)
+            L.llama_sampler_accept(sampler.ptr, tok)
+        if sampler.argmax_only:  # (a greedy chain always is)
+            sampler.post[idx] = TokenLogprob(tok, 0.0, [(tok, 0.0)])
+        else:
+            sampler.post[idx] = self._candidates.post_probs(tok, sampler.n_post)
+        return tok
+
+    def sampled_logprobs(self, sampler: Sampler, idx: int, token: int, n: int) -> TokenLogprob:
+        """The log-probabilities to report for ``token`` sampled at output ``idx``: those of
+        the chain's final distribution for a post_sampling_probs sampler, otherwise the
+        model's (``top_logprobs``)."""
+        post = sampler.post.pop(idx, None)
+        return post if post is not None else self.top_logprobs(idx, token, n)
 
     def argmax(self, idx: int) -> int:
         """What a greedy-only chain samples from output ``idx``: the first largest logit
@@ -539,7 +592,14 @@ class LlamaBackend(SeqMemory):
         put the output rows back in batch order) is done first, on this thread: the workers
         then only read the context. A greedy chain is an argmax (``sample``), on this thread
         when every chain is greedy: a hop to the pool would cost more than it."""
-        if pool is None or len(items) < 2 or all(s.greedy and s._ctx is None for s, _ in items):
+        # post_sampling_probs chains share the candidates array: this thread only
+        one_thread = any(s.n_post for s, _ in items)
+        if (
+            pool is None
+            or len(items) < 2
+            or one_thread
+            or all(s.greedy and s._ctx is None for s, _ in items)
+        ):
             return [self.sample(s, i) for s, i in items]
         L.llama_get_logits_ith(self.ctx, items[0][1])  # synchronize + output_reorder
         return list(pool.map(lambda it: self.sample(it[0], it[1]), items))
@@ -554,6 +614,10 @@ class LlamaBackend(SeqMemory):
         distribution); ``full_mask`` masks first, so that the logits that ``top_logprobs``
         reads afterwards are the constrained ones."""
         logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+        if sampler.n_post:  # post_sampling_probs: report the constrained chain's distribution
+            if matcher.mask_logits(logits) == 0:
+                return -1
+            return self._sample_post(sampler, idx, logits)
         if not sampler.stateful:
             # accepting a token is a no-op for this chain: llama_sampler_sample may accept
             # the refused first pick, and resamples from the masked row in place

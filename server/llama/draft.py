@@ -17,27 +17,36 @@ import numpy as np
 
 from .backend import LlamaBackend, LlamaBatch, _context_params
 from .memory import SeqMemory, memory_layout
-from .params import KV_TYPES
+from .params import KV_TYPES, model_params
 
 log = logging.getLogger("server.llama.draft")
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftOptions:
+    """The draft model's own settings (llama-server's ``--spec-draft-*`` / ``*-draft`` flags);
+    what is not here is the target's."""
+
+    path: str | None = None  # -md; None or the main model's path: the target drafts itself
+    n_gpu_layers: int = -1  # -ngld (-1: all)
+    type_k: str = "f16"  # -ctkd
+    type_v: str = "f16"  # -ctvd
+    # -otd, and the CPU overrides of -cmoed / -ncmoed (llama.params.tensor_overrides)
+    tensor_overrides: tuple[tuple[str, str], ...] = ()
+    n_threads: int = -1  # -td (-1: the target's)
+    n_threads_batch: int = -1  # -tbd (-1: the target's)
+
+
 class DraftContext(SeqMemory):
-    def __init__(
-        self,
-        target: LlamaBackend,
-        path: str | None,
-        n_gpu_layers: int = -1,
-        type_k: str = "f16",
-        type_v: str = "f16",
-    ) -> None:
+    def __init__(self, target: LlamaBackend, o: DraftOptions) -> None:
+        path = o.path
         own = bool(path) and os.path.realpath(path) != os.path.realpath(target.opts.path)
         self.path = path if own else target.opts.path
         self._own_model = own
         if own:
-            mparams = L.llama_model_default_params()
-            mparams.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else 999
-            self.model = L.llama_model_load_from_file(path.encode(), mparams)
+            # ValueError (an unknown buffer type in -otd) before anything is loaded
+            self._mparams = model_params(o.n_gpu_layers, overrides=o.tensor_overrides)
+            self.model = L.llama_model_load_from_file(path.encode(), self._mparams.params)
             if not self.model:
                 raise RuntimeError(f"failed to load the draft model {path}")
         else:
@@ -60,8 +69,12 @@ class DraftContext(SeqMemory):
             n_ctx=target.n_ctx,
             backend_sampling=False,
             outputs_per_seq=1,
-            type_k=type_k,
-            type_v=type_v,
+            type_k=o.type_k,
+            type_v=o.type_v,
+            n_threads=o.n_threads if o.n_threads > 0 else target.opts.n_threads,
+            n_threads_batch=o.n_threads_batch
+            if o.n_threads_batch > 0
+            else target.opts.n_threads_batch,
         )
         cparams, _ = _context_params(opts, L.llama_model_n_ctx_train(self.model))
         self.ctx = L.llama_init_from_model(self.model, cparams)
@@ -70,7 +83,7 @@ class DraftContext(SeqMemory):
             raise RuntimeError("failed to create the draft context (out of memory?)")
         self.mem = L.llama_get_memory(self.ctx)
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))
-        self.kv_type_ids = (KV_TYPES[type_k], KV_TYPES[type_v])
+        self.kv_type_ids = (KV_TYPES[o.type_k], KV_TYPES[o.type_v])
         self.n_batch = L.llama_n_batch(self.ctx)
         self.batch = LlamaBatch(self.n_batch)
 

@@ -4,6 +4,7 @@ log-probabilities and the generation settings that /props, /slots and /completio
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi import Request
@@ -75,7 +76,10 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
             n_probs=task.gen.n_probs,
             cache_prompt=task.cache_prompt,
             stream=task.stream,
-            logit_bias=[[t, b] for t, b in task.sampling.logit_bias.items()],
+            # a banned token's -inf is null, as llama-server's JSON writes it
+            logit_bias=[
+                [t, b if math.isfinite(b) else None] for t, b in task.sampling.logit_bias.items()
+            ],
             n_discard=task.gen.n_discard,
         )
     return out

@@ -66,7 +66,7 @@ async def _embeddings(request: Request, body: EmbeddingRequest, oai: bool) -> JS
     use_base64 = encoding_base64(body.encoding_format)
     tok = _tokenizer(st)
     prompts = await asyncio.to_thread(_checked, st, lambda: embedding_prompts(raw, tok))
-    results = await run_embeddings(st, prompts)
+    results = await run_embeddings(st, prompts, request)
     mode = st.settings.embd_normalize if body.embd_normalize is None else body.embd_normalize
     if oai:
         # the response is built here, not by FastAPI's encoder (which walks every float)
@@ -103,5 +103,5 @@ async def rerank(request: Request, body: RerankRequest) -> Any:
     tok = _tokenizer(st)
     make = lambda: [rerank_prompt(query, d, parts, tok) for d in docs]  # noqa: E731
     prompts = await asyncio.to_thread(_checked, st, make)
-    results = await run_embeddings(st, prompts)
+    results = await run_embeddings(st, prompts, request)
     return JSONResponse(rerank_response(body, body.model or st.model_name, results, docs))

@@ -25,7 +25,7 @@ def _prompt(st: ServerState, body: InfillRequest, extra: list) -> list[Prompt]:
         n_batch=b.n_batch,
         n_predict=st.settings.n_predict,
         n_ctx=b.n_ctx_slot,
-        spm=bool(getattr(st.settings, "spm_infill", False)),
+        spm=st.settings.spm_infill,
     )
     bos = b.bos_id if b.add_bos and b.bos_id >= 0 else None
     tokens = b.tokenize(body.prompt or "", False, True)

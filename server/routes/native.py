@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import APIError
+from ..prompts import prompt_echo, prompt_tokens, split_prompts
 from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service import (
     Prompt,
@@ -21,7 +23,15 @@ from ..service import (
     submit,
     tenant_of,
 )
-from ..types import FinishReason, PromptProgress, Task, TaskError, TaskResult, TextChunk
+from ..types import (
+    FinishReason,
+    PromptProgress,
+    Task,
+    TaskError,
+    TaskResult,
+    TextChunk,
+    TokenLogprob,
+)
 from .common import SSE_HEADERS, generation_settings, sse, sse_error, state_of, token_logprobs
 
 router = APIRouter()
@@ -115,12 +125,19 @@ def _stop_type(r: TaskResult) -> str:
 
 
 def _final(
-    st: ServerState, task: Task, r: TaskResult, content: str, prompt: str, probs: bool = False
+    st: ServerState,
+    task: Task,
+    r: TaskResult,
+    content: str,
+    prompt: str,
+    probs: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """The last (or only) /completion object of ``task``: its content (empty when streamed),
-    counts, timings and the settings it ran with; ``probs`` adds the per-token probabilities
-    (streams sent them with each chunk)."""
+    """The last (or only) /completion object of ``task`` (prompt ``index`` of the request):
+    its content (empty when streamed), counts, timings and the settings it ran with;
+    ``probs`` adds the per-token probabilities (streams sent them with each chunk)."""
     out = {
+        "index": index,
         "content": content,
         "id_slot": r.id_slot,
         "stop": True,
@@ -137,29 +154,62 @@ def _final(
         "timings": r.timings.as_dict(),
     }
     if probs:
-        out["completion_probabilities"] = token_logprobs(st.backend, r.logprobs, with_id=True)
+        out["completion_probabilities"] = completion_probs(st, task, r.logprobs)
     return out
 
 
-def _native_prompt(st: ServerState, prompt: str | list[int]) -> list[Prompt]:
-    """Text is tokenized with BOS and special tokens parsed; token lists are taken as they are."""
-    if isinstance(prompt, str):
-        return [Prompt(st.backend.tokenize(prompt, True, True))]
-    return [Prompt(list(prompt))]
+def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """llama-server's ``completion_probabilities``: log-probabilities (``logprob``,
+    ``top_logprobs``), or with post_sampling_probs the probabilities the sampler chain left
+    (``prob``, ``top_probs``)."""
+    out = token_logprobs(st.backend, lps, with_id=True)
+    if not task.sampling.post_probs:
+        return out
+
+    def prob(e: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": e["id"],
+            "token": e["token"],
+            "bytes": e["bytes"],
+            "prob": math.exp(e["logprob"]),
+        }
+
+    # n_probs entries per token: no loop over the vocabulary
+    return [{**prob(e), "top_probs": [prob(x) for x in e["top_logprobs"]]} for e in out]
+
+
+def _native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
+    """Each of llama-server's prompt forms (server.prompts) as tokens: text is tokenized with
+    special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
+    b = st.backend
+
+    def tokenize(text: str, add_special: bool) -> list[int]:
+        return b.tokenize(text, add_special, True)
+
+    return [Prompt(prompt_tokens(p, tokenize)) for p in prompts]
 
 
 @router.post("/completion")
+@router.post("/completions")  # llama-server: the native route, not OpenAI's
 async def completion(body: NativeCompletionRequest, request: Request) -> Response:
     """llama-server's completion: one prompt, one result object (or a stream of chunks)."""
     st = state_of(request)
-    return await run_native(st, request, body, lambda: _native_prompt(st, body.prompt))
+    raw = split_prompts(body.prompt)
+    echoes = [prompt_echo(p) for p in raw]
+    return await run_native(st, request, body, lambda: _native_prompts(st, raw), echoes)
 
 
 async def run_native(
-    st: ServerState, request: Request, body: Any, prompts: Callable[[], list[Prompt]]
+    st: ServerState,
+    request: Request,
+    body: Any,
+    prompts: Callable[[], list[Prompt]],
+    echoes: list[str] | None = None,
 ) -> Response:
     """Run one native-completion request (/completion, /infill) on ``prompts()``: the final
-    object, or the stream of chunks. llama-server echoes a text ``prompt`` only."""
+    object (a list of them, by prompt, for several prompts), or the stream of chunks (each
+    with its prompt's ``index``). ``echoes``: the ``prompt`` each result echoes (by default
+    a text ``prompt`` of the body: llama-server echoes text only)."""
     job = Submission(
         prompts=prompts,
         max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
@@ -169,42 +219,72 @@ async def run_native(
         constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
+        post_sampling=body.post_sampling_probs,
     )
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
-    prompt_echo = body.prompt if isinstance(body.prompt, str) else ""
+    if echoes is None:
+        echoes = [body.prompt if isinstance(body.prompt, str) else ""] * len(group.tasks)
     if not body.stream:
-        (r,) = await group.results(request)
-        return JSONResponse(
-            _final(st, group.tasks[0], r, r.text, prompt_echo, probs=body.n_probs > 0)
-        )
+        results = await group.results(request)
+        fields = body.response_fields
+        out = [
+            pick_fields(
+                _final(st, t, r, r.text, echoes[i], probs=body.n_probs > 0, index=i), fields
+            )
+            for i, (t, r) in enumerate(zip(group.tasks, results, strict=True))
+        ]
+        # llama-server: one prompt, one object; several, a list
+        return JSONResponse(out[0] if len(out) == 1 else out)
     return StreamingResponse(
-        _stream(st, group, prompt_echo), media_type="text/event-stream", headers=SSE_HEADERS
+        _stream(st, group, echoes, body.response_fields),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
     )
 
 
-async def _stream(st: ServerState, group: TaskGroup, prompt_echo: str) -> AsyncIterator[str]:
+def pick_fields(obj: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+    """llama-server's ``response_fields``: only the named fields of a final object, a path
+    ``a/b`` naming ``obj["a"]["b"]`` (kept under the name ``a/b``); missing ones are left out.
+    None or empty: the whole object."""
+    if not fields:
+        return obj
+    out: dict[str, Any] = {}
+    for path in fields:
+        cur: Any = obj
+        for key in path.split("/"):
+            if not isinstance(cur, dict) or key not in cur:
+                break
+            cur = cur[key]
+        else:
+            out[path] = cur
+    return out
+
+
+async def _stream(
+    st: ServerState, group: TaskGroup, echoes: list[str], fields: list[str] | None = None
+) -> AsyncIterator[str]:
     """The SSE events of a streamed /completion: text chunks, then the final object or an
-    error event. Unlike the OpenAI streams there is no [DONE] (llama-server sends none)."""
-    (task,) = group.tasks
-    async for _, ev in group.events():
+    error event, each with its prompt's ``index`` (the prompts run interleaved). Unlike the
+    OpenAI streams there is no [DONE] (llama-server sends none)."""
+    async for i, ev in group.events():
+        task = group.tasks[i]
         if isinstance(ev, TextChunk):
             chunk: dict[str, Any] = {
+                "index": i,
                 "content": ev.text,
                 "stop": False,
                 "id_slot": -1,
                 "tokens": ev.tokens,
             }
             if task.gen.n_probs:
-                chunk["completion_probabilities"] = token_logprobs(
-                    st.backend, ev.logprobs, with_id=True
-                )
+                chunk["completion_probabilities"] = completion_probs(st, task, ev.logprobs)
             if ev.timings is not None:
                 chunk["timings"] = ev.timings.as_dict()
             yield sse(chunk)
         elif isinstance(ev, PromptProgress):
-            yield sse(progress_chunk(ev))
+            yield sse({**progress_chunk(ev), "index": i})
         elif isinstance(ev, TaskResult):
-            yield sse(_final(st, task, ev, "", prompt_echo))
+            yield sse(pick_fields(_final(st, task, ev, "", echoes[i], index=i), fields))
         elif isinstance(ev, TaskError):
             yield sse_error(ev)
 

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ROLES, TemplateError
+from ..chat import ROLES, Continuation, Rendered, TemplateError
 from ..config import csv_list
 from ..constrained import Constraint
 from ..errors import APIError
@@ -37,6 +37,7 @@ from ..tools.prompt import prepare, thinking_forced_open
 from ..tools.spec import ToolSpecError
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import SSE_DONE, SSE_HEADERS, sse, sse_error, state_of, token_logprobs
+from .native import _final as completion_object
 
 router = APIRouter()
 
@@ -200,7 +201,6 @@ class _CompletionChoices:
 
 
 @router.post("/v1/completions")
-@router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     """Legacy text completions: every prompt ``n`` times, choices prompt-major."""
     st = state_of(request)
@@ -256,17 +256,64 @@ def _messages(req: ChatRequest) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
-    """Prompt tokens and the token index where the last user turn starts (-1 if unknown).
-    Tools and tool history go in as ``plan`` says (server.tools.prompt); whether the
-    template opened a ``<think>`` is noted in ``plan.forced_open``."""
-    b = st.backend
+def _continuation(
+    st: ServerState, req: ChatRequest, messages: list[dict[str, Any]]
+) -> tuple[Continuation | None, bool]:
+    """Whether the final message is continued (and then taken off ``messages``), and whether
+    the template opens the assistant turn, as llama-server decides: ``continue_final_message``
+    (true, "content" or "reasoning_content"), else a final assistant message is continued
+    (--prefill-assistant, on by default). APIError 400 for the combinations it refuses."""
+    mode = req.continue_final_message
+    add_gen = req.add_generation_prompt
+    if mode is None and st.settings.prefill_assistant and messages[-1]["role"] == "assistant":
+        if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+            raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.")
+        mode, add_gen = True, False
+    if not mode:
+        return None, add_gen
+    if add_gen:
+        raise APIError(
+            400, "Cannot set both add_generation_prompt and continue_final_message to true."
+        )
+    last, raw = messages.pop(), req.messages[-1]
+    if last.get("tool_calls"):
+        raise APIError(400, "Cannot continue an assistant message that contains tool calls.")
+    # parts join with a blank line here (llama.cpp's render_content), with "\n" elsewhere
+    if isinstance(raw.content, list):
+        content = "\n\n".join(p.text or "" for p in raw.content)
+    else:
+        content = last["content"]
+    reasoning = last.get("reasoning_content") or ""
+    if mode is True:  # auto: the reasoning when there is nothing else to continue
+        mode = "reasoning_content" if reasoning and not content else "content"
+    return Continuation(content, reasoning, mode == "reasoning_content"), False
+
+
+def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered:
+    """The chat template's rendering of ``req``: tools and tool history as ``plan`` says
+    (server.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
+    when the template rejects the messages, 500 when the template itself fails."""
+    messages = _messages(req)
+    continuation, add_gen = _continuation(st, req, messages)
     try:
-        prepared = prepare(st.template, _messages(req), plan.spec, plan.kwargs)
-        rendered = st.template.render_chat(prepared.messages, **prepared.extra)
+        prepared = prepare(st.template, messages, plan.spec, plan.kwargs)
+        return st.template.render_chat(
+            prepared.messages,
+            add_generation_prompt=add_gen,
+            continuation=continuation,
+            **prepared.extra,
+        )
     except TemplateError as e:
         raise APIError(400 if e.client else 500, str(e)) from e
-    plan.forced_open = thinking_forced_open(rendered.prompt)
+
+
+def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
+    """Prompt tokens and the token index where the last user turn starts (-1 if unknown).
+    Whether the prompt leaves the answer inside an open ``<think>`` is noted in
+    ``plan.forced_open``."""
+    b = st.backend
+    rendered = render_prompt(st, req, plan)
+    plan.forced_open = rendered.in_reasoning or thinking_forced_open(rendered.prompt)
     text = rendered.prompt
     # Templates emit BOS themselves; tokenizing with add_special would add a second one.
     has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
@@ -331,15 +378,12 @@ def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan)
             "finish_reason": _chat_finish(r, bool(m.tool_calls)),
         }
 
-    # With tools the content starts null (a message of only calls has content null), and
-    # turns "" at the end if neither content nor calls came: as the non-streamed message.
-    first: dict[str, Any] = (
-        {"role": "assistant"} if calls_mode else {"role": "assistant", "content": ""}
-    )
+    # The content starts null, as llama-server's; with tools it turns "" at the end if
+    # neither content nor calls came (as the non-streamed message).
     opening = [
         {
             "index": i,
-            "delta": first,
+            "delta": {"role": "assistant", "content": None},
             "logprobs": None,
             "finish_reason": None,
         }
@@ -449,23 +493,51 @@ async def respond(
         "model": body.model or fingerprint,
         "system_fingerprint": fingerprint,
     }
+    st = state_of(request)
+    verbose = _verbose_of(st, group) if _wants_verbose(st, body) else None
     if not body.stream:
         results = await group.results(request)
-        return JSONResponse(
-            {
-                **head,
-                "choices": [shape.final_choice(i, r, True) for i, r in enumerate(results)],
-                "usage": usage_of(results),
-                "timings": merged_timings(results).as_dict(),
-            }
-        )
+        out = {
+            **head,
+            "choices": [shape.final_choice(i, r, True) for i, r in enumerate(results)],
+            "usage": usage_of(results),
+            "timings": merged_timings(results).as_dict(),
+        }
+        if verbose is not None:
+            out["__verbose"] = verbose(0, results[0], True)
+        return JSONResponse(out)
     base = {**head, "object": shape.chunk_obj}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(
-        _stream(group, shape, base, include_usage),
+        _stream(group, shape, base, include_usage, verbose),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+def _wants_verbose(st: ServerState, body: CompletionRequest | ChatRequest) -> bool:
+    """llama-server's ``verbose``: the request's, by default on with --verbose (there:
+    a verbosity above 9, which --verbose sets)."""
+    if body.verbose is not None:
+        return body.verbose
+    return st.settings.verbose or st.settings.log_verbosity > 9
+
+
+Verbose = Callable[[int, TaskResult, bool], dict[str, Any]]
+
+
+def _verbose_of(st: ServerState, group: TaskGroup) -> Verbose:
+    """``verbose(index, result, whole)``: llama-server's ``__verbose`` debug object of a
+    choice, its /completion result (content empty when streamed), with the prompt as the
+    model read it (special tokens written out)."""
+
+    def verbose(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
+        task = group.tasks[index]
+        raw = b"".join(st.backend.token_to_piece(t, special=True) for t in task.prompt)
+        prompt = raw.decode("utf-8", "replace")
+        return completion_object(st, task, r, r.text if whole else "", prompt)
+
+    return verbose
 
 
 def _listed(choices: Choice | list[Choice]) -> list[Choice]:
@@ -474,11 +546,16 @@ def _listed(choices: Choice | list[Choice]) -> list[Choice]:
 
 
 async def _stream(
-    group: TaskGroup, shape: Shape, base: dict[str, Any], include_usage: bool
+    group: TaskGroup,
+    shape: Shape,
+    base: dict[str, Any],
+    include_usage: bool,
+    verbose: Verbose | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed OpenAI response; ``base`` is every chunk's envelope.
     A failed choice sends an error event (the status line went out already) and the stream
-    still ends with [DONE], as OpenAI clients expect."""
+    still ends with [DONE], as OpenAI clients expect. The usage chunk carries the merged
+    timings too (llama-server's last chunk has them)."""
     for choice in shape.opening:
         yield sse({**base, "choices": [choice]})
     results: list[TaskResult] = []
@@ -494,12 +571,16 @@ async def _stream(
             *flush, final = _listed(shape.final_choice(index, ev, False))
             for choice in flush:
                 yield sse({**base, "choices": [choice]})
-            yield sse({**base, "choices": [final], "timings": ev.timings.as_dict()})
+            chunk = {**base, "choices": [final], "timings": ev.timings.as_dict()}
+            if verbose is not None:
+                chunk["__verbose"] = verbose(index, ev, False)
+            yield sse(chunk)
         elif isinstance(ev, PromptProgress):
             choice = shape.progress_choice(index)
             yield sse({**base, "choices": [choice], "prompt_progress": ev.as_dict()})
         elif isinstance(ev, TaskError):
             yield sse_error(ev)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage_of(results)})
+        usage = {"usage": usage_of(results), "timings": merged_timings(results).as_dict()}
+        yield sse({**base, "choices": [], **usage})
     yield SSE_DONE

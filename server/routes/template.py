@@ -10,34 +10,23 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..chat import TemplateError
-from ..errors import APIError
 from ..schemas import ChatRequest
 from ..service import ServerState
 from ..tools.plan import ChatPlan
-from ..tools.prompt import prepare
 from .common import state_of
-from .openai import _messages, _plan, render_chat
+from .openai import _plan, render_chat, render_prompt
 
 router = APIRouter()
 
 
 class ApplyTemplateRequest(ChatRequest):
-    """A chat body; ``add_generation_prompt`` false leaves the assistant turn unopened."""
-
-    add_generation_prompt: bool = True
+    """A chat body (``add_generation_prompt`` and ``continue_final_message`` included)."""
 
 
-def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan, add_gen: bool) -> str:
-    """The chat template's text for ``body`` (APIError 400 when the template rejects the
-    messages, 500 when the template itself fails)."""
-    try:
-        prepared = prepare(st.template, _messages(body), plan.spec, plan.kwargs)
-        return st.template.render(
-            prepared.messages, add_generation_prompt=add_gen, **prepared.extra
-        )
-    except TemplateError as e:
-        raise APIError(400 if e.client else 500, str(e)) from e
+def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan) -> str:
+    """The chat template's text for ``body``, as /v1/chat/completions renders it (APIError
+    400 when the template rejects the messages, 500 when the template itself fails)."""
+    return render_prompt(st, body, plan).prompt
 
 
 @router.post("/apply-template")
@@ -45,7 +34,7 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[s
     """``{"prompt": text}``: the rendered conversation, nothing generated."""
     st = state_of(request)
     plan = _plan(st, body)  # requires the engine: the template comes with the model
-    text = await asyncio.to_thread(render_text, st, body, plan, body.add_generation_prompt)
+    text = await asyncio.to_thread(render_text, st, body, plan)
     return {"prompt": text}
 
 

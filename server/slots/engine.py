@@ -615,6 +615,7 @@ class Engine:
             log.exception("sampling failed on slot %d", s.id)
             self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
             return
+        log.debug("slot %d: accepted %d/%d draft tokens", s.id, len(picked) - 1, len(draft))
         if not self.spec.accept(s, draft, len(picked) - 1):
             self._finish(s, FinishReason.ERROR, error="could not drop rejected draft tokens")
             return
@@ -630,7 +631,7 @@ class Engine:
         run.n_decoded += 1
         lp: TokenLogprob | None = None
         if gen.logprobs or gen.n_probs > 0:
-            lp = self.b.top_logprobs(idx, tok, gen.n_probs)
+            lp = self.b.sampled_logprobs(run.sampler, idx, tok, gen.n_probs)
         if self.b.is_eog(tok) and not gen.ignore_eos:
             self._finish(s, FinishReason.STOP)
             return False

@@ -77,4 +77,4 @@ def test_chat_progress(small_batch: ServerProc) -> None:
 
     plain = _events(small_batch, "/v1/chat/completions", body)
     assert not any("prompt_progress" in e for e in plain)
-    assert plain[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert plain[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}

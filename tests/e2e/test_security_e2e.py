@@ -73,6 +73,15 @@ def test_key_matrix(keyed, method, path, body):
     )
 
 
+def test_completions_is_the_native_route_behind_the_key(keyed):
+    # llama-server's /completions is /completion (its test_security posts there with a key)
+    body = {"prompt": "I believe the meaning of life is", "n_predict": 2}
+    assert call(keyed, "POST", "/completions", body).status_code == 401
+    for headers in ({"Authorization": "Bearer k1"}, {"X-Api-Key": "k2"}):
+        r = call(keyed, "POST", "/completions", body, headers)
+        assert r.status_code == 200 and "content" in r.json() and "error" not in r.json()
+
+
 def test_health_is_public(keyed):
     assert keyed.client.get("/health").json() == {"status": "ok"}
 
@@ -86,10 +95,13 @@ def test_cors_preflight_is_answered(keyed):
             "Access-Control-Request-Headers": "authorization,content-type",
         },
     )
+    # llama-server's answer: the Origin echoed back, with credentials (--cors-credentials)
     assert r.status_code == 200
-    assert r.headers["access-control-allow-origin"] in ("*", "https://example.org")
+    assert r.headers["access-control-allow-origin"] == "https://example.org"
+    assert r.headers["access-control-allow-credentials"] == "true"
+    assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
     r = keyed.client.get("/health", headers={"Origin": "https://example.org"})
-    assert r.headers["access-control-allow-origin"] == "*"
+    assert r.headers["access-control-allow-origin"] == "https://example.org"
 
 
 def test_body_over_limit_is_413(keyed):
@@ -196,7 +208,11 @@ def test_template_raise_exception_is_a_client_error(make_server, tmp_path: Path)
     )
     s = make_server("--chat-template-file", str(tpl), "-np", "1", "-c", "1024")
     r = s.client.post(
-        "/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}]}
+        "/v1/chat/completions",
+        # a final assistant message would be continued, not rendered: a user one follows
+        json={
+            "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "ok"}]
+        },
     )
     assert r.status_code == 400 and "first message must be user" in r.json()["error"]["message"]
 

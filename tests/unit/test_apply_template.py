@@ -30,7 +30,7 @@ def _state(name: str, reasoning: str = "auto") -> ServerState:
 
 def _render(st: ServerState, **body) -> str:  # noqa: ANN003
     req = ApplyTemplateRequest(messages=[{"role": "user", "content": "What is today?"}], **body)
-    return render_text(st, req, _plan(st, req), req.add_generation_prompt)
+    return render_text(st, req, _plan(st, req))
 
 
 @TOOLS

@@ -219,7 +219,8 @@ def test_schemas_are_read_as_llama_cpp_reads_them():
     assert n["prefixItems"] == [
         {"type": "integer", "minimum": -spec.MAX_NUMBER, "maximum": spec.MAX_NUMBER}
     ]
-    assert n["items"] is False
+    assert n["items"] is False and n["minItems"] == 1  # all of the tuple, as llama.cpp
+    assert spec._normalized({"prefixItems": [{}, {}], "minItems": 0})["minItems"] == 0
     assert "type" not in spec._normalized({"anyOf": [{"type": "string"}], "properties": {}})
 
 

@@ -109,12 +109,15 @@ def test_check_prompts() -> None:
         ([[1, 10]], "token id 10 is outside"),
         ([[-1]], "token id -1 is outside"),
         ([[1] * 5], "input (5 tokens) is too large to process"),
-        ([[1] * 9], "larger than the max context size"),
+        ([[1] * 9], "input (9 tokens) is too large to process"),  # the batch is checked first
     ]
     for prompts, msg in cases:
         with pytest.raises(APIError) as e:
             check_prompts(prompts, n_vocab=10, n_ubatch=4, n_ctx=8)
         assert e.value.status == 400 and msg in e.value.message
+    with pytest.raises(APIError) as e:  # a batch larger than the context
+        check_prompts([[1] * 9], n_vocab=10, n_ubatch=16, n_ctx=8)
+    assert "input (9 tokens) is larger than the max context size (8 tokens)" in e.value.message
 
 
 def test_encoding_format() -> None:
@@ -431,3 +434,38 @@ def test_engine_never_lends_a_waiting_tasks_prefix_source() -> None:
     assert all(isinstance(x.events[0], EmbedResult) for x in cols)
     assert src.tokens == kept and b.kv[src.id] and not b.kv[waiter.id]
     assert {s for d in b.embedding_decodes for s, _, _ in d} == {3 - src.id - waiter.id}
+
+
+def test_a_disconnected_client_cancels_its_prompts_not_embedded_yet() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from server.embeddings import run_embeddings
+
+    class StuckEngine:  # takes the tasks and never runs them
+        def __init__(self) -> None:
+            self.tasks: list[EmbedTask] = []
+
+        def queue_depth(self) -> int:
+            return 0
+
+        def n_idle_slots(self) -> int:
+            return 1
+
+        def submit(self, t: EmbedTask) -> None:
+            self.tasks.append(t)
+
+    class Gone:  # the client leaves after the second poll
+        polls = 0
+
+        async def is_disconnected(self) -> bool:
+            self.polls += 1
+            return self.polls >= 2
+
+    engine = StuckEngine()
+    settings = SimpleNamespace(max_queue=8, timeout=60.0)
+    st = SimpleNamespace(require_engine=lambda: engine, settings=settings)
+    with pytest.raises(APIError) as e:
+        asyncio.run(asyncio.wait_for(run_embeddings(st, [[1, 2], [3, 4], [5]], Gone()), 5))
+    assert e.value.status == 499
+    assert len(engine.tasks) == 3 and all(t.cancelled for t in engine.tasks)

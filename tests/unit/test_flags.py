@@ -414,3 +414,9 @@ def test_post_props_needs_the_flag():
             assert "--props" in r.json()["error"]["message"]
         else:
             assert r.json() == {"success": True}
+
+
+def test_spm_infill_reaches_the_settings_and_is_not_ignored():
+    s = parse_settings(["--spm-infill"], env={})
+    assert s.spm_infill and not parse_settings([], env={}).spm_infill
+    assert "--spm-infill" not in ignored_flags(s)

@@ -92,6 +92,7 @@ def test_format_of_builtins() -> None:
         "gemma": (ToolFormat.GENERIC, False),
         "llama3": (ToolFormat.LLAMA3, False),
         "mistral": (ToolFormat.MISTRAL, False),
+        "command-r": (ToolFormat.GENERIC, False),
     }
 
 
