@@ -237,6 +237,7 @@ def load(st: ServerState) -> None:
         st.model_aliases = sorted(set(csv_list(s.alias or "")))
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
         backend = LlamaBackend(model_options(s, path))
+        backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
         st.backend = backend
         st.template = pick_template(
             name=s.chat_template,

@@ -96,7 +96,7 @@ OPTIONS: list[Opt] = [
     _o("-kvu --kv-unified", "kv_unified", "LLAMA_ARG_KV_UNIFIED", "one KV buffer shared by all slots (default: on)", "bool", neg="-no-kvu --no-kv-unified"),
     _o("--swa-full", "swa_full", "LLAMA_ARG_SWA_FULL", "full-size KV cache for sliding-window layers (default: off)", "bool"),
     _o("-fa --flash-attn", "flash_attn", "LLAMA_ARG_FLASH_ATTN", "flash attention: on, off or auto (default: auto)", choices=("on", "off", "auto")),
-    _o("-bs --backend-sampling", "backend_sampling", "LLAMA_ARG_BACKEND_SAMPLING", "run each slot's sampler chain in the decode graph, on the device, when every stage can; grammar, penalties, logit_bias and logprobs sample on the CPU (default: off)", "bool"),
+    _o("-bs --backend-sampling", "backend_sampling", "LLAMA_ARG_BACKEND_SAMPLING", "run each slot's sampler chain in the decode graph, on the device, when every stage can; grammar, penalties and logprobs sample on the CPU (default: off)", "bool"),
     _o("--sample-threads", "sample_threads", "LLAMA_ARG_SAMPLE_THREADS", "threads sampling the CPU-sampled slots of one step concurrently (default: -1 = auto: on with more than 2 cores; 0 = off)", int),
     # --- scheduling and caches ---
     _o("-sps --slot-prompt-similarity", "slot_prompt_similarity", "LLAMA_ARG_SLOT_PROMPT_SIMILARITY", "how much of a prompt must match a slot's tokens to pick that slot (default: 0.10, 0 = off)", float),

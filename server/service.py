@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -486,6 +487,8 @@ async def submit(
     # streams of other requests keep flowing meanwhile.
     prompts = await asyncio.to_thread(_checked_prompts, job, b)
     sampling = sampling_from(body, b, st.settings)
+    if body.ignore_eos:  # as llama-server: every end-of-generation token banned
+        sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
     if job.post_sampling:
         sampling.post_probs = job.n_probs
     job.check()

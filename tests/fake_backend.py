@@ -114,6 +114,9 @@ class FakeBackend:
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         return chr(ord("a") + token % 26).encode()
 
+    def eog_tokens(self) -> tuple[int, ...]:
+        return (EOG,)
+
     def is_eog(self, token: int) -> bool:
         return token == EOG
 

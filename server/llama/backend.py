@@ -20,6 +20,7 @@ import numpy as np
 from ..constrained import ConstraintCompiler, ConstraintVocab
 from ..infill import FimTokens
 from ..types import SamplingParams, TokenLogprob, TokenMatcher
+from .greedy import GreedyBias
 from .memory import SeqMemory, memory_layout
 from .params import KV_TYPES, load_model
 
@@ -234,8 +235,10 @@ class Sampler:
         self.ptr = ptr
         # whether accepting a token changes the chain (penalties remember recent tokens)
         self.stateful = stateful
-        # the chain is greedy alone (no bias or penalties): its token is the logits' argmax
+        # the chain is greedy after at most a logit bias (no penalties): its token is the
+        # argmax of the logits, biased by ``bias`` when there is one
         self.greedy = greedy
+        self.bias: GreedyBias | None = None
         # the context and sequence the chain is attached to for backend sampling (-bs)
         self._ctx: Any = None
         self.seq = -1
@@ -350,6 +353,7 @@ class LlamaBackend(SeqMemory):
         self.state_file_version = L.LLAMA_STATE_SEQ_VERSION
         self._piece_cache: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
+        self._eog_all: tuple[int, ...] | None = None
         self.bos_id = L.llama_vocab_bos(self.vocab)
         self.bos_text = (
             self.token_to_piece(self.bos_id, special=True).decode("utf-8", "replace")
@@ -431,6 +435,14 @@ class LlamaBackend(SeqMemory):
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_to_piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token (``ignore_eos`` bans them all, as llama-server's
+        ``logit_bias_eog``); one pass over the vocabulary (~0.1 s), at the first call."""
+        if self._eog_all is None:
+            is_eog, v = L.llama_vocab_is_eog, self.vocab
+            self._eog_all = tuple(t for t in range(self.n_vocab) if is_eog(v, t))
+        return self._eog_all
 
     def is_eog(self, token: int) -> bool:
         v = self._eog.get(token)
@@ -523,8 +535,10 @@ class LlamaBackend(SeqMemory):
             seed = p.seed if p.seed >= 0 else (self.seed if self.seed >= 0 else 0xFFFFFFFF)
             add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         active = penalties and p.repeat_last_n != 0
-        greedy = p.temperature <= 0.0 and not p.logit_bias and not active
+        greedy = p.temperature <= 0.0 and not active
         smp = Sampler(chain, stateful=active, greedy=greedy)
+        if greedy and p.logit_bias:
+            smp.bias = GreedyBias(p.logit_bias)
         smp.n_post, smp.argmax_only = p.post_probs, p.temperature <= 0.0
         return smp
 
@@ -532,7 +546,7 @@ class LlamaBackend(SeqMemory):
         if sampler.n_post:
             return self._sample_post(sampler, idx)
         if sampler.greedy and sampler._ctx is None:
-            return self.argmax(idx)
+            return self.argmax(idx, sampler.bias)
         # a chain attached to the backend returns the token the graph sampled
         return L.llama_sampler_sample(sampler.ptr, self.ctx, idx)
 
@@ -542,7 +556,7 @@ class LlamaBackend(SeqMemory):
         temperature-0 chain computes no probabilities: its pick had probability 1, as
         llama-server reports it (its chain ends in a temperature-0 dist)."""
         if sampler.greedy and logits is None:
-            tok = self.argmax(idx)
+            tok = self.argmax(idx, sampler.bias)
         else:
             if logits is None:
                 ptr = L.llama_get_logits_ith(self.ctx, idx)
@@ -564,14 +578,16 @@ class LlamaBackend(SeqMemory):
         post = sampler.post.pop(idx, None)
         return post if post is not None else self.top_logprobs(idx, token, n)
 
-    def argmax(self, idx: int) -> int:
-        """What a greedy-only chain samples from output ``idx``: the first largest logit
-        (llama.cpp's greedy sampler keeps the first of equal maxima, as numpy's argmax does).
-        ~30x cheaper than ``llama_sampler_sample``, which first copies the whole vocabulary
-        (262k entries on the default model) into a candidates array: that was ~1 ms per row,
-        and a speculative verify of a 48-token draft samples up to 49 rows."""
+    def argmax(self, idx: int, bias: GreedyBias | None = None) -> int:
+        """What a greedy chain (after ``bias``, if any) samples from output ``idx``: the first
+        largest logit (llama.cpp's greedy sampler keeps the first of equal maxima, as numpy's
+        argmax does). ~30x cheaper than ``llama_sampler_sample``, which first copies the whole
+        vocabulary (262k entries on the default model) into a candidates array: that was ~1 ms
+        per row, and a speculative verify of a 48-token draft samples up to 49 rows."""
         ptr = L.llama_get_logits_ith(self.ctx, idx)
-        return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        best = int(row.argmax())
+        return best if bias is None else bias.pick(row, best)
 
     def attach_sampler(self, sampler: Sampler, seq: int) -> bool:
         """Run ``sampler``'s chain inside the decode graph for sequence ``seq`` (-bs) until

@@ -76,9 +76,10 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
             n_probs=task.gen.n_probs,
             cache_prompt=task.cache_prompt,
             stream=task.stream,
-            # a banned token's -inf is null, as llama-server's JSON writes it
+            # llama-server's objects; a banned token's -inf is null, as its JSON writes it
             logit_bias=[
-                [t, b if math.isfinite(b) else None] for t, b in task.sampling.logit_bias.items()
+                {"bias": b if math.isfinite(b) else None, "token": t}
+                for t, b in task.sampling.logit_bias.items()
             ],
             n_discard=task.gen.n_discard,
         )

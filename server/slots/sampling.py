@@ -17,14 +17,15 @@ from ..types import Task
 CONSTRAINT = "constraint"  # grammar / json_schema / response_format: needs the token mask
 LOGPROBS = "logprobs"  # logprobs / n_probs read the full logits row
 PENALTIES = "penalties"  # repeat / frequency / presence penalties
-LOGIT_BIAS = "logit_bias"
-FALLBACK_REASONS = (CONSTRAINT, LOGPROBS, PENALTIES, LOGIT_BIAS)
+FALLBACK_REASONS = (CONSTRAINT, LOGPROBS, PENALTIES)
+# logit_bias is not among them: llama.cpp's logit-bias stage runs in the graph too, and
+# ignore_eos bans the end-of-generation tokens with it, as llama-server does.
 
 
 def cpu_reason(task: Task) -> str:
     """Why ``task`` cannot sample on the backend ("" when it can). The backend chain is
-    greedy, or top-k, top-p, min-p, temperature and a seeded dist: exactly what
-    ``LlamaBackend.new_sampler`` builds when there is no bias and no penalty."""
+    a logit bias, then greedy, or top-k, top-p, min-p, temperature and a seeded dist:
+    exactly what ``LlamaBackend.new_sampler`` builds when there is no penalty."""
     p = task.sampling
     if p.constraint is not None:
         return CONSTRAINT
@@ -33,8 +34,6 @@ def cpu_reason(task: Task) -> str:
     penalties = p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
     if penalties and p.repeat_last_n != 0:
         return PENALTIES
-    if p.logit_bias:
-        return LOGIT_BIAS
     return ""
 
 

@@ -20,7 +20,7 @@ def test_cpu_reason() -> None:
     assert sampling.cpu_reason(_with(task([1])[0], repeat_penalty=1.1)) == sampling.PENALTIES
     # a penalty over an empty window does nothing: it stays on the backend
     assert sampling.cpu_reason(_with(task([1])[0], repeat_penalty=1.1, repeat_last_n=0)) == ""
-    assert sampling.cpu_reason(_with(task([1])[0], logit_bias={5: -1.0})) == sampling.LOGIT_BIAS
+    assert sampling.cpu_reason(_with(task([1])[0], logit_bias={5: -1.0})) == ""  # in the graph
     t2, _ = task([1])
     t2.gen.n_probs = 2
     assert sampling.cpu_reason(t2) == sampling.LOGPROBS
@@ -33,12 +33,12 @@ def test_placement_is_counted_and_chains_detach() -> None:
     e, b = make_engine(n_seq=4)
     b.backend_sampling = True
     plain, c1 = task([1, 2, 3], 3)
-    biased, c2 = task([4, 5, 6], 3)
-    biased.sampling = SamplingParams(temperature=0.0, logit_bias={7: 1.0})
-    run(e, plain, biased)
+    penalized, c2 = task([4, 5, 6], 3)
+    penalized.sampling = SamplingParams(temperature=0.0, repeat_penalty=1.2)
+    run(e, plain, penalized)
     assert c1.result is not None and c2.result is not None
     assert e.stats.backend_sampled == 1
-    assert e.stats.sampling_fallbacks == {"logit_bias": 1}
+    assert e.stats.sampling_fallbacks == {"penalties": 1}
     assert len(b.attached) == 1
     assert all(s.freed for s in b.samplers)
 

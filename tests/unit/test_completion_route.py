@@ -19,7 +19,7 @@ from server.prompts import prompt_echo, prompt_tokens, split_prompts
 from server.routes import native
 from server.service import ServerState, _logit_bias
 from server.slots.engine import Engine, EngineOptions
-from tests.fake_backend import FakeBackend
+from tests.fake_backend import EOG, FakeBackend
 
 BOS = 900
 
@@ -128,7 +128,7 @@ def test_logit_bias_forms_reach_the_request(client: TestClient) -> None:
     body = {"prompt": "ab", "n_predict": 1, "logit_bias": {"xy": False, "12": 3}}
     r = client.post("/completion", json=body)
     assert r.status_code == 200, r.text
-    got = {t: b for t, b in r.json()["generation_settings"]["logit_bias"]}
+    got = {e["token"]: e["bias"] for e in r.json()["generation_settings"]["logit_bias"]}
     # a ban (-inf) is null in JSON, as llama-server writes it
     assert got == {**dict.fromkeys(_tok("xy"), None), 12: 3.0}
 
@@ -206,3 +206,13 @@ def test_response_fields_pick_and_unnest(client: TestClient) -> None:
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
     assert events[-1] == {"content": "", "generation_settings/n_predict": 2}
     assert all(e["stop"] is False for e in events[:-1])  # chunks stay whole
+
+
+def test_ignore_eos_bans_every_end_of_generation_token(client: TestClient) -> None:
+    body = {"prompt": "ab", "n_predict": 2, "ignore_eos": True, "logit_bias": {"12": 3}}
+    r = client.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    got = {e["token"]: e["bias"] for e in r.json()["generation_settings"]["logit_bias"]}
+    assert got == {12: 3.0, EOG: None}  # llama-server's logit_bias_eog, next to the request's
+    plain = client.post("/completion", json={**body, "ignore_eos": False}).json()
+    assert plain["generation_settings"]["logit_bias"] == [{"bias": 3.0, "token": 12}]
