@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from importlib import metadata
 from typing import Any
 
@@ -361,7 +362,7 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
     the command line or in a variable, exits with status 2 and a message, as argparse does."""
     env = os.environ if env is None else env
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_dashed(sys.argv[1:] if argv is None else argv))
     try:
         values = _option_values(args, env)
         values["compat"] = _compat_values(args, env)
@@ -372,6 +373,18 @@ def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = N
     except ValueError as e:
         parser.error(str(e))
     raise AssertionError("unreachable")  # parser.error exits
+
+
+def _dashed(argv: list[str]) -> list[str]:
+    """llama-server's spelling rule: in a ``--long`` flag, ``_`` means ``-``
+    (``--backend_sampling`` is ``--backend-sampling``); a ``--flag=value``'s value is kept."""
+    out = []
+    for a in argv:
+        if a.startswith("--"):
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out
 
 
 def ignored_flags(s: Settings) -> list[str]:

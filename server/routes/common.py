@@ -3,6 +3,7 @@ log-probabilities and the generation settings that /props, /slots and /completio
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -84,3 +85,20 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
             n_discard=task.gen.n_discard,
         )
     return out
+
+
+@functools.cache
+def llama_version() -> str:
+    """The installed llama-cpp-python's version (``unknown`` where metadata is missing)."""
+    try:
+        import importlib.metadata as md
+
+        return md.version("llama_cpp_python")
+    except Exception:  # a vendored or source build has no metadata: not worth failing /props
+        return "unknown"
+
+
+def system_fingerprint() -> str:
+    """OpenAI's ``system_fingerprint``: the build that answered. llama-server sends its
+    build tag (``b<number>-<commit>``); ours is ``b<llama-cpp-python version>-slot``."""
+    return f"b{llama_version()}-slot"

@@ -32,7 +32,15 @@ from ..types import (
     TextChunk,
     TokenLogprob,
 )
-from .common import SSE_HEADERS, generation_settings, sse, sse_error, state_of, token_logprobs
+from .common import (
+    SSE_HEADERS,
+    generation_settings,
+    llama_version,
+    sse,
+    sse_error,
+    state_of,
+    token_logprobs,
+)
 
 router = APIRouter()
 
@@ -68,7 +76,7 @@ async def props(request: Request) -> dict[str, Any]:
         "chat_template_name": st.template.name if st.template else "",
         "bos_token": b.bos_text,
         "eos_token": b.eos_text,
-        "build_info": f"llama-cpp-python {_llama_version()}",
+        "build_info": f"llama-cpp-python {llama_version()}",
         "ctx_checkpoints": engine.opts.ctx_checkpoints if engine.ckpt.enabled else 0,
         # Scheduler overhead = step time outside llama_decode (bench workload 6).
         "engine": {
@@ -103,16 +111,6 @@ async def change_props(request: Request) -> dict[str, Any]:
             "This server does not support changing global properties. Start it with `--props`",
         )
     return {"success": True}
-
-
-def _llama_version() -> str:
-    """The installed llama-cpp-python's version (``unknown`` where metadata is missing)."""
-    try:
-        import importlib.metadata as md
-
-        return md.version("llama_cpp_python")
-    except Exception:  # a vendored or source build has no metadata: not worth failing /props
-        return "unknown"
 
 
 def _stop_type(r: TaskResult) -> str:

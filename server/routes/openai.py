@@ -36,7 +36,15 @@ from ..tools.plan import ChatPlan, deltas_of, message_of, plan_chat
 from ..tools.prompt import prepare, thinking_forced_open
 from ..tools.spec import ToolSpecError
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
-from .common import SSE_DONE, SSE_HEADERS, sse, sse_error, state_of, token_logprobs
+from .common import (
+    SSE_DONE,
+    SSE_HEADERS,
+    sse,
+    sse_error,
+    state_of,
+    system_fingerprint,
+    token_logprobs,
+)
 from .native import _final as completion_object
 
 router = APIRouter()
@@ -482,7 +490,7 @@ async def respond(
     group: TaskGroup,
     body: CompletionRequest | ChatRequest,
     shape: Shape,
-    fingerprint: str,
+    model_name: str,
 ) -> Response:
     """The response of an OpenAI completion or chat request: one JSON body, or an SSE stream
     (opening chunks, text chunks, a final chunk per choice with ``timings``, usage, [DONE])."""
@@ -490,8 +498,8 @@ async def respond(
         "id": shape.id_prefix + uuid.uuid4().hex,
         "object": shape.obj,
         "created": int(time.time()),
-        "model": body.model or fingerprint,
-        "system_fingerprint": fingerprint,
+        "model": body.model or model_name,
+        "system_fingerprint": system_fingerprint(),
     }
     st = state_of(request)
     verbose = _verbose_of(st, group) if _wants_verbose(st, body) else None

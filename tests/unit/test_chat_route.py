@@ -206,3 +206,9 @@ def test_context_exceeded_error_shape(client: TestClient) -> None:
         err = r.json()["error"]
         assert err["type"] == "exceed_context_size_error"
         assert err["n_ctx"] == 2048 and err["n_prompt_tokens"] > 3000
+
+
+def test_system_fingerprint_is_a_build_tag_and_model_the_name(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1}).json()
+    # llama-server's tests check the "b" of its build tag (b<number>-<commit>)
+    assert r["system_fingerprint"].startswith("b") and r["system_fingerprint"] != r["model"]

@@ -420,3 +420,8 @@ def test_spm_infill_reaches_the_settings_and_is_not_ignored():
     s = parse_settings(["--spm-infill"], env={})
     assert s.spm_infill and not parse_settings([], env={}).spm_infill
     assert "--spm-infill" not in ignored_flags(s)
+
+
+def test_underscores_in_long_flags_are_dashes_as_in_llama_server():
+    s = parse_settings(["--backend_sampling", "--ctx_size", "1024", "--alias=a_b"], env={})
+    assert s.backend_sampling and s.ctx_size == 1024 and s.alias == "a_b"
