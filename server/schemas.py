@@ -243,6 +243,7 @@ class NativeCompletionRequest(SamplingFields):
     post_sampling_probs: bool = False
     # only these fields of the final object ("a/b": a nested one, moved to the top)
     response_fields: list[str] | None = None
+    return_tokens: bool = False  # the final object's ``tokens``: the generated token ids
 
 
 class TokenizeRequest(_Req):
@@ -282,6 +283,7 @@ class InfillRequest(SamplingFields):
     stream: bool = False
     post_sampling_probs: bool = False  # as /completion's
     response_fields: list[str] | None = None  # as /completion's
+    return_tokens: bool = False  # as /completion's
 
 
 class ResponsesRequest(SamplingFields):

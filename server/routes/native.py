@@ -130,13 +130,16 @@ def _final(
     prompt: str,
     probs: bool = False,
     index: int = 0,
+    tokens: bool = False,
 ) -> dict[str, Any]:
     """The last (or only) /completion object of ``task`` (prompt ``index`` of the request):
     its content (empty when streamed), counts, timings and the settings it ran with;
-    ``probs`` adds the per-token probabilities (streams sent them with each chunk)."""
+    ``probs`` adds the per-token probabilities (streams sent them with each chunk), and
+    ``tokens`` (return_tokens) the generated ids (llama-server sends ``tokens`` empty else)."""
     out = {
         "index": index,
         "content": content,
+        "tokens": list(r.tokens) if tokens else [],
         "id_slot": r.id_slot,
         "stop": True,
         "model": st.model_name,
@@ -227,7 +230,17 @@ async def run_native(
         fields = body.response_fields
         out = [
             pick_fields(
-                _final(st, t, r, r.text, echoes[i], probs=body.n_probs > 0, index=i), fields
+                _final(
+                    st,
+                    t,
+                    r,
+                    r.text,
+                    echoes[i],
+                    probs=body.n_probs > 0,
+                    index=i,
+                    tokens=body.return_tokens,
+                ),
+                fields,
             )
             for i, (t, r) in enumerate(zip(group.tasks, results, strict=True))
         ]

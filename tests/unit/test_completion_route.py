@@ -216,3 +216,11 @@ def test_ignore_eos_bans_every_end_of_generation_token(client: TestClient) -> No
     assert got == {12: 3.0, EOG: None}  # llama-server's logit_bias_eog, next to the request's
     plain = client.post("/completion", json={**body, "ignore_eos": False}).json()
     assert plain["generation_settings"]["logit_bias"] == [{"bias": 3.0, "token": 12}]
+
+
+def test_return_tokens_gives_the_generated_ids(client: TestClient) -> None:
+    body = {"prompt": "ab", "n_predict": 3}
+    out = client.post("/completion", json={**body, "return_tokens": True}).json()
+    assert len(out["tokens"]) == 3 == out["tokens_predicted"]
+    assert all(isinstance(t, int) for t in out["tokens"])
+    assert client.post("/completion", json=body).json()["tokens"] == []  # llama-server's
