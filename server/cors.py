@@ -115,9 +115,8 @@ class Cors:
         allowed = self.policy.allow_origin(origin)
         out = [] if allowed is None else [(b"Access-Control-Allow-Origin", allowed.encode())]
         if allowed not in (None, "*"):
-            out.append(
-                (b"Vary", b"Origin")
-            )  # the answer depends on the Origin: caches must key on it
+            # the answer depends on the Origin: caches must key on it
+            out.append((b"Vary", b"Origin"))
         return out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

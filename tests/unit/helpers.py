@@ -1,5 +1,15 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+
+from server import errors
+from server.config import Settings
+from server.service import ServerState
 from server.slots.engine import Engine, EngineOptions
 from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
 from tests.fake_backend import FakeBackend
@@ -70,3 +80,25 @@ def run(engine: Engine, *tasks, max_steps: int = 1000) -> int:
         steps += 1
         assert engine.check_integrity() == []
     return steps
+
+
+@contextmanager
+def route_client(
+    backend: FakeBackend, settings: Settings, routers: list[Any], **state: Any
+) -> Iterator[TestClient]:
+    """A TestClient over ``routers`` with the engine running on ``backend``, stopped on exit;
+    ``state``: more ServerState fields (a chat template, ...). The app: ``c.app``."""
+    engine = Engine(backend, EngineOptions())
+    engine.start()
+    app = FastAPI()
+    errors.install(app)
+    for r in routers:
+        app.include_router(r)
+    app.state.server = ServerState(
+        settings=settings, backend=backend, engine=engine, loading=False, model_name="fake", **state
+    )
+    try:
+        with TestClient(app) as c:
+            yield c
+    finally:
+        engine.stop()

@@ -9,16 +9,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from server import errors
 from server.chat import BUILTIN_TEMPLATES, ChatTemplate, Continuation, TemplateError
 from server.config import Settings
 from server.routes import openai, template
-from server.service import ServerState
-from server.slots.engine import Engine, EngineOptions
 from tests.fake_backend import FakeBackend
+from tests.unit.helpers import route_client
 
 GEMMA_TURN = "<start_of_turn>model\n"
 
@@ -41,26 +38,10 @@ class TextBackend(FakeBackend):
 
 
 def _app(settings: Settings) -> Iterator[TestClient]:
-    backend = TextBackend(n_ctx=2048)
-    engine = Engine(backend, EngineOptions())
-    engine.start()
-    app = FastAPI()
-    errors.install(app)
-    app.include_router(openai.router)
-    app.include_router(template.router)
-    app.state.server = ServerState(
-        settings=settings,
-        backend=backend,
-        engine=engine,
-        loading=False,
-        model_name="fake",
-        template=ChatTemplate(BUILTIN_TEMPLATES["gemma"], "<bos>", name="gemma"),
-    )
-    try:
-        with TestClient(app) as c:
-            yield c
-    finally:
-        engine.stop()
+    template_ = ChatTemplate(BUILTIN_TEMPLATES["gemma"], "<bos>", name="gemma")
+    routers = [openai.router, template.router]
+    with route_client(TextBackend(n_ctx=2048), settings, routers, template=template_) as c:
+        yield c
 
 
 @pytest.fixture

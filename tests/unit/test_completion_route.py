@@ -9,17 +9,15 @@ import math
 from collections.abc import Iterator
 
 import pytest
-from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from server import errors
 from server.config import Settings
 from server.errors import APIError
 from server.prompts import prompt_echo, prompt_tokens, split_prompts
 from server.routes import native
-from server.service import ServerState, _logit_bias
-from server.slots.engine import Engine, EngineOptions
+from server.service import _logit_bias
 from tests.fake_backend import EOG, FakeBackend
+from tests.unit.helpers import route_client
 
 BOS = 900
 
@@ -42,20 +40,8 @@ class TextBackend(FakeBackend):
 
 
 def _client(settings: Settings) -> Iterator[TestClient]:
-    backend = TextBackend()
-    engine = Engine(backend, EngineOptions())
-    engine.start()
-    app = FastAPI()
-    errors.install(app)
-    app.include_router(native.router)
-    app.state.server = ServerState(
-        settings=settings, backend=backend, engine=engine, loading=False, model_name="fake"
-    )
-    try:
-        with TestClient(app) as c:
-            yield c
-    finally:
-        engine.stop()
+    with route_client(TextBackend(), settings, [native.router]) as c:
+        yield c
 
 
 @pytest.fixture

@@ -7,16 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from server import errors
 from server.config import Settings
 from server.infill import FimTokens
 from server.routes import infill
-from server.service import ServerState
-from server.slots.engine import Engine, EngineOptions
+from server.slots.engine import Engine
 from tests.fake_backend import FakeBackend
+from tests.unit.helpers import route_client
 
 BOS, PRE, SUF, MID = 900, 901, 902, 903
 
@@ -38,19 +36,8 @@ class FimBackend(FakeBackend):
 
 
 def _client(backend: FakeBackend) -> Iterator[tuple[TestClient, Engine]]:
-    engine = Engine(backend, EngineOptions())
-    engine.start()
-    app = FastAPI()
-    errors.install(app)
-    app.include_router(infill.router)
-    app.state.server = ServerState(
-        settings=Settings(), backend=backend, engine=engine, loading=False, model_name="fake"
-    )
-    try:
-        with TestClient(app) as c:
-            yield c, engine
-    finally:
-        engine.stop()
+    with route_client(backend, Settings(), [infill.router]) as c:
+        yield c, c.app.state.server.engine
 
 
 @pytest.fixture
