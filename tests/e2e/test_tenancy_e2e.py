@@ -55,15 +55,16 @@ def test_the_prefix_probe_learns_nothing_across_keys(isolated):
 
 
 def test_slots_hide_another_tenants_request_parameters(isolated):
-    # ignore_eos: an early end of text would free the slot before /slots is read (seen on CI);
-    # closing the stream cancels the rest
     body = {"prompt": "x", "n_predict": 2000, "ignore_eos": True, "stop": ["SECRET-STOP"]}
     body |= {"seed": 4242, "stream": True}
     h_a = {"Authorization": "Bearer ka"}
     with httpx.stream(
         "POST", isolated.url + "/completion", json=body, headers=h_a, timeout=60
     ) as r:
-        next(r.iter_lines())
+        # the line iterator is kept: dropped, it is collected and closes the connection, and
+        # the server cancels the request (a race with the /slots reads below, seen on CI)
+        lines = r.iter_lines()
+        next(lines)
         mine = isolated.client.get("/slots", headers=h_a).json()
         theirs = isolated.client.get("/slots", headers={"Authorization": "Bearer kb"}).json()
     busy = [x for x in mine if x["is_processing"]]
