@@ -151,8 +151,6 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     """The scheduler's options from the settings."""
     return EngineOptions(
         slot_prompt_similarity=s.slot_prompt_similarity,
-        # --n-predict is llama-server's default for requests that set no limit (service.submit),
-        # not a cap: the engine's n_predict cap stays off
         ctx_checkpoints=s.ctx_checkpoints,
         checkpoint_min_step=s.checkpoint_min_step,
         cache_idle_slots=s.cache_idle_slots and has_cache,

@@ -591,8 +591,8 @@ class LlamaBackend(SeqMemory):
 
     def attach_sampler(self, sampler: Sampler, seq: int) -> bool:
         """Run ``sampler``'s chain inside the decode graph for sequence ``seq`` (-bs) until
-        it is freed. The caller checks that every stage can run there (no bias, penalties or
-        grammar: see server.slots.sampling); False when llama.cpp refuses it (the chain then
+        it is freed. The caller checks that every stage can run there (no penalties, grammar
+        or logprobs: see server.slots.sampling); False when llama.cpp refuses it (the chain then
         samples on the CPU as before)."""
         if not self.backend_sampling or not sampler.ptr:
             return False

@@ -52,7 +52,6 @@ class EngineOptions:
     """Scheduler settings (``server.app.engine_options`` builds them from Settings)."""
 
     slot_prompt_similarity: float = 0.10
-    n_predict: int = -1  # server-wide cap on generated tokens (-1: none)
     ctx_checkpoints: int = 32
     checkpoint_min_step: int = 8192
     cache_idle_slots: bool = True  # only with a RAM cache
@@ -485,7 +484,7 @@ class Engine:
 
     def _remaining(self, run: SlotRun) -> int:
         """Tokens the run may still generate (-1: no limit but the context)."""
-        limit = self._token_limit(run.task)
+        limit = run.task.gen.max_tokens
         return -1 if limit < 0 else limit - run.n_decoded
 
     def _add_prompt_chunk(self, s: Slot, room: int) -> None:
@@ -515,7 +514,7 @@ class Engine:
         n_prompt = len(s.tokens)
         if not self.ckpt.wants_at_prompt_end(n_prompt, s.checkpoints):
             return False
-        limit = self._token_limit(s.run.task)
+        limit = s.run.task.gen.max_tokens
         return self.b.is_recurrent or limit < 0 or n_prompt + limit > self.b.n_swa
 
     def _take_checkpoint(self, s: Slot) -> None:
@@ -553,7 +552,7 @@ class Engine:
                 s.state = SlotState.GENERATE
                 run.t_first = now
                 self.stats.on_first_token((now - run.task.t_enqueued) * 1e3)
-                if self._token_limit(run.task) == 0:  # prompt only (n_predict 0): nothing sampled
+                if run.task.gen.max_tokens == 0:  # prompt only (n_predict 0): nothing sampled
                     self._finish(s, FinishReason.LENGTH)
                     continue
             todo.append((s, idx))
@@ -647,7 +646,7 @@ class Engine:
         if run.matcher is not None and run.matcher.is_done():
             self._finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
             return False
-        limit = self._token_limit(run.task)
+        limit = run.task.gen.max_tokens
         if (limit >= 0 and run.n_decoded >= limit) or self._context_full(s):
             self._finish(s, FinishReason.LENGTH)
             return False
@@ -709,13 +708,6 @@ class Engine:
         self.stats.context_shifts += 1
         log.info("slot %d: context shift, n_keep = %d, n_discard = %d", s.id, n_keep, n_discard)
         return False
-
-    def _token_limit(self, task: Task) -> int:
-        """Most tokens to generate: the request's max_tokens capped by --n-predict (-1: none)."""
-        limit = task.gen.max_tokens
-        if self.opts.n_predict >= 0 and (limit < 0 or self.opts.n_predict < limit):
-            limit = self.opts.n_predict
-        return limit
 
     def _emit_text(self, run: SlotRun, text: str) -> None:
         """Release text; it carries the tokens (and log-probs) not sent yet, which includes
