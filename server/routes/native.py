@@ -122,7 +122,7 @@ def _stop_type(r: TaskResult) -> str:
     return "none"
 
 
-def _final(
+def completion_object(
     st: ServerState,
     task: Task,
     r: TaskResult,
@@ -230,7 +230,7 @@ async def run_native(
         fields = body.response_fields
         out = [
             pick_fields(
-                _final(
+                completion_object(
                     st,
                     t,
                     r,
@@ -295,7 +295,7 @@ async def _stream(
         elif isinstance(ev, PromptProgress):
             yield sse({**progress_chunk(ev), "index": i})
         elif isinstance(ev, TaskResult):
-            yield sse(pick_fields(_final(st, task, ev, "", echoes[i], index=i), fields))
+            yield sse(pick_fields(completion_object(st, task, ev, "", echoes[i], index=i), fields))
         elif isinstance(ev, TaskError):
             yield sse_error(ev)
 

@@ -45,7 +45,7 @@ from .common import (
     system_fingerprint,
     token_logprobs,
 )
-from .native import _final as completion_object
+from .native import completion_object
 
 router = APIRouter()
 
