@@ -107,8 +107,9 @@ class Continuation:
     in_reasoning: bool = False
 
 
-def _opens_thinking(prompt: str) -> bool:
-    """The prompt ends inside an open ``<think>`` (as tools.prompt.thinking_forced_open)."""
+def thinking_forced_open(prompt: str) -> bool:
+    """The template ended the prompt inside an open ``<think>``: the output starts in the
+    reasoning (DeepSeek R1, Qwen3 with thinking, ...)."""
     return prompt.rstrip().endswith("<think>")
 
 
@@ -215,7 +216,7 @@ class ChatTemplate:
         the answer then goes on inside the reasoning. Where the template opened a thinking
         block, continued content comes after the (closed) reasoning, as the template writes
         an answer's; TemplateError (client) where there is no reasoning to continue."""
-        opened = _opens_thinking(prompt)
+        opened = thinking_forced_open(prompt)
         if c.in_reasoning:
             if opened:
                 return c.reasoning, True

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ROLES, Continuation, Rendered, TemplateError
+from ..chat import ROLES, Continuation, Rendered, TemplateError, thinking_forced_open
 from ..config import csv_list
 from ..constrained import Constraint
 from ..errors import APIError
@@ -33,7 +33,7 @@ from ..service import (
 )
 from ..tools.parse import Delta, Message, parse_message
 from ..tools.plan import ChatPlan, deltas_of, message_of, plan_chat
-from ..tools.prompt import prepare, thinking_forced_open
+from ..tools.prompt import prepare
 from ..tools.spec import ToolSpecError
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (

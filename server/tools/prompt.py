@@ -308,9 +308,3 @@ def prepare(
     if spec.tools:
         out = _with_system(out, system_text(tt.fmt, spec))
     return Prepared(out, extra, tt.fmt)
-
-
-def thinking_forced_open(prompt: str) -> bool:
-    """The template ended the prompt inside an open ``<think>``: the output starts in the
-    reasoning (DeepSeek R1, Qwen3 with thinking, ...)."""
-    return prompt.rstrip().endswith("<think>")

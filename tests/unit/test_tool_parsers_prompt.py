@@ -10,14 +10,13 @@ import re
 import jsonschema
 import pytest
 
-from server.chat import BUILTIN_TEMPLATES, ChatTemplate
+from server.chat import BUILTIN_TEMPLATES, ChatTemplate, thinking_forced_open
 from server.tools.parse import OutputParser, ToolCall, ToolFormat, parse_message
 from server.tools.plan import ChatPlan, plan_chat
 from server.tools.prompt import (
     _call_text,
     prepare,
     template_tools,
-    thinking_forced_open,
 )
 from server.tools.spec import ToolSpecError, forced_call, tool_spec
 from tests.llama_sdist import vendored
