@@ -20,6 +20,7 @@ allow (and more; see there).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,11 +74,12 @@ class CorsPolicy:
     headers: str = "*"
     credentials: bool = True
 
-    @property
-    def items(self) -> set[str]:
-        return {normalize_origin(o) for o in self.origins.split(",") if o.strip()}
+    @functools.cached_property
+    def items(self) -> frozenset[str]:
+        """The configured origins, normalized (parsed once, not per request)."""
+        return frozenset(normalize_origin(o) for o in self.origins.split(",") if o.strip())
 
-    @property
+    @functools.cached_property
     def any_origin(self) -> bool:
         return self.items in (set(), {"*"})
 
