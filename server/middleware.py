@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .cors import LOCAL_HOSTS, LOCALHOST, hostname, normalize_origin, origin_host
+from .cors import LOCAL_HOSTS, CorsPolicy, hostname, normalize_origin, origin_host
 from .errors import error_body
 from .metrics import ServerMetrics, endpoint_label
 
@@ -171,15 +171,16 @@ class RequestGuard:
 
     def __init__(self, app: ASGIApp, cors_origins: list[str], allowed_hosts: list[str]) -> None:
         self.app = app
-        self.any_origin = cors_origins in ([], ["*"])
-        self.origins = {normalize_origin(o) for o in cors_origins}
+        # which origins are named: the same rule as the CORS headers' (cors.CorsPolicy)
+        self.cors = CorsPolicy(",".join(cors_origins))
         self.hosts = {hostname(h) for h in allowed_hosts}
 
     def _origin_refusal(self, scope: Scope, origin: str) -> tuple[int, str] | None:
         local = origin_host(origin) in LOCAL_HOSTS
-        if not self.any_origin:
-            named = origin in self.origins or (LOCALHOST in self.origins and local)
-            return None if named else (403, f"origin {origin!r} is not allowed (--cors-origins)")
+        if not self.cors.any_origin:
+            if self.cors.allows(origin):
+                return None
+            return 403, f"origin {origin!r} is not allowed (--cors-origins)"
         if scope.get("path", "").startswith(_STATE_PREFIXES) and not local:
             return 403, f"origin {origin!r} may not change server state; see --cors-origins"
         host = hostname((_header(scope, b"host") or b"").decode("latin-1"))
