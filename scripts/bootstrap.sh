@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Idempotent setup: virtual environment, llama-cpp-python from a cached wheel (built once
-# with the right CMake flags), the project and its dependencies, the default model.
+# Idempotent setup: virtual environment, llama-cpp-python from a cached wheel (llama.cpp built
+# once by scripts/build_llama.sh), the project and its dependencies, the default model.
 #
 #   scripts/bootstrap.sh [--dev]        (--dev adds the test tools)
 #
 # Environment:
 #   VENV=.venv                    where the virtual environment lives
-#   LLAMA_GPU=cuda                build llama-cpp-python with GGML_CUDA=on instead of the CPU build
+#   LLAMA_GPU=cuda                build llama.cpp with GGML_CUDA=on instead of the CPU build
 #   LLAMA_WHEEL_CACHE=DIR         wheel cache (default ~/.cache/llama-slot-server/wheels)
+#   LLAMA_SERVER_CACHE=DIR        build cache root (default ~/.cache/llama-slot-server)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,19 +19,6 @@ DEV=0
 [[ "${1:-}" == "--dev" ]] && DEV=1
 
 LLAMA_VERSION="$(sed -n 's/^llama-cpp-python==\(.*\)$/\1/p' requirements.txt)"
-CACHE="${LLAMA_WHEEL_CACHE:-$HOME/.cache/llama-slot-server/wheels}"
-
-if [[ "${LLAMA_GPU:-}" == "cuda" ]]; then
-  VARIANT="cuda"
-  CMAKE_ARGS_BUILD="-DGGML_CUDA=on"
-else
-  # ggml's AMX kernels crash on Q4_K models (first llama_decode segfaults in
-  # ggml_backend_amx_mul_mat), so the native CPU build keeps AMX instructions out.
-  VARIANT="cpu-$( (grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | md5sum | cut -c1-12)"
-  NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-  CMAKE_ARGS_BUILD="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$NOAMX' -DCMAKE_CXX_FLAGS='$NOAMX'"
-fi
-WHEEL_DIR="$CACHE/$LLAMA_VERSION/$VARIANT"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "[bootstrap] creating virtual environment in $VENV"
@@ -39,20 +27,16 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
-# Reinstall when the version or the build variant (CPU / CUDA) differs from what is installed.
+# llama.cpp is built once (scripts/build_llama.sh: one CMake build gives both the libraries
+# this wheel carries and llama.cpp's own llama-server), then cached; the variant names the
+# CPU (or cuda). Reinstall when the version or the variant differs from what is installed.
+WHEEL="$(PYTHON="$VENV/bin/python" "$ROOT/scripts/build_llama.sh")"
+VARIANT="$(basename "$(dirname "$WHEEL")")"
 if [[ "$(cat "$VENV/.llama-variant" 2>/dev/null)" != "$LLAMA_VERSION/$VARIANT" ]] || \
    ! "$VENV/bin/python" -c "import importlib.metadata as m,sys; sys.exit(m.version('llama_cpp_python')!='$LLAMA_VERSION')" 2>/dev/null; then
-  if ! ls "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
-    echo "[bootstrap] building llama-cpp-python $LLAMA_VERSION ($VARIANT); takes ~4 minutes once, then cached in $WHEEL_DIR"
-    mkdir -p "$WHEEL_DIR"
-    TMP_DIR="$(mktemp -d)"
-    CMAKE_ARGS="$CMAKE_ARGS_BUILD" "$VENV/bin/python" -m pip wheel --no-deps --no-binary llama-cpp-python \
-      -w "$TMP_DIR" "llama-cpp-python==$LLAMA_VERSION"
-    mv "$TMP_DIR"/llama_cpp_python-*.whl "$WHEEL_DIR"/
-    rm -rf "$TMP_DIR"
-  fi
-  "${PIP[@]}" --force-reinstall --no-deps "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
-  "${PIP[@]}" "$WHEEL_DIR"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+  echo "[bootstrap] installing llama-cpp-python $LLAMA_VERSION ($VARIANT)"
+  "${PIP[@]}" --force-reinstall --no-deps "$WHEEL"
+  "${PIP[@]}" "$WHEEL"
   echo "$LLAMA_VERSION/$VARIANT" > "$VENV/.llama-variant"
 fi
 
