@@ -7,7 +7,6 @@ endpoint describes only what is its own in a ``Submission``."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import time
@@ -15,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .cache import tenancy
 from .chat import ChatTemplate
 from .config import Settings
 from .constrained import CompiledConstraint, Constraint, ConstraintError, request_constraint
@@ -73,23 +73,24 @@ class ServerState:
 
 
 def tenant_of(st: ServerState, request: Any, cache_salt: str | None = None) -> str:
-    """Whose cached prefixes a request may reuse (--cache-isolation):
+    """Whose cached prefixes a request may reuse (--cache-isolation; names: cache/tenancy.py):
 
     - ``none``: everyone's, except that a ``cache_salt`` keeps a request to its salt's;
     - ``key``: its API key's (and, within it, its salt's);
-    - ``salt``: its salt's; a request without one shares with nobody.
+    - ``salt``: its salt's; a request without one shares with nobody, ever: it gets a fresh
+      random tenant that no other request, process or replica can hold, and that is never
+      written to disk.
+
+    Key and salt tenants are digests, the same in every process (restarts, replicas).
     """
     mode = st.settings.cache_isolation
-    salt = f"salt:{cache_salt}" if cache_salt else ""
+    salt = tenancy.salt_tenant(cache_salt) if cache_salt else ""
     if mode == "key":
         key = getattr(getattr(request, "state", None), "api_key_id", "")
         return f"key:{key}" + (f"/{salt}" if salt else "")
     if mode == "salt" and not salt:
-        return f"private:{next(_private_tenants)}"
+        return tenancy.private_tenant()
     return salt
-
-
-_private_tenants = itertools.count(1)
 
 
 SAMPLING_FIELDS = (

@@ -43,6 +43,7 @@ from .disk_files import (
     write_entry,
 )
 from .prompt_cache import CacheEntry
+from .tenancy import persistable
 
 log = logging.getLogger("server.cache.disk")
 
@@ -246,7 +247,9 @@ class DiskTier:
         """Queue an entry leaving RAM (any thread; takes the entry's buffers as they are).
         False when it is dropped: too large for the tier, or the writer too far behind
         (``max_pending_bytes``; not for a ``spill`` at shutdown, whose buffers are held
-        anyway)."""
+        anyway), or one request's private tenant (never persisted: cache/tenancy.py)."""
+        if not persistable(entry.tenant):
+            return False
         with self._cond:
             if entry.nbytes > self.limit_bytes:
                 self.counters.too_large += 1
