@@ -8,14 +8,20 @@ model, written whole (temporary name, then rename); see server.cache.disk_files.
 
 Index. Kept in memory from the files' headers (tokens) and trailers (tenant), never from
 their states; oldest first by (mtime, name), which is also the eviction order (FIFO by
-bytes). The directory is rescanned when a lookup misses (at most once per ``rescan_s``) and
-by the writer thread when idle, so entries another replica wrote are found, and files
-another replica evicted are forgotten.
+bytes). A scanner thread rescans the directory (never the engine thread): when a lookup
+misses and the directory changed (its mtime moved, one stat) or ``rescan_s`` passed, and
+every ``poll_s`` on its own, so entries another replica wrote are found and files another
+replica evicted are forgotten. A scan is incremental: one listing, set differences against
+the names it knows, and a header read only for new names matching the entry pattern; other
+names (junk, however many) are ignored unread. A missing lookup waits for the scan it asked
+for at most ``sync_scan_s``, and not at all when the last scan took longer than that.
 
 Hostile files (not regular files, symlinks, truncated, wrong magic or version, lengths the
 file cannot hold, tokens outside the vocabulary, another model's) are skipped and counted,
 never loaded. A file that passes here still has its state proven cell by cell before it is
-loaded (SlotStore.restore(..., untrusted=True)).
+loaded (SlotStore.restore(..., untrusted=True)), and it is read with pread into one
+buffer (disk_files.read_entry), never mapped: a file another process truncates or rewrites
+under the reader is a miss (``changed_files``), never a SIGBUS.
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ from pathlib import Path
 from ..types import lcp
 from .disk_files import (
     NAME_RE,
-    TMP_PREFIX,
+    READ_DELAY_ENV,
     WRITE_DELAY_ENV,
     BadFile,
     DiskEntry,
     FileCheck,
     clean_temp_files,
     encode_trailer,
+    read_entry,
     read_header,
     write_entry,
 )
@@ -124,6 +131,7 @@ class DiskCounters:
     hits: int = 0  # lookups that restored an entry into a slot
     misses: int = 0
     load_failures: int = 0  # chosen, but its file was gone or its state was refused
+    changed_files: int = 0  # chosen, but truncated or rewritten (by another process) by then
     writes: int = 0
     bytes_written: int = 0
     write_failures: int = 0
@@ -177,18 +185,26 @@ class DiskTier:
         check: FileCheck,
         *,
         rescan_s: float = 1.0,
+        poll_s: float | None = None,
+        sync_scan_s: float = 0.1,
         max_pending_bytes: int | None = None,
         write_delay_s: float | None = None,
+        read_delay_s: float | None = None,
     ) -> None:
         self.dir = Path(directory)
         self.limit_bytes = limit_bytes
         self.check = check
         self.rescan_s = rescan_s
+        self.poll_s = max(0.25, rescan_s) if poll_s is None else poll_s
+        self.sync_scan_s = sync_scan_s
         # entries evicted from RAM wait here beyond --cache-ram: keep that bounded
         self.max_pending_bytes = max_pending_bytes or min(limit_bytes, 1024 * MiB)
         if write_delay_s is None:
             write_delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
         self.write_delay_s = write_delay_s
+        if read_delay_s is None:
+            read_delay_s = float(os.environ.get(READ_DELAY_ENV, "0") or 0)
+        self.read_delay_s = read_delay_s
         self.index = DiskIndex()
         self.counters = DiskCounters()
         self.bad: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) when refused
@@ -196,11 +212,17 @@ class DiskTier:
         self._q = _Queue()
         self._lock = threading.Lock()  # index, counters' shared fields, queue
         self._cond = threading.Condition(self._lock)
-        self._scan_lock = threading.Lock()
+        self._scan_lock = threading.Lock()  # one scan at a time
         self._last_scan = 0.0
+        self._last_scan_s = 0.0  # how long the last scan took
+        self._scans_begun = 0  # under _lock: a lookup waits for a scan begun after it asked
+        self._scans_done = 0
         self._dir_mtime = -1  # the directory's mtime when last scanned
+        self._junk: set[str] = set()  # listed names that are no entry's: never read
+        self._wake = threading.Event()  # a lookup asks the scanner for a scan
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._scanner: threading.Thread | None = None
 
     # ---- life ---------------------------------------------------------------------
 
@@ -212,6 +234,10 @@ class DiskTier:
         self.scan()
         self._thread = threading.Thread(target=self._run, name="disk-cache", daemon=True)
         self._thread.start()
+        self._scanner = threading.Thread(
+            target=self._scan_loop, name="disk-cache-scan", daemon=True
+        )
+        self._scanner.start()
         log.info(
             "disk cache %s: %d entries, %.1f MiB (limit %.0f MiB), %d bad files skipped",
             self.dir,
@@ -238,8 +264,11 @@ class DiskTier:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._scanner is not None:
+            self._scanner.join(timeout)
 
     # ---- writing ------------------------------------------------------------------
 
@@ -267,24 +296,19 @@ class DiskTier:
         while True:
             with self._cond:
                 while not self._q.items and not self._closing:
-                    if not self._cond.wait(max(1.0, 2 * self.rescan_s)):
-                        break  # idle: poll the directory for other replicas' entries
+                    self._cond.wait()
                 if self._closing and not self._q.items:
                     return
-                entry = self._q.items[0] if self._q.items else None
+                entry = self._q.items[0]
                 self._q.writing = entry
             try:
-                if entry is None:
-                    self.scan()
-                else:
-                    self._write(entry)
+                self._write(entry)
             except Exception:
                 log.exception("disk cache writer")
             finally:
                 with self._cond:
-                    if entry is not None:
-                        self._q.items.popleft()
-                        self._q.nbytes -= entry.nbytes
+                    self._q.items.popleft()
+                    self._q.nbytes -= entry.nbytes
                     self._q.writing = None
                     self._cond.notify_all()
 
@@ -331,43 +355,67 @@ class DiskTier:
 
     # ---- indexing -----------------------------------------------------------------
 
-    def scan(self, wait: float = 0.0) -> int:
-        """Index new files, forget vanished ones; returns how many were added. Headers only.
-        Waits at most ``wait`` seconds for another thread's scan, else skips (returns 0)."""
-        lock = self._scan_lock
-        if not (lock.acquire(timeout=wait) if wait > 0 else lock.acquire(blocking=False)):
-            return 0
-        try:
-            self._last_scan = time.monotonic()
+    def _scan_loop(self) -> None:
+        """The scanner thread: a scan when a lookup asks for one, else every ``poll_s`` when
+        the directory changed or ``rescan_s`` passed (other replicas' entries)."""
+        while not self._closing:
+            asked = self._wake.wait(self.poll_s)
+            self._wake.clear()
+            if self._closing:
+                return
+            if asked or self._stale():
+                try:
+                    self.scan()
+                except Exception:
+                    log.exception("disk cache scanner")
+
+    def scan(self) -> int:
+        """Index new entry files, forget vanished ones; returns how many were added. One
+        listing; only new names matching the entry pattern are examined (headers only),
+        other names are remembered as junk, never read, logged or counted one by one. One
+        scan at a time: a call while another runs waits, then lists again."""
+        with self._scan_lock:
+            with self._cond:
+                self._scans_begun += 1
+            t0 = time.monotonic()
             try:
-                self._dir_mtime = os.stat(self.dir).st_mtime_ns  # before listing: no gap
-                names = set(os.listdir(self.dir))
-            except OSError as e:
-                log.warning("disk cache: cannot list %s: %s", self.dir, e)
-                return 0
-            with self._lock:
-                self.counters.scans += 1
-                for gone in [n for n in self.index.by_name if n not in names]:
-                    self.index.remove(gone)
-                for gone in [n for n in self.bad if n not in names]:
-                    del self.bad[gone]  # refused files that were removed: forget them too
-                fresh = [n for n in names if n not in self.index.by_name]
-            added = [e for e in map(self._examine, sorted(fresh)) if e is not None]
-            with self._lock:
-                for e in added:
-                    self.index.add(e)
-                evicted = self.index.over_limit(self.limit_bytes)
-                self.counters.evictions += len(evicted)
-            for old in evicted:
-                (self.dir / old.name).unlink(missing_ok=True)
-            return len(added)
-        finally:
-            self._scan_lock.release()
+                return self._scan_once(t0)
+            finally:
+                self._last_scan_s = time.monotonic() - t0
+                with self._cond:
+                    self._scans_done += 1
+                    self._cond.notify_all()
+
+    def _scan_once(self, t0: float) -> int:
+        self._last_scan = t0
+        try:
+            self._dir_mtime = os.stat(self.dir).st_mtime_ns  # before listing: no gap
+            names = set(os.listdir(self.dir))
+        except OSError as e:
+            log.warning("disk cache: cannot list %s: %s", self.dir, e)
+            return 0
+        self._junk &= names  # set operations: 20,000 junk names cost milliseconds
+        with self._lock:
+            self.counters.scans += 1
+            for gone in [n for n in self.index.by_name if n not in names]:
+                self.index.remove(gone)
+            for gone in [n for n in self.bad if n not in names]:
+                del self.bad[gone]  # refused files that were removed: forget them too
+            fresh = names.difference(self.index.by_name, self._junk)
+        junk = {n for n in fresh if NAME_RE.match(n) is None}  # temporary files too
+        self._junk |= junk
+        added = [e for e in map(self._examine, sorted(fresh - junk)) if e is not None]
+        with self._lock:
+            for e in added:
+                self.index.add(e)
+            evicted = self.index.over_limit(self.limit_bytes)
+            self.counters.evictions += len(evicted)
+        for old in evicted:
+            (self.dir / old.name).unlink(missing_ok=True)
+        return len(added)
 
     def _examine(self, name: str) -> DiskEntry | None:
-        """One new directory name: an entry, or None (temporary, or refused and counted)."""
-        if name.startswith(TMP_PREFIX):
-            return None  # a write in progress (or a dead writer's, cleaned at start-up)
+        """One new name matching the entry pattern: an entry, or None (refused and counted)."""
         try:
             st = os.lstat(self.dir / name)
         except OSError:
@@ -376,8 +424,6 @@ class DiskTier:
         if self.bad.get(name) == seen:
             return None  # refused before and unchanged: counted once
         try:
-            if NAME_RE.match(name) is None:
-                raise BadFile("not a disk-cache entry name")
             if st.st_size > self.limit_bytes:  # would evict every other entry to fit
                 raise BadFile(f"{st.st_size} bytes, more than the whole tier")
             return read_header(self.dir, name, self.check)
@@ -406,21 +452,34 @@ class DiskTier:
         self, prompt: list[int], tenant: str, slot_tokens: list[int], own: bool
     ) -> DiskHit | None:
         """The best entry of ``tenant`` for ``prompt`` that beats the slot's own state (when
-        ``own``), in the queue or on disk; on a miss the directory is rescanned (at most once
-        per ``rescan_s``) and looked at again. Counts a miss; hits are counted by ``loaded``."""
+        ``own``), in the queue or on disk; on a miss when the directory may have changed,
+        the scanner is asked for a scan, waited for at most ``sync_scan_s`` (never a listing
+        on this thread), and the index looked at again. Counts a miss; hits are counted by
+        ``loaded``."""
         if not prompt:
             return None
         n = lcp(slot_tokens, prompt) if own else 0
         keep = n / len(slot_tokens) if slot_tokens else -1.0
         sim = n / len(prompt)
         hit = self._find(prompt, tenant, keep, sim)
-        if hit is None and self._stale():
-            self.scan(wait=2.0)  # the writer's poll may be scanning: then after it
+        if hit is None and self._stale() and self._refresh():
             hit = self._find(prompt, tenant, keep, sim)
         if hit is None:
             with self._lock:
                 self.counters.misses += 1
         return hit
+
+    def _refresh(self) -> bool:
+        """Ask the scanner for a scan and wait for it at most ``sync_scan_s``: not at all
+        when the last scan took longer (a huge directory: the miss stands, the index catches
+        up off this thread) or no scanner runs. True when a scan begun after asking ended."""
+        with self._cond:
+            target = self._scans_begun + 1
+        self._wake.set()
+        if self._scanner is None or self._last_scan_s > self.sync_scan_s:
+            return False
+        with self._cond:
+            return self._cond.wait_for(lambda: self._scans_done >= target, self.sync_scan_s)
 
     def _stale(self) -> bool:
         """Whether the directory may hold files the index lacks: its mtime moved (a file was
@@ -449,8 +508,10 @@ class DiskTier:
                     keep, sim, best = f_keep, f_sim, DiskHit(m, pending=p)
             return best
 
-    def path_of(self, e: DiskEntry) -> Path:
-        return self.dir / e.name
+    def read(self, e: DiskEntry, seq: int) -> tuple[bytearray, int]:
+        """``e``'s file in one buffer for sequence ``seq``, and its state's offset; raises as
+        disk_files.read_entry does (EntryChanged, BadFile, OSError)."""
+        return read_entry(self.dir, e, self.check, seq, self.read_delay_s)
 
     def loaded(self, hit: DiskHit, ms: float, nbytes: int) -> None:
         with self._lock:
@@ -459,12 +520,15 @@ class DiskTier:
             self.counters.load_ms_total += ms
             self.counters.load_ms_last = ms
 
-    def failed(self, hit: DiskHit, why: str, refuse: bool) -> None:
+    def failed(self, hit: DiskHit, why: str, refuse: bool, changed: bool = False) -> None:
         """A chosen entry could not be loaded: forget it; with ``refuse`` (its state was
-        refused) remember the file as bad so a rescan does not index it again."""
+        refused) remember the file as bad so a rescan does not index it again; ``changed``:
+        its file was truncated or rewritten since it was indexed (counted apart; a rescan
+        examines it afresh)."""
         with self._lock:
             self.counters.load_failures += 1
             self.counters.misses += 1
+            self.counters.changed_files += changed
         e = hit.entry
         if e is None:
             return
@@ -473,7 +537,7 @@ class DiskTier:
         if refuse:
             self._refuse(e.name, (e.nbytes, e.mtime_ns), why)
         else:
-            log.info("disk cache: %s: %s", e.name, why)
+            log.log(logging.WARNING if changed else logging.INFO, "disk cache: %s: %s", e.name, why)
 
     # ---- reporting ----------------------------------------------------------------
 
@@ -485,6 +549,7 @@ class DiskTier:
             pending = len(self._q.items)
             pending_bytes = self._q.nbytes
             last_bad = list(self.last_bad)
+            n_ignored = len(self._junk)
         return {
             "enabled": True,
             "dir": str(self.dir),
@@ -496,6 +561,7 @@ class DiskTier:
             "pending_bytes": pending_bytes,
             "counters": c,
             "bad_files": last_bad,
+            "ignored_files": n_ignored,  # names that are no entry's (junk): never read
             "entries": [
                 {
                     "name": e.name,

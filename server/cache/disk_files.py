@@ -15,6 +15,12 @@ complete: readers see whole files only, and a process killed mid-write leaves on
 temporary file, which is never indexed and is removed at start-up once its writer is gone.
 Hostile files (not regular files, symlinks, truncated, wrong magic or version, lengths the
 file cannot hold, tokens outside the vocabulary, another model's) raise BadFile.
+
+Reading an entry (read_entry) copies the file into one bytearray with pread, never through
+a mapping: replicas share the directory, and a file mapped while another process truncates
+it kills the reader with SIGBUS on the first access past the new end. A file that is not
+the one indexed (size or mtime moved), reads short, grows, or is written while read raises
+EntryChanged: a miss, never a crash.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ TMP_RE = re.compile(r"^\.tmp-([A-Za-z0-9_.]{1,64})-([0-9]{1,10})-[0-9a-f]{12}\.l
 STALE_TMP_S = 3600.0  # another host's temporary file this old is an abandoned write
 # Test-only: seconds to sleep after each MiB written, so a test can kill a writer mid-file.
 WRITE_DELAY_ENV = "LLAMA_SLOT_TEST_DISK_WRITE_DELAY_S"
+# Test-only: seconds to sleep between opening an entry and reading it, so a test can
+# truncate it under a reader.
+READ_DELAY_ENV = "LLAMA_SLOT_TEST_DISK_READ_DELAY_S"
 _CHUNK = MiB
 
 
@@ -55,6 +64,11 @@ class BadFile(ValueError):
     def __init__(self, message: str, foreign: bool = False) -> None:
         super().__init__(message)
         self.foreign = foreign
+
+
+class EntryChanged(Exception):
+    """An indexed entry's file is not the one indexed any more (truncated, replaced, or
+    written while read, by another process): a miss, and the entry is forgotten."""
 
 
 def host_label() -> str:
@@ -176,6 +190,69 @@ def read_header(directory: Path, name: str, check: FileCheck) -> DiskEntry:
     if model != check.model:
         raise BadFile(f"another model's entry ({model!r})", foreign=True)
     return DiskEntry(name, tokens, tenant, size, body_len, st.st_mtime_ns)
+
+
+def read_entry(
+    directory: Path, e: DiskEntry, check: FileCheck, seq: int, delay_s: float = 0.0
+) -> tuple[bytearray, int]:
+    """The indexed entry ``e``'s whole file in one new bytearray (read with pread: one copy,
+    no mapping another process can truncate under us), with llama_state_seq_set_data's
+    8-byte header for sequence ``seq`` written over the last token's bytes; and that
+    header's offset (state_off). Raises EntryChanged when the file is not the one indexed
+    (size or mtime moved), reads short, grows, or changes while read; BadFile when it is no
+    regular file; OSError as it comes (FileNotFoundError: another replica removed it)."""
+    fd = os.open(directory / e.name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise BadFile("not a regular file")
+        if (before.st_size, before.st_mtime_ns) != (e.nbytes, e.mtime_ns):
+            raise EntryChanged(
+                f"changed since it was indexed ({before.st_size} bytes, {e.nbytes} indexed)"
+            )
+        if delay_s > 0:
+            time.sleep(delay_s)
+        buf = bytearray(e.nbytes)
+        _pread_into(fd, buf)
+        if os.pread(fd, 1, e.nbytes):
+            raise EntryChanged("grew while it was read")
+        if _identity(os.fstat(fd)) != _identity(before):
+            raise EntryChanged("written while it was read")
+    finally:
+        os.close(fd)
+    return buf, _patch_body(buf, e, check, seq)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    # ctime too: a writer can put mtime back (utime), never ctime
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _pread_into(fd: int, buf: bytearray) -> None:
+    """Fill ``buf`` from the file's start; the kernel writes straight into it (no copy)."""
+    mv, pos = memoryview(buf), 0
+    try:
+        while pos < len(mv):
+            n = os.preadv(fd, [mv[pos:]], pos)  # a single read stops at ~2 GiB: loop
+            if n == 0:
+                raise EntryChanged(f"truncated while read ({pos} of {len(mv)} bytes)")
+            pos += n
+    finally:
+        mv.release()
+
+
+def _patch_body(buf: bytearray, e: DiskEntry, check: FileCheck, seq: int) -> int:
+    """Check the bytes read hold the indexed header and tokens; write the state header in
+    place of the last token's bytes (already compared). Returns its offset."""
+    n = len(e.tokens)
+    body = 12 + 4 * n
+    magic, version, n_tokens = struct.unpack_from("<III", buf, 0)
+    if magic != slot_file.GGSQ_MAGIC or version != check.version or n_tokens != n:
+        raise EntryChanged("its header is not the one indexed")
+    if body + 8 > e.body_len or buf[12:body] != array("i", e.tokens).tobytes():
+        raise EntryChanged("its tokens are not the ones indexed")
+    struct.pack_into("<Ii", buf, body - 8, slot_file.STATE_HEADER_MAGIC, seq)
+    return body - 8
 
 
 def entry_parts(entry: CacheEntry, version: int, model: str) -> list[bytes | memoryview]:

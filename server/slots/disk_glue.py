@@ -2,9 +2,11 @@
 spilling slots and the RAM cache to disk at shutdown. Engine thread only.
 
 A disk file is untrusted (another process, or another replica, may have written it): it is
-read through a private mapping (slot_file.read_file bound-checks the header) and restored
-with SlotStore.restore(..., untrusted=True), which proves the state's cells are exactly the
-file's token positions before llama.cpp sees them. An entry still waiting for the writer
+read with pread into one buffer (DiskTier.read: never a mapping, which another process
+truncating the file would turn into a SIGBUS; a file truncated or rewritten by then, or
+while read, is a miss) and restored with SlotStore.restore(..., untrusted=True), which
+proves the state's cells are exactly the file's token positions before llama.cpp sees
+them. An entry still waiting for the writer
 is our own memory and is restored like a RAM-cache entry.
 """
 
@@ -12,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
-from ..cache import slot_file
 from ..cache.disk import DiskTier
-from ..cache.disk_files import DiskEntry
+from ..cache.disk_files import BadFile, DiskEntry, EntryChanged
 from ..cache.prompt_cache import CacheEntry, PromptCache
 from .slot import Slot
 from .store import SlotStore
@@ -23,10 +25,19 @@ from .store import SlotStore
 log = logging.getLogger("server.slots.disk")
 
 
+class _Outcome(NamedTuple):
+    ok: bool
+    nbytes: int = 0  # bytes read from disk
+    why: str = ""
+    refuse: bool = False  # the file itself is bad: never index it again
+    changed: bool = False  # truncated or rewritten by another process since indexed
+
+
 def load(store: SlotStore, disk: DiskTier, slot: Slot, prompt: list[int], tenant: str) -> bool:
     """Restore ``tenant``'s best disk entry for ``prompt`` into ``slot``; True when one was
-    loaded (the slot then holds the entry's tokens and checkpoints). A failed restore leaves
-    the slot empty and forgets the entry."""
+    loaded (the slot then holds the entry's tokens and checkpoints). A failure forgets the
+    entry; a refused state leaves the slot empty, a file that could not be read leaves the
+    slot as it was."""
     hit = disk.find(prompt, tenant, slot.tokens, own=slot.tenant == tenant)
     if hit is None:
         return False
@@ -34,43 +45,40 @@ def load(store: SlotStore, disk: DiskTier, slot: Slot, prompt: list[int], tenant
     if hit.pending is not None:
         p = hit.pending
         ok = store.restore(slot, p.data, list(p.tokens), p.checkpoints) > 0
-        nbytes, why, refuse = 0, "its queued state did not restore", False
+        out = _Outcome(ok, why="" if ok else "its queued state did not restore")
     else:
         assert hit.entry is not None
-        ok, nbytes, why, refuse = _restore_file(store, disk, slot, hit.entry)
-    if not ok:
-        disk.failed(hit, why, refuse)
+        out = _restore_file(store, disk, slot, hit.entry)
+    if not out.ok:
+        disk.failed(hit, out.why, out.refuse, out.changed)
         return False
     slot.tenant = tenant
     ms = (time.perf_counter() - t0) * 1e3
-    disk.loaded(hit, ms, nbytes)
+    disk.loaded(hit, ms, out.nbytes)
     log.debug("slot %d: %d tokens from the disk cache in %.1f ms", slot.id, len(hit.tokens), ms)
     return True
 
 
-def _restore_file(
-    store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry
-) -> tuple[bool, int, str, bool]:
-    """(loaded, bytes read, why not, whether the file itself is bad)."""
+def _restore_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) -> _Outcome:
+    """Read ``e``'s file into one buffer and restore it (its cells proven first)."""
     try:
-        parsed = slot_file.read_file(
-            disk.path_of(e), slot.n_ctx, disk.check.n_vocab, slot.id, disk.check.version
-        )
-    except slot_file.SlotFileError as err:
-        return False, 0, str(err), err.status != 404
+        buf, state_off = disk.read(e, slot.id)
+    except EntryChanged as err:  # truncated or rewritten by another process
+        return _Outcome(False, why=str(err), changed=True)
+    except BadFile as err:
+        return _Outcome(False, why=str(err), refuse=True)
     except OSError as err:  # removed by another replica meanwhile
-        return False, 0, f"unreadable: {err.strerror or err}", False
-    if parsed.tokens != e.tokens or len(parsed.buf) != e.nbytes:
-        return False, 0, "the file changed since it was indexed", True
+        return _Outcome(False, why=f"unreadable: {err.strerror or err}")
+    except MemoryError:
+        return _Outcome(False, why="no memory to read it")
     # the state and the appendices, not the trailer
-    app = store.restore_file(
-        slot, parsed.buf, parsed.state_off, e.body_len, list(e.tokens), exact=False
-    )
+    app = store.restore_file(slot, buf, state_off, e.body_len, list(e.tokens), exact=False)
     if app is None:
-        return False, 0, "its state does not match its tokens (refused before loading)", True
+        why = "its state does not match its tokens (refused before loading)"
+        return _Outcome(False, why=why, refuse=True)
     for w in app.warnings:
         log.warning("disk cache entry %s: %s", e.name, w)
-    return True, e.nbytes, "", False
+    return _Outcome(True, nbytes=e.nbytes)
 
 
 def spill(store: SlotStore, cache: PromptCache | None, disk: DiskTier) -> int:

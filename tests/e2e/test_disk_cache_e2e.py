@@ -126,10 +126,10 @@ def _hostile(d: Path, model: str, tokens: list[int], outside: Path) -> int:
         _name(2): garbage[:200],  # truncated: no trailer
         _name(3): struct.pack("<III", 0x67677371, version, 2**31) + b"\0" * 64,  # huge count
         _name(4): garbage + b"\xff" * 8 + struct.pack("<IIQII", 2**31, 2**31, 2**60, 1, 0x4B534453),
-        "not-an-entry.lsc": garbage,  # not our name
     }
+    junk = {"not-an-entry.lsc": garbage}  # not our name: ignored unread, not counted
     # written beside the directory and renamed in: a rescan never sees half a file
-    for name, data in files.items():
+    for name, data in {**files, **junk}.items():
         (outside / name).write_bytes(data)
         os.rename(outside / name, d / name)
     secret = outside / "secret.lsc"

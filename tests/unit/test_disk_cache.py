@@ -42,6 +42,7 @@ def entry(tokens, tenant: str = "", payload: bytes = b"x" * 100, ckpts=()) -> Ca
 
 
 def tier(d: Path, limit: int = 1 << 30, **kw) -> DiskTier:
+    kw.setdefault("sync_scan_s", 10.0)  # a loaded test machine: lookups wait for their scan
     t = DiskTier(d, limit, CHECK, **kw)
     t.start()
     return t
@@ -317,13 +318,14 @@ def test_hostile_directory_is_skipped_and_counted_once(tmp_path):
     os.symlink(outside / "x.lsc", d / _name(1))  # a symlink out: a whole entry, not read
     os.symlink(outside / "missing", d / _name(2))  # a dangling one
     os.mkdir(d / _name(3))
-    (d / "stray.txt").write_bytes(b"hi")
+    (d / "stray.txt").write_bytes(b"hi")  # not an entry's name: ignored, not counted
     (d / _name(4)).write_bytes(_good(model=b"other"))
     (d / _name(5)).write_bytes(_good((7, 8, 9), tenant=b"k"))  # the one good entry
     t = tier(d)
-    n_bad = len(HOSTILE) + 4
+    n_bad = len(HOSTILE) + 3
     assert t.counters.bad_files == n_bad and t.counters.foreign_files == 1
     assert [(e.name, e.tenant) for e in t.index.entries] == [(_name(5), "k")]
+    assert t.describe()["ignored_files"] == 1
     t.scan(), t.scan()
     assert t.counters.bad_files == n_bad  # unchanged files are not counted again
     (d / _name(10)).write_bytes(_good((4, 5)))  # repaired: examined again, and indexed
