@@ -134,6 +134,7 @@ class Settings(BaseModel):
     cors_headers: str = "*"
     cors_credentials: bool = True
     ui_mcp_proxy: bool = False
+    ui_mcp_proxy_timeout: float = Field(30, gt=0)
     ssl_key_file: str | None = None
     ssl_cert_file: str | None = None
     max_body_mb: float = Field(16, gt=0)

@@ -168,6 +168,7 @@ OPTIONS: list[Opt] = [
     _o("--cors-headers", "cors_headers", "LLAMA_ARG_CORS_HEADERS", "Access-Control-Allow-Headers of preflight answers (default: *)"),
     _o("--cors-credentials", "cors_credentials", "LLAMA_ARG_CORS_CREDENTIALS", "preflights allow credentials; with --cors-origins * the Origin is echoed back (default: on)", "bool", neg="--no-cors-credentials"),
     _o("--ui-mcp-proxy --webui-mcp-proxy", "ui_mcp_proxy", "LLAMA_ARG_UI_MCP_PROXY", "GET/POST /cors-proxy?url=...: forward a request to any http(s) URL, with only the x-llama-server-proxy-header-* headers; do not enable in untrusted environments (default: off)", "bool", neg="--no-ui-mcp-proxy --no-webui-mcp-proxy"),
+    _o("--ui-mcp-proxy-timeout", "ui_mcp_proxy_timeout", "LLAMA_ARG_UI_MCP_PROXY_TIMEOUT", "seconds the CORS proxy waits to connect to its target and for each read from it; then 504 (default: 30)", float),
     _o("--ssl-key-file", "ssl_key_file", "LLAMA_ARG_SSL_KEY_FILE", "PEM private key: serve HTTPS (with --ssl-cert-file)"),
     _o("--ssl-cert-file", "ssl_cert_file", "LLAMA_ARG_SSL_CERT_FILE", "PEM certificate: serve HTTPS (with --ssl-key-file)"),
     _o("--max-body-mb", "max_body_mb", "LLAMA_ARG_MAX_BODY_MB", "largest request body in MiB; larger ones get 413 (default: 16)", float),

@@ -147,6 +147,18 @@ class BodyLimit:
 _STATE_PREFIXES = ("/slots", "/cache", "/props", "/cors-proxy")
 
 
+def referer_origin(referer: str) -> str | None:
+    """The origin (``scheme://host[:port]``, normalized) of a ``Referer`` URL; None if it
+    names none (empty, relative or opaque)."""
+    if "://" not in referer:
+        return None
+    scheme, rest = referer.split("://", 1)
+    authority = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    if not scheme or not authority:
+        return None
+    return normalize_origin(f"{scheme}://{authority.rsplit('@', 1)[-1]}")
+
+
 def _json_type(ctype: bytes) -> bool:
     media = ctype.split(b";", 1)[0].strip().lower()
     return media == b"application/json" or media.endswith(b"+json")
@@ -163,6 +175,10 @@ class RequestGuard:
       endpoints that change state or the CORS proxy, and a page on another site may not send
       cookies (403: preflights allow credentials, as llama-server's do, so a browser would
       otherwise send the user's cookies to a cookie-authenticating proxy in front);
+    - a request to those endpoints without an ``Origin`` (an ``<img>``, a link: browsers
+      send none on such GETs) is judged by its ``Referer``'s origin the same way, and
+      refused when ``Sec-Fetch-Site`` says it is cross-site or same-site and no ``Referer``
+      names the page; curl and SDKs send neither and pass;
     - a POST body must be JSON (``application/json`` or ``+json``, else 415); a missing type
       and curl's form type pass only without an Origin, so ``curl -d`` keeps working.
 
@@ -188,6 +204,24 @@ class RequestGuard:
             return 403, f"origin {origin!r} may not send cookies; see --cors-origins"
         return None
 
+    def _fetch_refusal(self, scope: Scope) -> tuple[int, str] | None:
+        """A request without ``Origin`` to a state or proxy route. Browsers send none on a
+        GET that is not ``fetch``'s (an ``<img>``, a link, a navigation), so a page elsewhere
+        could make the server act with it: ``Sec-Fetch-Site`` says where such a request came
+        from, and ``Referer`` which page sent it, judged like an ``Origin``. Without either
+        (curl, SDKs) it passes; a cross-site one without a ``Referer`` does not."""
+        if not scope.get("path", "").startswith(_STATE_PREFIXES):
+            return None
+        site = _header(scope, b"sec-fetch-site")
+        if site in (b"same-origin", b"none"):  # the server's own pages, or the user's typing
+            return None
+        referer = referer_origin((_header(scope, b"referer") or b"").decode("latin-1"))
+        if referer is not None:
+            return self._origin_refusal(scope, referer)
+        if site is None:
+            return None
+        return 403, "a cross-site request may not change server state; see --cors-origins"
+
     def _refusal(self, scope: Scope) -> tuple[int, str] | None:
         if self.hosts:
             host = (_header(scope, b"host") or b"").decode("latin-1")
@@ -195,8 +229,12 @@ class RequestGuard:
                 return 403, f"host {host!r} is not allowed (--allowed-hosts)"
         origin_raw = _header(scope, b"origin")
         origin = normalize_origin(origin_raw.decode("latin-1")) if origin_raw else None
-        if origin is not None and scope.get("method") != "OPTIONS":
-            refusal = self._origin_refusal(scope, origin)
+        if scope.get("method") != "OPTIONS":
+            refusal = (
+                self._origin_refusal(scope, origin)
+                if origin is not None
+                else self._fetch_refusal(scope)
+            )
             if refusal is not None:
                 return refusal
         if scope.get("method") in ("POST", "PUT", "PATCH"):
