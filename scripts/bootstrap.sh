@@ -29,9 +29,9 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
 # llama.cpp is built once (scripts/build_llama.sh: one CMake build gives both the libraries
 # this wheel carries and llama.cpp's own llama-server), then cached; the variant names the
-# CPU (or cuda). Reinstall when the version or the variant differs from what is installed.
+# CPU (or cuda). Reinstall when the version or the wheel differs from what is installed.
 WHEEL="$(PYTHON="$VENV/bin/python" "$ROOT/scripts/build_llama.sh")"
-VARIANT="$(basename "$(dirname "$WHEEL")")"
+VARIANT="$(basename "$(dirname "$WHEEL")")/$(md5sum <"$WHEEL" | cut -c1-12)"
 if [[ "$(cat "$VENV/.llama-variant" 2>/dev/null)" != "$LLAMA_VERSION/$VARIANT" ]] || \
    ! "$VENV/bin/python" -c "import importlib.metadata as m,sys; sys.exit(m.version('llama_cpp_python')!='$LLAMA_VERSION')" 2>/dev/null; then
   echo "[bootstrap] installing llama-cpp-python $LLAMA_VERSION ($VARIANT)"

@@ -49,6 +49,16 @@ else
   NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   ARCH_ARGS=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$NOAMX" "-DCMAKE_CXX_FLAGS=$NOAMX")
 fi
+# Shared libraries with $ORIGIN run paths: llama-server finds them beside it in bin/, and
+# llama-cpp-python finds them beside each other in llama_cpp/lib/. Unversioned SONAMEs, so the
+# one file of each name is both what Python loads and what the others link to. No UI download
+# (offline).
+CMAKE_ARGS_ALL=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DCMAKE_PLATFORM_NO_VERSIONED_SONAME=ON
+  -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON "-DCMAKE_INSTALL_RPATH=\$ORIGIN"
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "${ARCH_ARGS[@]}")
+# The build's stamp: the variant and the configuration; either changing rebuilds what it must.
+STAMP="$VARIANT $(echo "${CMAKE_ARGS_ALL[*]}" | md5sum | cut -c1-12)"
 BIN="$BUILD/bin/llama-server"
 WHEEL_DIR="${LLAMA_WHEEL_CACHE:-$CACHE_ROOT/wheels}/$VERSION/$VARIANT"
 LIBS=(libllama.so libggml.so libggml-base.so libggml-cpu.so libmtmd.so)
@@ -60,7 +70,7 @@ step() { step_start=$(date +%s); log "$*"; }
 step_done() { log "  done in $(($(date +%s) - step_start)) s"; }
 
 wheel_path() { ls "$WHEEL_DIR"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1; }
-built() { [[ -x "$BIN" && "$(cat "$BUILD/.variant" 2>/dev/null)" == "$VARIANT" ]]; }
+built() { [[ -x "$BIN" && "$(cat "$BUILD/.stamp" 2>/dev/null)" == "$STAMP" ]]; }
 answer() { if [[ $PRINT == server ]]; then echo "$BIN"; else wheel_path; fi; }
 
 if built && [[ -n "$(wheel_path)" ]]; then
@@ -95,19 +105,14 @@ if ! built; then
   # A build directory configured from another source tree, or for another CPU, is not reused.
   if [[ -f "$BUILD/CMakeCache.txt" ]] &&
     { ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$SRC" "$BUILD/CMakeCache.txt" ||
-      [[ -f "$BUILD/.variant" && "$(cat "$BUILD/.variant")" != "$VARIANT" ]]; }; then
+      [[ -f "$BUILD/.stamp" && "$(cut -d' ' -f1 "$BUILD/.stamp")" != "$VARIANT" ]]; }; then
     log "removing $BUILD (configured from another source tree or CPU)"
     rm -rf "$BUILD"
   fi
   GEN=()
   command -v ninja >/dev/null 2>&1 && [[ ! -f "$BUILD/Makefile" ]] && GEN=(-G Ninja)
   step "configuring llama.cpp $VERSION ($VARIANT) in $BUILD"
-  # Shared libraries with $ORIGIN run paths: llama-server finds them beside it in bin/, and
-  # llama-cpp-python finds them beside each other in llama_cpp/lib/. No UI download (offline).
-  cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON "-DCMAKE_INSTALL_RPATH=\$ORIGIN" \
-    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "${ARCH_ARGS[@]}" >"$DIR/configure.log" 2>&1 ||
+  cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" "${CMAKE_ARGS_ALL[@]}" >"$DIR/configure.log" 2>&1 ||
     { tail -40 "$DIR/configure.log" >&2; exit 1; }
   step_done
   step "building llama, ggml, mtmd and llama-server with $JOBS jobs (the long step, once)"
@@ -117,7 +122,8 @@ if ! built; then
   for lib in "${LIBS[@]}"; do
     [[ -f "$BUILD/bin/$lib" ]] || { echo "build finished but $BUILD/bin/$lib is missing" >&2; exit 1; }
   done
-  echo "$VARIANT" >"$BUILD/.variant"
+  echo "$STAMP" >"$BUILD/.stamp"
+  rm -rf "$WHEEL_DIR"  # packed from an earlier build
   step_done
 fi
 
@@ -127,7 +133,7 @@ if [[ -z "$(wheel_path)" ]]; then
   cp -a "$SDIST/." "$TMPW/pkg"
   rm -rf "$TMPW/pkg/vendor" "$TMPW/pkg/.gitignore"  # .gitignore lists lib/ and *.so
   mkdir -p "$TMPW/pkg/llama_cpp/lib"
-  for lib in "${LIBS[@]}"; do cp -L "$BUILD/bin/$lib" "$TMPW/pkg/llama_cpp/lib/"; done
+  for lib in "${LIBS[@]}"; do cp "$BUILD/bin/$lib" "$TMPW/pkg/llama_cpp/lib/"; done
   # LLAMA_BUILD=OFF: the sdist's CMake builds nothing; the wheel takes llama_cpp/ as it is.
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps \
     --disable-pip-version-check -w "$TMPW/out" "$TMPW/pkg" >&2

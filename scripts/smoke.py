@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import subprocess
 import sys
 import time
@@ -42,11 +43,24 @@ def _decode_once(model_path: str) -> None:
     L.llama_model_free(model)
 
 
+def _quiet_decode(model_path: str) -> None:
+    """``_decode_once`` with llama.cpp's load log (thousands of lines on fd 2) kept out."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        _decode_once(model_path)
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
 def main() -> None:
     t = time.time()
     from server.app import default_model_path
 
-    _decode_once(default_model_path())
+    _quiet_decode(default_model_path())
     print(f"[smoke] model loaded and decoded in {time.time() - t:.1f} s")
     server = subprocess.run(
         [str(ROOT / "scripts/build_llama.sh"), "--server"], capture_output=True, text=True
@@ -54,7 +68,8 @@ def main() -> None:
     r = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise SystemExit(f"smoke: {server} --version failed:\n{r.stderr[-2000:]}")
-    print(f"[smoke] {Path(server).name}: {(r.stdout + r.stderr).strip().splitlines()[0]}")
+    version = next(x for x in (r.stdout + r.stderr).splitlines() if x.startswith("version"))
+    print(f"[smoke] {Path(server).name}: {version}")
 
 
 if __name__ == "__main__":

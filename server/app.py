@@ -20,6 +20,8 @@ from .cache.disk_files import FileCheck
 from .cache.prompt_cache import MiB, PromptCache
 from .chat import pick_template
 from .config import Settings, csv_list, load_api_keys
+from .constrained import worker
+from .constrained.limits import ConstraintLimits
 from .cors import Cors, CorsPolicy, effective_origins
 from .embeddings import embeddings_on, pooling_of
 from .metrics import ServerMetrics
@@ -236,6 +238,7 @@ def load(st: ServerState) -> None:
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
         backend = LlamaBackend(model_options(s, path))
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
+        worker.pool().warm()  # a compile child started now, not by the first schema
         st.backend = backend
         st.template = pick_template(
             name=s.chat_template,
@@ -315,8 +318,21 @@ def cors_policy(s: Settings) -> CorsPolicy:
     return CorsPolicy(origins, s.cors_methods, s.cors_headers, s.cors_credentials)
 
 
+def constraint_limits(s: Settings) -> ConstraintLimits:
+    """The bounds on clients' schemas and grammars, from the --constraint-* flags."""
+    return ConstraintLimits(
+        max_bytes=s.constraint_max_bytes,
+        max_depth=s.constraint_max_depth,
+        max_enum=s.constraint_max_enum,
+        timeout=s.constraint_timeout,
+        workers=s.constraint_workers,
+        max_tools=s.constraint_max_tools,
+    )
+
+
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
+    worker.configure(constraint_limits(settings))
     st.metrics = ServerMetrics(st)
 
     @contextlib.asynccontextmanager

@@ -35,9 +35,11 @@ def split_prompts(raw: Any) -> list[Any]:
     """The prompts of a request's ``prompt``: a list without a token id at its top level is
     a list of prompts; anything else is one. APIError 400 for an empty list."""
     if isinstance(raw, list) and not any(_is_token(x) for x in raw):
-        if not raw:
+        if not raw or "" in raw:
             raise APIError(400, '"prompt" must not be empty')
         return list(raw)
+    if raw == "":  # nothing to continue (BOS alone): a client's mistake, not a request
+        raise APIError(400, '"prompt" must not be empty')
     return [raw]
 
 

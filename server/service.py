@@ -18,6 +18,7 @@ from .cache import tenancy
 from .chat import ChatTemplate
 from .config import Settings
 from .constrained import CompiledConstraint, Constraint, ConstraintError, request_constraint
+from .constrained.matcher import compile_executor
 from .errors import APIError
 from .schemas import SamplingFields
 from .slots.engine import Engine, EngineDead
@@ -135,18 +136,20 @@ def sampling_from(
 def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Any) -> dict[int, float]:
     """llama-server's logit_bias forms as token -> bias: ``[[tok, bias], ...]`` or
     ``{"tok": bias}``, where ``tok`` is a token id or a text whose every token (tokenized
-    without BOS) gets the bias, and ``false`` as the bias bans the token. As there, entries
-    that are not pairs or whose bias is neither a number nor false are skipped; unlike there,
-    an id outside the vocabulary or a bias outside [-100, 100] is a 400, not ignored."""
+    without BOS) gets the bias, and ``false`` as the bias bans the token. Unlike there, an
+    entry that is not a pair, a bias that is neither a number nor false, an id outside the
+    vocabulary or a bias outside [-100, 100] is a 400, never silently skipped."""
     if isinstance(raw, dict):
         items: list[tuple[Any, Any]] = list(raw.items())
     else:
-        items = [(x[0], x[1]) for x in raw if isinstance(x, list) and len(x) == 2]
+        if not all(isinstance(x, list) and len(x) == 2 for x in raw):
+            raise APIError(400, "logit_bias entries must be [token, bias] pairs")
+        items = [(x[0], x[1]) for x in raw]
     out: dict[int, float] = {}
     for k, v in items:
         bias = _bias_value(v)
         if bias is None:
-            continue
+            raise APIError(400, f"logit_bias value for {k!r} must be a number or false")
         if bias != bias or (abs(bias) > 100 and bias != float("-inf")):
             raise APIError(400, f"logit_bias value for {k!r} must be within [-100, 100]")
         for tok in _bias_tokens(k, backend, isinstance(raw, dict)):
@@ -436,6 +439,10 @@ class Prompt(NamedTuple):
     user_start: int = -1  # token index of the last user turn (-1: unknown, or not chat)
 
 
+def _no_constraint() -> Constraint | None:
+    return None
+
+
 def _no_check() -> None:
     return None
 
@@ -457,7 +464,9 @@ class Submission:
     logprobs: bool = False
     n: int = 1
     check: Callable[[], None] = _no_check
-    constraint: Constraint | None = None  # structured output / forced format (server.constrained)
+    # structured output / forced format (server.constrained): checking it compiles the
+    # client's schema (in a compile child), so it is called from a worker thread
+    constraint: Callable[[], Constraint | None] = _no_constraint
     return_progress: bool = False  # PromptProgress events while the prompt is processed
     timings_per_token: bool = False  # streamed text chunks carry timings
     # llama-server's post_sampling_probs: the n_probs reported are the sampler chain's
@@ -482,6 +491,10 @@ async def submit(
     Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
     settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
     prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
+    # Checking a schema or grammar runs a compile child for up to --constraint-timeout
+    # seconds: off the event loop. First, as before it shared this path: a request with
+    # several faults reports the same one.
+    constraint = await asyncio.to_thread(job.constraint)
     engine = st.require_engine()
     b = st.backend
     # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
@@ -493,9 +506,13 @@ async def submit(
     if job.post_sampling:
         sampling.post_probs = job.n_probs
     job.check()
-    if job.constraint is not None:
-        # binding to the vocabulary takes milliseconds to tens of them: off the event loop
-        sampling.constraint = await asyncio.to_thread(compile_constraint, b, job.constraint)
+    if constraint is not None:
+        # binding to the vocabulary takes milliseconds to tens of them: off the event loop,
+        # on the compile thread (a stack large enough for whatever a compile child passed)
+        loop = asyncio.get_running_loop()
+        sampling.constraint = await loop.run_in_executor(
+            compile_executor(), compile_constraint, b, constraint
+        )
     gen = GenParams(
         # llama-server: a request without a limit (-1) gets --n-predict's; one with a limit
         # keeps it, above --n-predict too

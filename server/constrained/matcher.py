@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,28 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from .spec import Constraint, ConstraintError
 
 CACHE_SIZE = 64  # compiled constraints kept per vocabulary
+# The binding thread's stack: eight times a compile child's (worker.CHILD_STACK), so a
+# grammar that compiled there cannot overflow here (llguidance builds it again, recursing
+# as deep, when it binds it to the vocabulary).
+COMPILE_STACK = 64 << 20
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def compile_executor() -> ThreadPoolExecutor:
+    """The one thread that binds constraints to the vocabulary (``ConstraintCompiler.compile``
+    is one compile at a time anyway), with a ``COMPILE_STACK`` stack."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            old = threading.stack_size(COMPILE_STACK)
+            try:
+                _executor = ThreadPoolExecutor(1, thread_name_prefix="constraint-compile")
+                _executor.submit(lambda: None).result()  # the thread starts now, big stack
+            finally:
+                threading.stack_size(old)
+        return _executor
 
 
 class ConstraintVocab:
@@ -184,6 +207,10 @@ class ConstraintCompiler:
         )
         self._lock = threading.Lock()  # the cache
         self._compile_lock = threading.Lock()
+        # constraints that failed to bind, so a resent one fails at once (under _compile_lock)
+        self._failed: collections.OrderedDict[tuple[str, str], ConstraintError] = (
+            collections.OrderedDict()
+        )
 
     def compile(self, c: Constraint) -> CompiledConstraint:
         """``c`` bound to the vocabulary; ConstraintError when that fails (e.g. a grammar
@@ -198,11 +225,16 @@ class ConstraintCompiler:
             hit = self._lookup(k)
             if hit is not None:
                 return hit
-            m = LLMatcher(self.vocab.tokenizer, c.grammar, log_level=0)
-            if m.is_error():
-                where = "grammar" if c.kind in ("gbnf", "lark") else "#"
-                raise ConstraintError(where, m.get_error())
-            out = CompiledConstraint(c, self.vocab, m)
+            failed = self._failed.get(k)
+            if failed is not None:
+                raise ConstraintError(failed.where, failed.reason)
+            try:
+                out = CompiledConstraint(c, self.vocab, _bound(self.vocab, c))
+            except ConstraintError as e:
+                self._failed[k] = e
+                while len(self._failed) > self.cache_size:
+                    self._failed.popitem(last=False)
+                raise
             with self._lock:
                 self.n_compiled += 1
                 self._cache[k] = out
@@ -216,3 +248,16 @@ class ConstraintCompiler:
             if hit is not None:
                 self._cache.move_to_end(k)
             return hit
+
+
+def _bound(vocab: ConstraintVocab, c: Constraint) -> LLMatcher:
+    """A pristine matcher for ``c`` over ``vocab``; ConstraintError when llguidance refuses
+    it, or when it admits no output at all (a schema that only refers to itself): a request
+    constrained by it could only ever write nothing."""
+    where = "grammar" if c.kind in ("gbnf", "lark") else "#"
+    m = LLMatcher(vocab.tokenizer, c.grammar, log_level=0)
+    if m.is_error():
+        raise ConstraintError(where, m.get_error())
+    if not m.is_accepting() and not m.compute_bitmask().strip(b"\0"):
+        raise ConstraintError(where, "it admits no output (no value is valid)")
+    return m

@@ -1,18 +1,27 @@
 """Checked, vocabulary-free constraints: a JSON schema, any JSON object, a GBNF or Lark grammar.
 
-Every constructor turns its input into llguidance's grammar text and validates it (no
-vocabulary needed, well under a millisecond for the schemas agents send), so a bad schema is
-a ``ConstraintError`` (a 400) before a task exists. Results are kept in an LRU cache keyed
-by the canonical text: an agent loop that resends the same schema checks it once."""
+Every constructor measures its input against the limits (``limits``: size, depth, enum
+entries), then has a compile child (``worker``) turn it into llguidance's grammar text and
+validate it (no vocabulary needed, well under a millisecond for the schemas agents send), so
+a bad schema is a ``ConstraintError`` (a 400) before a task exists, and one that would crash
+or freeze the compiler costs a child process, never the server. The constructors block:
+call them from a worker thread, never the event loop. Results, failures included, are kept
+in an LRU cache keyed by the canonical text: an agent loop that resends the same schema
+checks it once."""
 
 from __future__ import annotations
 
-import functools
+import collections
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from llguidance import LLMatcher, grammar_from
+
+from . import worker
+from .limits import ShapeError, check_grammar_shape, check_schema_shape
 
 # JSON whitespace between tokens is bounded, as llama.cpp's schema converter bounds it
 # (``space ::= | " " | "\n"{1,2} [ \t]{0,20}``): a weak model that keeps choosing blanks must
@@ -21,8 +30,7 @@ WHITESPACE = r"(?:\x20|\x0A{1,2}[\x20\x09]{0,20})?"
 JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": WHITESPACE}
 
 MAX_NUMBER = 2**53 - 1  # largest integer a JSON number holds exactly (JavaScript's safe integer)
-CACHE_SIZE = 256  # distinct schemas/grammars whose check is remembered
-MAX_TEXT = 1 << 20  # canonical schema/grammar text, bytes: bounds the compile work
+CACHE_SIZE = 256  # distinct schemas/grammars whose check (or failure) is remembered
 
 # Keywords whose value is one subschema, or a list / name map of subschemas: where the
 # error search (``_locate``) looks for the offending part.
@@ -176,24 +184,82 @@ def _locate(root: dict[str, Any], reason: str) -> str:
             return where
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _schema_constraint(canon: str, prefix: str, suffix: str) -> Constraint:
+def compile_schema(canon: str, prefix: str, suffix: str) -> str:
+    """llguidance's grammar for the schema ``canon`` (with literal ``prefix``/``suffix`` text
+    around it), checked; ConstraintError naming the offending subschema. The slow, native
+    step: runs in a compile child (``worker``), never in the server."""
     schema = json.loads(canon)
     reason = _schema_error(schema)
     if reason:
         raise ConstraintError(_locate(schema, reason), reason)
-    if prefix or suffix:
-        # Lark with a JSON island: the literal text around one schema-shaped value.
-        parts = [json.dumps(prefix)] if prefix else []
-        parts.append("%json " + _canonical(_with_options(schema)))
-        if suffix:
-            parts.append(json.dumps(suffix))
-        grammar = LLMatcher.grammar_from_lark("start: " + " ".join(parts))
-        _check(grammar, "#")
-    else:
-        grammar = LLMatcher.grammar_from_json_schema(_with_options(schema))
-    key = canon if not (prefix or suffix) else _canonical([prefix, canon, suffix])
-    return Constraint("json_schema", key, grammar)
+    if not (prefix or suffix):
+        return LLMatcher.grammar_from_json_schema(_with_options(schema))
+    # Lark with a JSON island: the literal text around one schema-shaped value.
+    parts = [json.dumps(prefix)] if prefix else []
+    parts.append("%json " + _canonical(_with_options(schema)))
+    if suffix:
+        parts.append(json.dumps(suffix))
+    grammar = LLMatcher.grammar_from_lark("start: " + " ".join(parts))
+    _check(grammar, "#")
+    return grammar
+
+
+def compile_grammar(kind: str, text: str) -> str:
+    """llguidance's grammar for a GBNF or Lark text, checked; ConstraintError("grammar", why).
+    Runs in a compile child, like ``compile_schema``."""
+    try:
+        grammar = grammar_from("gbnf" if kind == "gbnf" else "lark", text)
+    except ValueError as e:
+        raise ConstraintError("grammar", str(e)) from None
+    _check(grammar, "grammar")
+    return grammar
+
+
+# Checked constraints and failures, by (kind, canonical text): an agent loop that resends a
+# schema checks it once, and so does an attacker resending a slow failing one.
+_results: collections.OrderedDict[tuple[str, ...], Constraint | ConstraintError] = (
+    collections.OrderedDict()
+)
+_results_lock = threading.Lock()
+
+
+def _remembered(key: tuple[str, ...], make: Callable[[], Constraint]) -> Constraint:
+    """``make()``'s Constraint or ConstraintError for ``key``, computed once (LRU)."""
+    with _results_lock:
+        hit = _results.get(key)
+        if hit is not None:
+            _results.move_to_end(key)
+    if hit is None:
+        try:
+            hit = make()
+        except ConstraintError as e:
+            hit = e
+        with _results_lock:
+            _results[key] = hit
+            while len(_results) > CACHE_SIZE:
+                _results.popitem(last=False)
+    if isinstance(hit, ConstraintError):
+        raise ConstraintError(hit.where, hit.reason)
+    return hit
+
+
+def _in_child(request: dict[str, Any], where: str) -> str:
+    """The grammar a compile child makes of ``request``; ConstraintError when it fails, dies
+    or overruns (``where`` is used when the child could not say)."""
+    answer = worker.pool().run(request)
+    if "grammar" in answer:
+        return answer["grammar"]
+    raise ConstraintError(answer.get("where") or where, answer["reason"])
+
+
+def _schema_constraint(canon: str, prefix: str, suffix: str) -> Constraint:
+    def make() -> Constraint:
+        request = {"op": "schema", "canon": canon, "prefix": prefix, "suffix": suffix}
+        grammar = _in_child(request, "#")
+        key = canon if not (prefix or suffix) else _canonical([prefix, canon, suffix])
+        return Constraint("json_schema", key, grammar)
+
+    return _remembered(("json_schema", canon, prefix, suffix), make)
 
 
 def json_schema_constraint(
@@ -209,9 +275,16 @@ def json_schema_constraint(
     ``where`` being the JSON pointer of the offending subschema. Cached by canonical text."""
     if not isinstance(schema, dict):
         raise ConstraintError("#", "the schema must be a JSON object")
+    lim = worker.limits()
+    try:  # first, as _canonical and _normalized recurse: the depth is bounded from here on
+        check_schema_shape(schema, lim)
+    except ShapeError as e:
+        raise ConstraintError("#", str(e)) from None
     canon = _canonical(schema)
-    if len(canon) + len(prefix) + len(suffix) > MAX_TEXT:
-        raise ConstraintError("#", f"the schema is larger than {MAX_TEXT} bytes")
+    if len(canon) + len(prefix) + len(suffix) > lim.max_bytes:
+        raise ConstraintError(
+            "#", f"the schema is larger than {lim.max_bytes} bytes (--constraint-max-bytes)"
+        )
     return _schema_constraint(canon, prefix, suffix)
 
 
@@ -220,22 +293,28 @@ def json_object_constraint() -> Constraint:
     return _schema_constraint(_canonical({"type": "object"}), "", "")
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
 def _grammar_constraint(kind: str, text: str) -> Constraint:
+    lim = worker.limits()
+    if len(text) > lim.max_bytes:
+        raise ConstraintError(
+            "grammar", f"the grammar is larger than {lim.max_bytes} bytes (--constraint-max-bytes)"
+        )
     try:
-        grammar = grammar_from("gbnf" if kind == "gbnf" else "lark", text)
-    except ValueError as e:
+        check_grammar_shape(text, lim)
+    except ShapeError as e:
         raise ConstraintError("grammar", str(e)) from None
-    _check(grammar, "grammar")
-    return Constraint(kind, text, grammar)
+
+    def make() -> Constraint:
+        grammar = _in_child({"op": "grammar", "kind": kind, "text": text}, "grammar")
+        return Constraint(kind, text, grammar)
+
+    return _remembered((kind, text), make)
 
 
 def gbnf_constraint(text: str) -> Constraint:
     """Output follows a GBNF grammar (llama.cpp's syntax, start rule ``root``). Raises
     ConstraintError("grammar", reason) for one that cannot be compiled; the reason names
     the rule or line. Cached by text."""
-    if len(text) > MAX_TEXT:
-        raise ConstraintError("grammar", f"the grammar is larger than {MAX_TEXT} bytes")
     return _grammar_constraint("gbnf", text)
 
 
@@ -243,6 +322,4 @@ def lark_constraint(text: str) -> Constraint:
     """Output follows a Lark grammar in llguidance's dialect (start rule ``start``; ``%json
     {schema}`` embeds a JSON schema; ``<[id]>`` or ``<token>`` matches a special token).
     Raises ConstraintError("grammar", reason). Cached by text."""
-    if len(text) > MAX_TEXT:
-        raise ConstraintError("grammar", f"the grammar is larger than {MAX_TEXT} bytes")
     return _grammar_constraint("lark", text)

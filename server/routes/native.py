@@ -217,7 +217,7 @@ async def run_native(
         stream=body.stream,
         n_probs=body.n_probs,
         logprobs=body.n_probs > 0,
-        constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
+        constraint=lambda: constraint_of(json_schema=body.json_schema, grammar=body.grammar),
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
         post_sampling=body.post_sampling_probs,

@@ -5,6 +5,7 @@ what is their own is how the body becomes prompts and what a choice looks like."
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -225,7 +226,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         logprobs=body.logprobs is not None,
         n=body.n,
         check=no_echo_logprobs,
-        constraint=constraint_of(json_schema=body.json_schema, grammar=body.grammar),
+        constraint=lambda: constraint_of(json_schema=body.json_schema, grammar=body.grammar),
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
     )
@@ -464,7 +465,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true")
 
-    plan = _plan(st, body)
+    plan = await asyncio.to_thread(_plan, st, body)  # checks tool schemas: off the loop
     job = Submission(
         prompts=lambda: [render_chat(st, body, plan)],
         max_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
@@ -473,7 +474,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         logprobs=body.logprobs,
         n=body.n,
         check=top_logprobs_needs_logprobs,
-        constraint=_tool_constraint(plan)
+        constraint=lambda: _tool_constraint(plan)
         or constraint_of(
             response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
         ),

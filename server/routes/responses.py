@@ -66,12 +66,12 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     """Create a response (never stored): the answer's output items, or their stream."""
     st = state_of(request)
     chat = _chat_request(body)
-    plan = _plan(st, chat)
+    plan = await asyncio.to_thread(_plan, st, chat)  # checks tool schemas: off the loop
     job = Submission(
         prompts=lambda: [render_chat(st, chat, plan)],
         max_tokens=_max_tokens(chat.max_completion_tokens, chat.max_tokens),
         stream=chat.stream,
-        constraint=_tool_constraint(plan)
+        constraint=lambda: _tool_constraint(plan)
         or constraint_of(
             response_format=chat.response_format, json_schema=chat.json_schema, grammar=chat.grammar
         ),
@@ -97,7 +97,7 @@ async def responses_input_tokens(body: ResponsesRequest, request: Request) -> di
     model (nothing generated)."""
     st = state_of(request)
     chat = _chat_request(body)
-    plan = _plan(st, chat)
+    plan = await asyncio.to_thread(_plan, st, chat)  # checks tool schemas: off the loop
     prompt = await asyncio.to_thread(render_chat, st, chat, plan)
     return {"input_tokens": len(prompt.tokens), "object": "response.input_tokens"}
 

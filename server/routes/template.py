@@ -33,7 +33,8 @@ def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan) -> str:
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, Any]:
     """``{"prompt": text}``: the rendered conversation, nothing generated."""
     st = state_of(request)
-    plan = _plan(st, body)  # requires the engine: the template comes with the model
+    # requires the engine (the template comes with the model); checks tool schemas: off the loop
+    plan = await asyncio.to_thread(_plan, st, body)
     text = await asyncio.to_thread(render_text, st, body, plan)
     return {"prompt": text}
 
@@ -43,6 +44,6 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[s
 async def chat_input_tokens(body: ChatRequest, request: Request) -> dict[str, Any]:
     """llama-server's token count of a chat body: the tokens its prompt feeds the model."""
     st = state_of(request)
-    plan = _plan(st, body)
+    plan = await asyncio.to_thread(_plan, st, body)  # checks tool schemas: off the loop
     prompt = await asyncio.to_thread(render_chat, st, body, plan)
     return {"input_tokens": len(prompt.tokens), "object": "response.input_tokens"}

@@ -7,10 +7,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..constrained import worker
+from ..constrained.limits import ShapeError, check_schema_shape
 from .parse import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-MAX_TOOLS = 512
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -104,9 +105,15 @@ def tool_spec(tools: Any, tool_choice: Any, parallel: Any) -> ToolSpec:
         tools = []
     if not isinstance(tools, list):
         raise ToolSpecError("tools must be an array")
-    if len(tools) > MAX_TOOLS:
-        raise ToolSpecError(f"at most {MAX_TOOLS} tools")
+    lim = worker.limits()
+    if len(tools) > lim.max_tools:
+        raise ToolSpecError(f"at most {lim.max_tools} tools (--constraint-max-tools)")
     parsed = [_tool(t, i) for i, t in enumerate(tools)]
+    for i, t in enumerate(parsed):
+        try:  # the template renders them (recursively): bounded before it does
+            check_schema_shape(t.parameters, lim)
+        except ShapeError as e:
+            raise ToolSpecError(f"tools[{i}].function.parameters: {e}") from None
     names = [t.name for t in parsed]
     dup = {n for n in names if names.count(n) > 1}
     if dup:

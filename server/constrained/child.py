@@ -1,0 +1,62 @@
+"""The compile child (``python -m server.constrained.child``): reads one JSON request a line
+on stdin, answers one JSON line on stdout. See ``worker``.
+
+Requests: ``{"op": "schema", "canon", "prefix", "suffix"}``, ``{"op": "grammar", "kind",
+"text"}``, ``{"op": "ping"}``. Answers: ``{"grammar": text}`` (llguidance's grammar, checked)
+or ``{"where": pointer, "reason": text}``. Each request runs on a new thread whose stack is
+``SERVER_CONSTRAINT_STACK`` bytes, whatever ``ulimit -s`` says, so what overflows here is
+decided by this number alone; the address space is capped at ``SERVER_CONSTRAINT_MEMORY``;
+the process runs at the lowest CPU priority."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+from typing import Any
+
+from .spec import ConstraintError, compile_grammar, compile_schema
+
+
+def answer(request: dict[str, Any]) -> dict[str, Any]:
+    """The answer to one request (never raises)."""
+    try:
+        op = request.get("op")
+        if op == "schema":
+            return {
+                "grammar": compile_schema(request["canon"], request["prefix"], request["suffix"])
+            }
+        if op == "grammar":
+            return {"grammar": compile_grammar(request["kind"], request["text"])}
+        return {"pong": True}
+    except ConstraintError as e:
+        return {"where": e.where, "reason": e.reason}
+    except (ValueError, TypeError, RecursionError, MemoryError) as e:
+        return {"where": "", "reason": f"{type(e).__name__}: {e}"}
+
+
+def _limit_memory() -> None:
+    limit = int(os.environ.get("SERVER_CONSTRAINT_MEMORY", "0"))
+    if limit > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def main() -> None:
+    threading.stack_size(int(os.environ.get("SERVER_CONSTRAINT_STACK", str(8 << 20))))
+    _limit_memory()
+    os.nice(19)  # compiling waits for generation, never the other way round
+    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.buffer.flush()
+    for line in sys.stdin.buffer:
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda r=json.loads(line), o=out: o.update(answer(r)))
+        t.start()
+        t.join()
+        sys.stdout.buffer.write(json.dumps(out).encode() + b"\n")
+        sys.stdout.buffer.flush()
+
+
+if __name__ == "__main__":
+    main()
