@@ -139,6 +139,13 @@ class Settings(BaseModel):
     ssl_cert_file: str | None = None
     max_body_mb: float = Field(16, gt=0)
     max_queue: int = Field(256, ge=0)
+    # Bounds on clients' schemas and grammars (server.constrained.limits.ConstraintLimits)
+    constraint_max_bytes: int = Field(512 * 1024, gt=0)
+    constraint_max_depth: int = Field(256, gt=0)
+    constraint_max_enum: int = Field(4096, ge=0)
+    constraint_max_tools: int = Field(128, ge=0)
+    constraint_timeout: float = Field(10, gt=0)
+    constraint_workers: int = Field(2, gt=0)
     timeout: float = Field(600, gt=0)
     slot_save_path: str | None = None
     verbose: bool = False

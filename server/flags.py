@@ -173,6 +173,12 @@ OPTIONS: list[Opt] = [
     _o("--ssl-cert-file", "ssl_cert_file", "LLAMA_ARG_SSL_CERT_FILE", "PEM certificate: serve HTTPS (with --ssl-key-file)"),
     _o("--max-body-mb", "max_body_mb", "LLAMA_ARG_MAX_BODY_MB", "largest request body in MiB; larger ones get 413 (default: 16)", float),
     _o("--max-queue", "max_queue", "LLAMA_ARG_MAX_QUEUE", "most requests waiting for a slot; beyond it 503 with Retry-After (default: 256)", int),
+    _o("--constraint-max-bytes", "constraint_max_bytes", "LLAMA_ARG_CONSTRAINT_MAX_BYTES", "largest JSON schema or grammar a request may constrain its output with, bytes of its compact text; larger: 400 (default: 524288)", int),
+    _o("--constraint-max-depth", "constraint_max_depth", "LLAMA_ARG_CONSTRAINT_MAX_DEPTH", "deepest schema (JSON nesting plus $ref hops on one path) or grammar (rule references on one chain, parenthesis nesting); deeper: 400 (default: 256)", int),
+    _o("--constraint-max-enum", "constraint_max_enum", "LLAMA_ARG_CONSTRAINT_MAX_ENUM", "most enum entries in one schema; more: 400 (default: 4096)", int),
+    _o("--constraint-max-tools", "constraint_max_tools", "LLAMA_ARG_CONSTRAINT_MAX_TOOLS", "most tools in one request; more: 400 (default: 128)", int),
+    _o("--constraint-timeout", "constraint_timeout", "LLAMA_ARG_CONSTRAINT_TIMEOUT", "seconds compiling one schema or grammar may take (in a child process); longer: 400, remembered (default: 10)", float),
+    _o("--constraint-workers", "constraint_workers", "LLAMA_ARG_CONSTRAINT_WORKERS", "child processes that compile schemas and grammars (default: 2)", int),
     _o("-to --timeout", "timeout", "LLAMA_ARG_TIMEOUT", 'seconds a request may run before it is ended (default: 600; per request: "timeout")', float),
     # --- logging ---
     _o("-v --verbose --log-verbose", "verbose", "LLAMA_ARG_VERBOSE", "debug logging", "bool"),
