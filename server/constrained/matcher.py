@@ -50,10 +50,11 @@ class ConstraintVocab:
     """The model's vocabulary as llguidance sees it: token bytes, the end-of-generation
     tokens, and the model's tokenizer (for literal text in grammars). Build once per model."""
 
-    def __init__(self, tokenizer: LLTokenizer, n_vocab: int) -> None:
+    def __init__(self, tokenizer: LLTokenizer, n_vocab: int, eog: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.n_vocab = n_vocab
         self.n_words = (n_vocab + 31) // 32  # int32 words of one token bitmask
+        self.eog = tuple(eog)
 
     @classmethod
     def from_pieces(
@@ -66,7 +67,9 @@ class ConstraintVocab:
         """From each token's bytes (``b"\\xff<name>"`` for a special token, llguidance's
         convention), the end-of-generation ids, and a bytes -> ids tokenizer."""
         return cls(
-            LLTokenizer(TokenizerWrapper(_Wrapped(pieces, eog, tokenize, special))), len(pieces)
+            LLTokenizer(TokenizerWrapper(_Wrapped(pieces, eog, tokenize, special))),
+            len(pieces),
+            eog,
         )
 
     @classmethod
@@ -95,7 +98,7 @@ class ConstraintVocab:
         tok = LLTokenizer.from_llamacpp(
             tokens=tokens, vocab_ptr=vocab, tokenize_fptr=fptr, eos_token=list(eog), slices=None
         )
-        return cls(tok, n)
+        return cls(tok, n, eog)
 
 
 @dataclass
@@ -258,6 +261,15 @@ def _bound(vocab: ConstraintVocab, c: Constraint) -> LLMatcher:
     m = LLMatcher(vocab.tokenizer, c.grammar, log_level=0)
     if m.is_error():
         raise ConstraintError(where, m.get_error())
-    if not m.is_accepting() and not m.compute_bitmask().strip(b"\0"):
+    if not m.is_accepting() and not _allows_text(vocab, m):
         raise ConstraintError(where, "it admits no output (no value is valid)")
     return m
+
+
+def _allows_text(vocab: ConstraintVocab, m: LLMatcher) -> bool:
+    """Whether some token other than an end-of-generation one may come first (llguidance
+    lets those through even where the output so far is not complete)."""
+    mask = np.frombuffer(m.compute_bitmask(), dtype=np.uint32).copy()
+    for t in vocab.eog:
+        mask[t // 32] &= ~np.uint32(1 << (t % 32))
+    return bool(mask.any())

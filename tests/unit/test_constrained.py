@@ -408,3 +408,13 @@ def test_real_vocab_control_tokens_need_lark_token_syntax(real):
         ('start: "<start_of_turn>" "x"', False),  # text: spelled out in ordinary tokens
     ):
         assert comp.compile(lark_constraint(grammar)).matcher().allows(start_of_turn) is allowed
+
+
+def test_a_schema_that_admits_nothing_is_refused(fake):
+    """``{"$ref": "#"}`` refers only to itself: no value is valid, so a request constrained by
+    it could only end at once (issue 25: it answered 200 with empty, non-JSON content)."""
+    with pytest.raises(ConstraintError, match="admits no output"):
+        fake.compile(json_schema_constraint({"$ref": "#"}))
+    with pytest.raises(ConstraintError, match="admits no output"):  # remembered as a failure
+        fake.compile(json_schema_constraint({"$ref": "#"}))
+    assert fake.compile(json_schema_constraint({"type": "integer"})).matcher().allows(TOK["1"])
