@@ -210,6 +210,14 @@ def compile_constraint(backend: Any, c: Constraint) -> CompiledConstraint:
         raise APIError(400, f"cannot constrain the output: {e}") from None
 
 
+async def _bound(backend: Any, c: Constraint) -> CompiledConstraint:
+    """``compile_constraint`` off the event loop, on the compile thread: binding takes
+    milliseconds to tens of them, and its stack is large enough for whatever a compile child
+    passed."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(compile_executor(), compile_constraint, backend, c)
+
+
 def stops_from(req: SamplingFields) -> list[str]:
     """``stop`` as a list (a single string is one stop string)."""
     if req.stop is None:
@@ -491,9 +499,8 @@ async def submit(
     Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
     settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
     prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
-    # Checking a schema or grammar runs a compile child for up to --constraint-timeout
-    # seconds: off the event loop. First, as before it shared this path: a request with
-    # several faults reports the same one.
+    # Checking a schema or grammar may take a compile child --constraint-timeout seconds:
+    # off the event loop. First: a request with several faults reports the same one.
     constraint = await asyncio.to_thread(job.constraint)
     engine = st.require_engine()
     b = st.backend
@@ -507,12 +514,7 @@ async def submit(
         sampling.post_probs = job.n_probs
     job.check()
     if constraint is not None:
-        # binding to the vocabulary takes milliseconds to tens of them: off the event loop,
-        # on the compile thread (a stack large enough for whatever a compile child passed)
-        loop = asyncio.get_running_loop()
-        sampling.constraint = await loop.run_in_executor(
-            compile_executor(), compile_constraint, b, constraint
-        )
+        sampling.constraint = await _bound(b, constraint)
     gen = GenParams(
         # llama-server: a request without a limit (-1) gets --n-predict's; one with a limit
         # keeps it, above --n-predict too

@@ -20,8 +20,8 @@ from typing import Any
 
 from llguidance import LLMatcher, grammar_from
 
-from . import worker
 from .limits import ShapeError, check_grammar_shape, check_schema_shape
+from .worker import limits, pool
 
 # JSON whitespace between tokens is bounded, as llama.cpp's schema converter bounds it
 # (``space ::= | " " | "\n"{1,2} [ \t]{0,20}``): a weak model that keeps choosing blanks must
@@ -246,7 +246,7 @@ def _remembered(key: tuple[str, ...], make: Callable[[], Constraint]) -> Constra
 def _in_child(request: dict[str, Any], where: str) -> str:
     """The grammar a compile child makes of ``request``; ConstraintError when it fails, dies
     or overruns (``where`` is used when the child could not say)."""
-    answer = worker.pool().run(request)
+    answer = pool().run(request)
     if "grammar" in answer:
         return answer["grammar"]
     raise ConstraintError(answer.get("where") or where, answer["reason"])
@@ -275,7 +275,7 @@ def json_schema_constraint(
     ``where`` being the JSON pointer of the offending subschema. Cached by canonical text."""
     if not isinstance(schema, dict):
         raise ConstraintError("#", "the schema must be a JSON object")
-    lim = worker.limits()
+    lim = limits()
     try:  # first, as _canonical and _normalized recurse: the depth is bounded from here on
         check_schema_shape(schema, lim)
     except ShapeError as e:
@@ -294,7 +294,7 @@ def json_object_constraint() -> Constraint:
 
 
 def _grammar_constraint(kind: str, text: str) -> Constraint:
-    lim = worker.limits()
+    lim = limits()
     if len(text) > lim.max_bytes:
         raise ConstraintError(
             "grammar", f"the grammar is larger than {lim.max_bytes} bytes (--constraint-max-bytes)"

@@ -474,9 +474,13 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         logprobs=body.logprobs,
         n=body.n,
         check=top_logprobs_needs_logprobs,
-        constraint=lambda: _tool_constraint(plan)
-        or constraint_of(
-            response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
+        constraint=lambda: (
+            _tool_constraint(plan)
+            or constraint_of(
+                response_format=body.response_format,
+                json_schema=body.json_schema,
+                grammar=body.grammar,
+            )
         ),
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,

@@ -71,9 +71,13 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         prompts=lambda: [render_chat(st, chat, plan)],
         max_tokens=_max_tokens(chat.max_completion_tokens, chat.max_tokens),
         stream=chat.stream,
-        constraint=lambda: _tool_constraint(plan)
-        or constraint_of(
-            response_format=chat.response_format, json_schema=chat.json_schema, grammar=chat.grammar
+        constraint=lambda: (
+            _tool_constraint(plan)
+            or constraint_of(
+                response_format=chat.response_format,
+                json_schema=chat.json_schema,
+                grammar=chat.grammar,
+            )
         ),
         return_progress=chat.return_progress,
         timings_per_token=chat.timings_per_token,

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..constrained import worker
 from ..constrained.limits import ShapeError, check_schema_shape
+from ..constrained.worker import limits
 from .parse import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -105,7 +105,7 @@ def tool_spec(tools: Any, tool_choice: Any, parallel: Any) -> ToolSpec:
         tools = []
     if not isinstance(tools, list):
         raise ToolSpecError("tools must be an array")
-    lim = worker.limits()
+    lim = limits()
     if len(tools) > lim.max_tools:
         raise ToolSpecError(f"at most {lim.max_tools} tools (--constraint-max-tools)")
     parsed = [_tool(t, i) for i, t in enumerate(tools)]

@@ -105,8 +105,18 @@ def test_logit_bias_takes_ids_texts_and_false() -> None:
 # client's malformed field is a 400 here (issue 25: {"5": "x"} answered 200)
 @pytest.mark.parametrize(
     "bad",
-    [[[5000, 1]], {"-1": 1}, [[5, 101]], {"ab": -1000}, [[5]], [[6, True]], [[7, "x"]],
-     [[8, 1.5, 2]], {"5": "x"}, {"5": None}],
+    [
+        [[5000, 1]],
+        {"-1": 1},
+        [[5, 101]],
+        {"ab": -1000},
+        [[5]],
+        [[6, True]],
+        [[7, "x"]],
+        [[8, 1.5, 2]],
+        {"5": "x"},
+        {"5": None},
+    ],
 )
 def test_logit_bias_out_of_range_is_400(bad) -> None:
     with pytest.raises(APIError) as e:
