@@ -142,6 +142,14 @@ def long_text(n_words: int, seed: int = 0) -> str:
     return " ".join(words[:n_words])
 
 
+# The default model's end-of-generation tokens (llama_vocab_is_eog: <eos>, <end_of_turn>,
+# </s>), what ignore_eos bans; their text pieces are empty. Whether greedy or a seed ends
+# early differs between CPUs, so tests that count tokens set ignore_eos. The log-probabilities
+# reported are the model's, before that ban (CPU sampling), so a greedy pick under it is the
+# most likely token that is not one of these.
+EOG = frozenset({1, 106, 212})
+
+
 # llama.cpp is not batch-invariant: the same prompt computed in other ubatch splits (a cold
 # run against one resumed from a cache) drifts by up to ~0.2 nats on CPU, so greedy text can
 # differ on a near tie. Compare first-token log-probabilities instead: a KV cache that misses

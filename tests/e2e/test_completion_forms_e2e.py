@@ -33,11 +33,15 @@ def test_prompt_forms_and_lists_of_prompts(server):
 @pytest.mark.parametrize("form", ["list", "object"])
 def test_logit_bias_by_text_bans_its_token(server, form):
     first = _complete(server, temperature=0, n_probs=1)["completion_probabilities"][0]
-    # the piece tokenizes back to the same single token: banning the text bans that id
-    assert server.tokenize(first["token"], add_special=False) == [first["id"]]
+    # banning the greedy pick's text bans every token that text tokenizes to. Which token
+    # greedy picks (and so whether its piece tokenizes back to it alone) differs between
+    # CPUs on a near tie, so the rule is checked on the pick, whatever it is: the new pick is
+    # none of the named tokens (for a word, the pick itself: the pick changes).
+    named = server.tokenize(first["token"], add_special=False)
+    assert named
     bias = [[first["token"], False]] if form == "list" else {first["token"]: False}
     banned = _complete(server, temperature=0, n_probs=1, logit_bias=bias)
-    assert banned["completion_probabilities"][0]["id"] != first["id"]
+    assert banned["completion_probabilities"][0]["id"] not in named, (first, named)
 
 
 def test_post_sampling_probs_are_the_chains_distribution(server):

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import assert_agrees_with_cold, first_token, long_text
+from .conftest import EOG, assert_agrees_with_cold, first_token, long_text
 
 
 @pytest.fixture
@@ -21,8 +21,9 @@ def oai(server):
 def test_openai_sdk_completion_and_stream_agree(server, oai):
     prompt = "The capital of France is"
     # cache_prompt off: both runs compute the prompt in the same batch layout, so their
-    # greedy texts are comparable (llama.cpp is not batch-invariant)
-    off = {"cache_prompt": False}
+    # greedy texts are comparable (llama.cpp is not batch-invariant). ignore_eos: 12 tokens
+    # whether or not greedy would end early (which differs between CPUs)
+    off = {"cache_prompt": False, "ignore_eos": True}
     r = oai.completions.create(
         model="x", prompt=prompt, max_tokens=12, temperature=0, extra_body=off
     )
@@ -104,7 +105,14 @@ def test_concurrent_requests_are_decoded_together(server):
     def run(i):
         httpx.post(
             server.url + "/v1/completions",
-            json={"prompt": f"Story number {i}:", "max_tokens": 48, "temperature": 0.7, "seed": i},
+            # ignore_eos: all four run their 48 tokens, whatever their seeds sample on this CPU
+            json={
+                "prompt": f"Story number {i}:",
+                "max_tokens": 48,
+                "temperature": 0.7,
+                "seed": i,
+                "ignore_eos": True,
+            },
             timeout=120,
         ).raise_for_status()
 
@@ -146,33 +154,20 @@ def test_disconnected_stream_frees_its_slot(server):
 
 # Compared greedy texts come from runs with the same batch layout: no prompt cache between them.
 OFF = {"cache_prompt": False}
+# Whether greedy ends early differs between CPUs: tests that count tokens ban the end tokens.
+NO_EOS = {"ignore_eos": True}
 
 
 def test_stop_strings_and_native_stream(server):
     c = server.client
-    full = c.post(
-        "/completion", json={"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, **OFF}
-    ).json()["content"]
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, **OFF, **NO_EOS}
+    full = c.post("/completion", json=body).json()["content"]
     assert len(full) > 4
     stop = full[2:4]
-    r = c.post(
-        "/completion",
-        json={"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, "stop": [stop], **OFF},
-    ).json()
+    r = c.post("/completion", json={**body, "stop": [stop]}).json()
     assert r["stop_type"] == "word" and r["stopping_word"] == stop
     assert r["content"] == full[: full.index(stop)]
-    with c.stream(
-        "POST",
-        "/completion",
-        json={
-            "prompt": "1, 2, 3, 4,",
-            "n_predict": 20,
-            "temperature": 0,
-            "stop": [stop],
-            "stream": True,
-            **OFF,
-        },
-    ) as s:
+    with c.stream("POST", "/completion", json={**body, "stop": [stop], "stream": True}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert "".join(e["content"] for e in events) == r["content"]
     assert (
@@ -189,6 +184,7 @@ def test_n_choices_and_logprobs(server):
             "n": 2,
             "temperature": 0,
             "logprobs": 3,
+            **NO_EOS,  # 5 tokens each, whether or not greedy would end early on this CPU
         },
     ).json()
     assert [c["index"] for c in r["choices"]] == [0, 1]
@@ -198,8 +194,10 @@ def test_n_choices_and_logprobs(server):
     lp = r["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 5 and len(lp["top_logprobs"][0]) == 3
     assert all(v <= 0 for v in lp["token_logprobs"])
-    # greedy: the sampled token is the most likely one
-    assert lp["token_logprobs"][0] == pytest.approx(max(lp["top_logprobs"][0].values()))
+    # greedy: the sampled token is the most likely one that ignore_eos leaves (the end
+    # tokens it bans have no text)
+    top = {k: v for k, v in lp["top_logprobs"][0].items() if k}
+    assert lp["token_logprobs"][0] == pytest.approx(max(top.values()))
 
 
 def test_tokenize_detokenize_roundtrip(server):
@@ -233,13 +231,12 @@ def test_prompt_too_long_is_400(make_server):
 
 
 def test_native_completion_probabilities(server):
-    r = server.client.post(
-        "/completion", json={"prompt": "The sky is", "n_predict": 3, "temperature": 0, "n_probs": 2}
-    ).json()
+    body = {"prompt": "The sky is", "n_predict": 3, "temperature": 0, "n_probs": 3, **NO_EOS}
+    r = server.client.post("/completion", json=body).json()
     probs = r["completion_probabilities"]
-    assert len(probs) == 3 and all(len(p["top_logprobs"]) == 2 for p in probs)
-    # greedy: the chosen token is the most likely one
-    assert probs[0]["id"] == probs[0]["top_logprobs"][0]["id"]
+    assert len(probs) == 3 and all(len(p["top_logprobs"]) == 3 for p in probs)
+    # greedy: the chosen token is the most likely one (that ignore_eos leaves)
+    assert probs[0]["id"] == next(t["id"] for t in probs[0]["top_logprobs"] if t["id"] not in EOG)
     assert "".join(p["token"] for p in probs) == r["content"]
 
 
