@@ -11,6 +11,10 @@ Layout, little-endian:
             (-ctk / -ctv) of the context that saved it. Ours: llama-server stops reading at
             it. The state bytes record each layer's types too (the restore checks those,
             so a file without SKVT is checked as well); SKVT names them without parsing.
+  STNT      a footer at the file's very end, found without parsing the state: the saving
+            request's tenant (utf-8), u32 its length, u32 version 1, u32 magic. Ours, written
+            on every save; llama-server never reads that far. A file without it (llama-server's,
+            or older) has no known tenant.
 
 Reading never trusts the file: every length is checked against the bytes that are left
 before anything is allocated, and the llama.cpp restore is done from memory with
@@ -20,6 +24,7 @@ process on a truncated file).
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
@@ -40,6 +45,9 @@ STATE_HEADER_MAGIC = 0xAF143CD8  # llama_state_seq_get_data's leading u32
 SCKP_MAGIC = 0x504B4353  # 'SCKP'
 SDFT_MAGIC = 0x54464453  # 'SDFT'
 SKVT_MAGIC = 0x54564B53  # 'SKVT'
+STNT_MAGIC = 0x544E5453  # 'STNT'
+TENANT_FOOTER = struct.Struct("<III")  # len(tenant), version, magic: the file's last 12 bytes
+MAX_TENANT_BYTES = 4096
 APPENDIX_VERSION = 1
 TOKEN_NULL = -1  # llama-server's packed token list starts with LLAMA_TOKEN_NULL
 PACKED_TOKENS_VERSION = 1
@@ -90,6 +98,12 @@ class ParsedFile:
     buf: mmap.mmap
     state_off: int  # offset of the header + state bytes, for llama_state_seq_set_data_ext
     n_read: int
+    end: int = -1  # where the state and its appendices end (before the STNT footer)
+    tenant: str | None = None  # the saving request's tenant (STNT); None: not recorded
+
+    def __post_init__(self) -> None:
+        if self.end < 0:
+            self.end = len(self.buf)
 
 
 @dataclass
@@ -156,7 +170,38 @@ def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> P
     # (already parsed) so the state is restored from this buffer without a copy.
     state_off = body - 8
     struct.pack_into("<Ii", buf, state_off, STATE_HEADER_MAGIC, seq)
-    return ParsedFile(tokens, buf, state_off, n_read)
+    tenant, end = read_tenant(buf, body)
+    return ParsedFile(tokens, buf, state_off, n_read, end, tenant)
+
+
+def read_tenant(buf: bytes | bytearray | mmap.mmap, body: int) -> tuple[str | None, int]:
+    """The STNT footer: (the saver's tenant, where the bytes before the footer end). A file
+    without one, or with one it cannot hold after its ``body`` (header and tokens), or
+    not utf-8, gives (None, len(buf)): no known tenant (never an error: the state may be
+    fine)."""
+    size = len(buf)
+    if size - body < TENANT_FOOTER.size:
+        return None, size
+    n, version, magic = TENANT_FOOTER.unpack_from(buf, size - TENANT_FOOTER.size)
+    start = size - TENANT_FOOTER.size - n
+    if magic != STNT_MAGIC or version != APPENDIX_VERSION or n > MAX_TENANT_BYTES:
+        return None, size
+    if start < body + 8:  # the state (at least its 8-byte header) comes first
+        return None, size
+    try:
+        return bytes(buf[start : start + n]).decode("utf-8"), start
+    except UnicodeDecodeError:
+        return None, size
+
+
+def tenant_parts(tenant: str | None) -> list[bytes]:
+    """The STNT footer naming ``tenant`` (nothing for None)."""
+    if tenant is None:
+        return []
+    raw = tenant.encode("utf-8")
+    if len(raw) > MAX_TENANT_BYTES:
+        raise SlotFileError("tenant name too long for a slot file", 500)
+    return [raw, TENANT_FOOTER.pack(len(raw), APPENDIX_VERSION, STNT_MAGIC)]
 
 
 def _take(buf: bytes | bytearray | memoryview, pos: int, fmt: str) -> tuple[tuple, int]:
@@ -177,40 +222,93 @@ def _take_buffer(buf: memoryview, pos: int) -> tuple[memoryview, int]:
 
 # the least bytes one checkpoint record takes: n_tokens, pos_min, pos_max, three lengths
 _CKPT_MIN_BYTES = struct.calcsize("<qii") + 3 * 8
+# A slot keeps at most --ctx-checkpoints (32 by default) checkpoints: a file declaring more
+# than this (or than the slot's limit, if larger) is not walked record by record.
+MAX_CHECKPOINT_RECORDS = 4096
+_CKPT_HEAD = struct.Struct("<qiiQ")  # n_tokens, pos_min, pos_max, len(data_tgt)
+_LEN = struct.Struct("<Q")
+
+
+def _skip_buffer(view: memoryview, pos: int) -> tuple[int, int]:
+    """A length-prefixed buffer's (start, end), not read (no copy, no allocation)."""
+    if pos + 8 > len(view):
+        raise SlotFileError("appendix truncated")
+    (length,) = _LEN.unpack_from(view, pos)
+    pos += 8
+    if length > len(view) - pos:
+        # never allocate a length the file cannot hold
+        raise SlotFileError(f"appendix buffer of {length} bytes exceeds the {len(view) - pos} left")
+    return pos, pos + length
 
 
 def _checkpoints(
-    view: memoryview, p: int, n_tokens: int, warnings: list[str]
+    view: memoryview, p: int, n_tokens: int, warnings: list[str], keep: int | None = None
 ) -> tuple[list[Checkpoint], int]:
-    """The SCKP appendix's checkpoints. A count the remaining bytes cannot hold is refused
-    before any is read (a crafted count must not cost time), and the checkpoints that do not
-    match the slot are dropped with one summary warning."""
+    """The SCKP appendix's checkpoints: the last ``keep`` (None: all) that match the slot.
+    A count the remaining bytes cannot hold, or above MAX_CHECKPOINT_RECORDS (and ``keep``),
+    is refused before any is read (a crafted count must not cost time); records are walked
+    without copying, and only the kept ones are copied out; the dropped ones get one
+    summary warning each (mismatched, over ``keep``)."""
     (count,), p = _take(view, p, "<I")
     if count > (len(view) - p) // _CKPT_MIN_BYTES:
         raise SlotFileError(f"it declares {count} checkpoints, more than its bytes can hold")
-    ckpts, dropped = [], 0
+    most = max(MAX_CHECKPOINT_RECORDS, keep or 0)
+    if count > most:
+        raise SlotFileError(f"it declares {count} checkpoints, more than the {most} allowed")
+    kept: collections.deque = collections.deque(maxlen=keep)
+    dropped = 0
     for _ in range(count):
-        (nt, pmin, pmax), p = _take(view, p, "<qii")
-        tgt, p = _take_buffer(view, p)
-        dft, p = _take_buffer(view, p)
-        _spec, p = _take_buffer(view, p)
-        if 0 < nt <= n_tokens and len(tgt):
-            # copied out: the slot keeps them after the file mapping is gone
-            ckpts.append(Checkpoint(nt, pmin, pmax, bytearray(tgt), bytes(dft)))
+        if p + _CKPT_HEAD.size > len(view):
+            raise SlotFileError("appendix truncated")
+        nt, pmin, pmax, n_tgt = _CKPT_HEAD.unpack_from(view, p)
+        t0, p = p + _CKPT_HEAD.size, p + _CKPT_HEAD.size + n_tgt
+        if p > len(view):
+            raise SlotFileError(f"appendix buffer of {n_tgt} bytes exceeds the bytes left")
+        d0, p = _skip_buffer(view, p)
+        _s0, p = _skip_buffer(view, p)
+        if 0 < nt <= n_tokens and n_tgt:
+            kept.append((nt, pmin, pmax, t0, t0 + n_tgt, d0 - 8, d0))
         else:
             dropped += 1
     if dropped:
         warnings.append(f"{dropped} of {count} checkpoints do not match the slot; dropped")
-    return ckpts, p
+    if keep is not None and count - dropped > keep:
+        warnings.append(f"{count - dropped - keep} checkpoints past the slot's {keep}; dropped")
+    # copied out: the slot keeps them after the file mapping is gone
+    return [_checkpoint(view, *k) for k in kept], p
 
 
-def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> Appendices:
-    """Appendices after the state. A bad magic means "none"; a bad version is skipped with a
-    warning; a truncated or oversized appendix is dropped. Never raises."""
+def _checkpoint(
+    view: memoryview, nt: int, pmin: int, pmax: int, t0: int, t1: int, dl: int, d0: int
+) -> Checkpoint:
+    """A kept record, copied out of the file (its draft data's length is at ``dl``)."""
+    (n_dft,) = _LEN.unpack_from(view, dl)
+    return Checkpoint(nt, pmin, pmax, bytearray(view[t0:t1]), bytes(view[d0 : d0 + n_dft]))
+
+
+def parse_appendices(
+    buf: bytes | bytearray | memoryview | mmap.mmap,
+    pos: int,
+    n_tokens: int,
+    max_checkpoints: int | None = None,
+) -> Appendices:
+    """Appendices after the state, up to the end of ``buf`` (pass a slice to stop before a
+    footer or trailer). A bad magic means "none"; a bad version is skipped with a warning; a
+    truncated or oversized appendix is dropped. At most the last ``max_checkpoints`` (the
+    slot's limit; None: all) checkpoints are kept and copied. Never raises. Any thread: a
+    restore calls it before the engine loads the state (it costs time linear in the file's
+    checkpoint records)."""
     out = Appendices()
-    view = memoryview(buf)
-    while pos + 8 <= len(buf):
-        magic, version = struct.unpack_from("<II", buf, pos)
+    with memoryview(buf) as view:  # released here: the caller may close a mapping
+        _parse_into(out, view, pos, n_tokens, max_checkpoints)
+    return out
+
+
+def _parse_into(
+    out: Appendices, view: memoryview, pos: int, n_tokens: int, keep: int | None
+) -> None:
+    while pos + 8 <= len(view):
+        magic, version = struct.unpack_from("<II", view, pos)
         if magic not in (SCKP_MAGIC, SDFT_MAGIC, SKVT_MAGIC):
             break
         if version != APPENDIX_VERSION:
@@ -218,7 +316,7 @@ def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> App
             break  # its layout is unknown, so nothing after it can be located either
         try:
             if magic == SCKP_MAGIC:
-                out.checkpoints, p = _checkpoints(view, pos + 8, n_tokens, out.warnings)
+                out.checkpoints, p = _checkpoints(view, pos + 8, n_tokens, out.warnings, keep)
             elif magic == SKVT_MAGIC:
                 out.kv_types, p = _take(view, pos + 8, "<ii")
             else:
@@ -229,7 +327,6 @@ def parse_appendices(buf: bytearray | mmap.mmap, pos: int, n_tokens: int) -> App
         except SlotFileError as e:
             out.warnings.append(f"appendix {magic:#x} dropped: {e}")
             break
-    return out
 
 
 def checkpoint_parts(checkpoints: list[Checkpoint]) -> list[bytes | memoryview]:
@@ -305,14 +402,16 @@ def finish_file(
     checkpoints: list[Checkpoint],
     draft: bytes | bytearray = b"",
     kv_types: tuple[int, int] | None = None,
+    tenant: str | None = None,
 ) -> int:
-    """Append the appendices (SCKP, SDFT with a ``draft`` state, SKVT with ``kv_types``) to
-    the body in ``tmp``, make it durable (fdatasync), rename it
-    to ``path``, fsync the directory. A crash or a full disk never leaves a partial file under
-    ``path``; the temporary file is removed on failure. Returns the file's size."""
+    """Append the appendices (SCKP, SDFT with a ``draft`` state, SKVT with ``kv_types``) and
+    the STNT footer (with a ``tenant``) to the body in ``tmp``, make it durable (fdatasync),
+    rename it to ``path``, fsync the directory. A crash or a full disk never leaves a
+    partial file under ``path``; the temporary file is removed on failure. Returns the
+    file's size."""
     try:
         with open(tmp, "ab") as f:
-            for part in appendix_parts(checkpoints, draft, kv_types):
+            for part in appendix_parts(checkpoints, draft, kv_types) + tenant_parts(tenant):
                 f.write(part)
             f.flush()
             os.fdatasync(f.fileno())
@@ -337,9 +436,11 @@ def write_file(
     checkpoints: list[Checkpoint],
     draft: bytes | bytearray = b"",
     kv_types: tuple[int, int] | None = None,
+    tenant: str | None = None,
 ) -> int:
     """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header + state
-    bytes), byte for byte what llama_state_seq_save_file writes, then the appendix."""
+    bytes), byte for byte what llama_state_seq_save_file writes, then the appendices and,
+    with a ``tenant``, the STNT footer."""
     mv = memoryview(state).cast("B")
     if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != STATE_HEADER_MAGIC:
         raise SlotFileError("unexpected sequence state layout", 500)
@@ -352,4 +453,4 @@ def write_file(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return finish_file(tmp, path, checkpoints, draft, kv_types)
+    return finish_file(tmp, path, checkpoints, draft, kv_types, tenant)

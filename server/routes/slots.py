@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from ..cache import slot_file
+from ..cache import slot_file, tenancy
 from ..errors import APIError
 from ..schemas import SlotActionBody
 from ..service import ServerState, tenant_of
@@ -86,42 +86,106 @@ async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[st
     return [slot_json(st, s, viewer) for s in engine.slots]
 
 
-def _save_op(slot_id: int, tmp: Path):
-    """llama.cpp writes the body (its own llama_state_seq_save_file, straight from the KV
-    cache, no copy in Python); the appendix, fsync and rename happen off the engine thread."""
+class TenantRefused(slot_file.SlotFileError):
+    """A slot action on another tenant's slot or file (--cache-isolation): a 403."""
 
-    def op(engine: Engine) -> tuple[int, FileAppendix]:
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 403)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks for a slot action: its tenant, and whether tenants are kept apart."""
+
+    tenant: str
+    isolated: bool
+
+    def check_slot(self, s: Slot, what: str) -> None:
+        """Under isolation, a slot holding another tenant's prompt is not the caller's to
+        ``what`` (save, erase, restore into): TenantRefused. Engine thread, in the op that
+        acts, so the check and the action see the same slot."""
+        if self.isolated and s.tokens and s.tenant != self.tenant:
+            raise TenantRefused(f"slot {s.id} holds another tenant's prompt: cannot {what} it")
+
+    def check_file(self, parsed: slot_file.ParsedFile, name: str) -> None:
+        """Under isolation, only the tenant that saved a file may restore it; a file that
+        names no tenant (llama-server's, or saved before tenants were recorded) is nobody's
+        to restore: TenantRefused."""
+        if self.isolated and parsed.tenant != self.tenant:
+            whose = "another tenant" if parsed.tenant is not None else "no recorded tenant"
+            raise TenantRefused(f"slot file {name!r} was saved by {whose}: cannot restore it")
+
+
+def _save_op(slot_id: int, tmp: Path, who: Caller):
+    """llama.cpp writes the body (its own llama_state_seq_save_file, straight from the KV
+    cache, no copy in Python); the appendix, fsync and rename happen off the engine thread.
+    Returns the tokens saved, the appendices, and the tenant the file records (the slot's;
+    None for one request's private tenant, which is never persisted)."""
+
+    def op(engine: Engine) -> tuple[int, FileAppendix, str | None]:
         s = engine.slots[slot_id]
+        who.check_slot(s, "save")
+        owner = s.tenant if s.tokens else who.tenant
         app = engine.store.save_file(s, str(tmp))
         if app is None:
             raise slot_file.SlotFileError("llama.cpp could not write the slot state", 500)
-        return len(s.tokens), app
+        return len(s.tokens), app, owner if tenancy.persistable(owner) else None
 
     return op
 
 
-def _restore_op(slot_id: int, parsed: slot_file.ParsedFile, plan: RestorePlan, tenant: str):
+REFUSED_STATE = (
+    "the slot file's state does not fit this model or context (another model, a "
+    "truncated or corrupt file, or a token list that does not match the state)"
+)
+
+
+def _restore_op(slot_id: int, parsed: slot_file.ParsedFile, plan: RestorePlan, who: Caller):
+    """Load the file into the slot. With a known layout the appendices were parsed off this
+    thread (``plan``) and everything is done here; else only the state is loaded, and the
+    op returns the bytes consumed, for the appendices to be parsed off this thread and
+    applied by ``_appendices_op``."""
+
+    def op(engine: Engine) -> tuple[int, list[str]] | int:
+        s = engine.slots[slot_id]
+        who.check_slot(s, "restore into")
+        # the plan proved these bytes off this thread; the store proves them again here,
+        # where they are loaded: the mapping is private, but the file is another's to change
+        tokens = list(parsed.tokens)
+        args = (s, parsed.buf, parsed.state_off, plan.state_end, tokens)
+        if plan.appendices is None:
+            consumed = engine.store.load_file_state(*args, exact=False)
+            if consumed == 0:
+                raise slot_file.SlotFileError(REFUSED_STATE)
+            _claim(s, who)
+            return consumed
+        app = engine.store.restore_file(*args, exact=plan.known, appendices=plan.appendices)
+        if app is None:
+            raise slot_file.SlotFileError(REFUSED_STATE)
+        _claim(s, who)
+        return len(parsed.tokens), app.warnings
+
+    return op
+
+
+def _claim(s: Slot, who: Caller) -> None:
+    s.tenant = who.tenant  # the restoring request's (under isolation: the file's too)
+    s.last_used = time.perf_counter()  # most recently used: kept by the LRU choice
+
+
+def _appendices_op(slot_id: int, tokens: list[int], app: slot_file.Appendices, who: Caller):
+    """Give a slot restored by ``_restore_op`` (state only) its file's appendices, parsed
+    off the engine thread, if it still holds just that state (a request may have used it
+    meanwhile: then they are dropped, with a warning)."""
+
     def op(engine: Engine) -> tuple[int, list[str]]:
         s = engine.slots[slot_id]
-        # the plan proved these bytes off this thread; restore_file proves them again here,
-        # where they are loaded: the mapping is private, but the file is another's to change
-        app = engine.store.restore_file(
-            s,
-            parsed.buf,
-            parsed.state_off,
-            plan.state_end,
-            list(parsed.tokens),
-            exact=plan.known,
-            appendices=plan.appendices,
-        )
-        if app is None:
-            raise slot_file.SlotFileError(
-                "the slot file's state does not fit this model or context (another model, a "
-                "truncated or corrupt file, or a token list that does not match the state)"
-            )
-        s.tenant = tenant  # the restoring request's, whoever saved the file
-        s.last_used = time.perf_counter()  # most recently used: kept by the LRU choice
-        return len(parsed.tokens), app.warnings
+        if s.tenant != who.tenant or s.tokens != tokens:
+            app.warnings.append("the slot was used before its appendices were read; dropped")
+            return len(tokens), app.warnings
+        if not engine.store.apply_appendices(s, app):
+            raise slot_file.SlotFileError(REFUSED_STATE)
+        return len(tokens), app.warnings
 
     return op
 
@@ -129,17 +193,22 @@ def _restore_op(slot_id: int, parsed: slot_file.ParsedFile, plan: RestorePlan, t
 @dataclass
 class RestorePlan:
     """What is known of a slot file before the engine loads it: where its state ends (the
-    file's end when unknown) and its appendices, parsed off the engine thread."""
+    end of its appendices when unknown) and its appendices, parsed off the engine thread
+    (None: the state's end is unknown, so they are parsed once the engine has loaded it)."""
 
     known: bool
     state_end: int
     appendices: slot_file.Appendices | None
 
 
-def plan_restore(backend: Any, parsed: slot_file.ParsedFile) -> RestorePlan:
+def plan_restore(
+    backend: Any, parsed: slot_file.ParsedFile, max_checkpoints: int | None = None
+) -> RestorePlan:
     """Read the state's cells without loading them (any thread): a state that is not exactly
-    the KV of the file's tokens is refused here, with a 400, and never reaches llama.cpp."""
-    size = len(parsed.buf)
+    the KV of the file's tokens is refused here, with a 400, and never reaches llama.cpp.
+    The appendices are parsed here too (at most ``max_checkpoints`` kept), never on the
+    engine thread."""
+    size = parsed.end  # the state and its appendices; the STNT footer after them
     try:
         read = backend.state_cells(parsed.buf, size, start=parsed.state_off)
     except ValueError as e:
@@ -154,7 +223,7 @@ def plan_restore(backend: Any, parsed: slot_file.ParsedFile) -> RestorePlan:
         )
     # another KV cache type (-ctk / -ctv): the state's own per-layer types, then SKVT
     want = getattr(backend, "kv_type_ids", None)
-    app = slot_file.parse_appendices(parsed.buf, end, len(parsed.tokens))
+    app = parse_after_state(parsed, end, max_checkpoints)
     problem = kv_type_problem(caches, want) or slot_file.kv_types_problem(app, want)
     if problem:
         raise slot_file.SlotFileError(
@@ -163,9 +232,20 @@ def plan_restore(backend: Any, parsed: slot_file.ParsedFile) -> RestorePlan:
     return RestorePlan(True, end, app)
 
 
-def _erase_op(slot_id: int):
+def parse_after_state(
+    parsed: slot_file.ParsedFile, pos: int, max_checkpoints: int | None
+) -> slot_file.Appendices:
+    """The appendices from ``pos`` (where the state ends) up to the STNT footer. Any
+    thread."""
+    with memoryview(parsed.buf) as whole, whole[: parsed.end] as body:
+        return slot_file.parse_appendices(body, pos, len(parsed.tokens), max_checkpoints)
+
+
+def _erase_op(slot_id: int, who: Caller):
     def op(engine: Engine) -> int:
-        return engine.store.clear(engine.slots[slot_id])
+        s = engine.slots[slot_id]
+        who.check_slot(s, "erase")
+        return engine.store.clear(s)
 
     return op
 
@@ -183,16 +263,30 @@ def _record(engine: Engine, **counts: int) -> None:
         pass
 
 
-@router.post("/slots/{id_slot}")
-async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, Any]:
-    st = state_of(request)
-    engine = st.require_engine()
+def _slot_id(id_slot: str, engine: Engine) -> int:
     try:
         sid = int(id_slot)
     except ValueError:
         raise APIError(400, f"invalid slot id {id_slot!r}") from None
     if not 0 <= sid < len(engine.slots):
         raise APIError(400, f"invalid slot id {sid}: this server has {len(engine.slots)} slots")
+    return sid
+
+
+def _filename(raw: bytes) -> str:
+    try:
+        return SlotActionBody.model_validate(json.loads(raw or b"{}")).filename
+    except (ValueError, ValidationError):
+        raise APIError(400, 'the body must be JSON like {"filename": "name"}') from None
+
+
+@router.post("/slots/{id_slot}")
+async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, Any]:
+    """save, restore, erase (DESIGN §8). Under --cache-isolation each is checked against
+    the caller's tenant: another tenant's slot or file is a 403."""
+    st = state_of(request)
+    engine = st.require_engine()
+    sid = _slot_id(id_slot, engine)
     if action not in ("save", "restore", "erase"):
         raise APIError(400, f"invalid action {action!r}: use save, restore or erase")
     if not st.settings.slot_save_path:  # llama-server gates every slot action so
@@ -202,22 +296,18 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
             "not_supported_error",
         )
     tenant = tenant_of(st, request, request.query_params.get("cache_salt"))
-    held = engine.slots[sid]
-    isolated = st.settings.cache_isolation != "none"
-    if action == "save" and isolated and held.tokens and held.tenant != tenant:
-        raise APIError(403, f"slot {sid} holds another tenant's prompt")
-    if action == "erase":
-        n = await asyncio.wrap_future(engine.call(_erase_op(sid), slot=sid))
-        return {"id_slot": sid, "n_erased": n}
+    who = Caller(tenant, st.settings.cache_isolation != "none")
     try:
-        body = SlotActionBody.model_validate(json.loads(await request.body() or b"{}"))
-    except (ValueError, ValidationError):
-        raise APIError(400, 'the body must be JSON like {"filename": "name"}') from None
-    try:
-        path = slot_file.resolve(st.settings.slot_save_path, body.filename)
+        if action == "erase":
+            n = await asyncio.wrap_future(engine.call(_erase_op(sid, who), slot=sid))
+            return {"id_slot": sid, "n_erased": n}
+        name = _filename(await request.body())
+        path = slot_file.resolve(st.settings.slot_save_path, name)
         if action == "save":
-            return await _save(engine, sid, path, body.filename)
-        return await _restore(st, engine, sid, path, body.filename, tenant)
+            return await _save(engine, sid, path, name, who)
+        return await _restore(st, engine, sid, path, name, who)
+    except TenantRefused as e:
+        raise APIError(403, str(e)) from None
     except slot_file.SlotFileError as e:
         _record(engine, failures=1)
         raise APIError(e.status, str(e)) from None
@@ -229,13 +319,14 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         raise APIError(500, f"slot file I/O failed: {e.strerror or e}") from None
 
 
-async def _save(engine: Engine, sid: int, path: Path, name: str) -> dict[str, Any]:
+async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) -> dict[str, Any]:
     t0 = time.perf_counter()
     tmp = slot_file.temp_for(path)
     try:
-        n_saved, app = await asyncio.wrap_future(engine.call(_save_op(sid, tmp), slot=sid))
+        fut = engine.call(_save_op(sid, tmp, who), slot=sid)
+        n_saved, app, owner = await asyncio.wrap_future(fut)
         written = await asyncio.to_thread(
-            slot_file.finish_file, tmp, path, app.checkpoints, app.draft, app.kv_types
+            slot_file.finish_file, tmp, path, app.checkpoints, app.draft, app.kv_types, owner
         )
     finally:
         tmp.unlink(missing_ok=True)
@@ -250,17 +341,24 @@ async def _save(engine: Engine, sid: int, path: Path, name: str) -> dict[str, An
 
 
 async def _restore(
-    st: ServerState, engine: Engine, sid: int, path: Path, name: str, tenant: str
+    st: ServerState, engine: Engine, sid: int, path: Path, name: str, who: Caller
 ) -> dict[str, Any]:
+    """Read, check and parse the file off the engine thread (tenant, state cells,
+    appendices); the engine thread only loads what was proven."""
     t0 = time.perf_counter()
     b = st.backend
     parsed = await asyncio.to_thread(
         slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
     )
-    plan = await asyncio.to_thread(plan_restore, b, parsed)
-    n, warnings = await asyncio.wrap_future(
-        engine.call(_restore_op(sid, parsed, plan, tenant), slot=sid)
-    )
+    who.check_file(parsed, name)
+    keep = engine.store.ckpt.max_per_slot
+    plan = await asyncio.to_thread(plan_restore, b, parsed, keep)
+    got = await asyncio.wrap_future(engine.call(_restore_op(sid, parsed, plan, who), slot=sid))
+    if isinstance(got, int):  # the state alone: its appendices start where it ended
+        app = await asyncio.to_thread(parse_after_state, parsed, parsed.state_off + got, keep)
+        op = _appendices_op(sid, list(parsed.tokens), app, who)
+        got = await asyncio.wrap_future(engine.call(op, slot=sid))
+    n, warnings = got
     for w in warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)
     _record(engine, restores=1, bytes_read=parsed.n_read)

@@ -281,23 +281,48 @@ class SlotStore:
         """Restore a slot file's state (untrusted: its cells are proven first) with its
         checkpoints. The state starts at ``state_off`` of ``buf`` and ends at ``end`` when
         ``exact``; else where llama.cpp stops reading, with the appendices after it up to
-        ``end`` (parsed here unless ``appendices`` already holds them). None when the state
-        was refused; the slot is then empty."""
-        size = end - state_off
-        region = (ctypes.c_uint8 * size).from_buffer(buf, state_off)
-        consumed = self.restore(slot, region, tokens, [], nbytes=size, whole=exact, untrusted=True)
-        del region  # the mapping may be closed once this returns
+        ``end`` (parsed here unless ``appendices`` already holds them: pass them, parsed off
+        this thread, wherever the state's end is known). None when the state was refused;
+        the slot is then empty."""
+        consumed = self.load_file_state(slot, buf, state_off, end, tokens, exact=exact)
         if consumed == 0:
             return None
         if appendices is None:
             with memoryview(buf) as whole, whole[:end] as body:
-                appendices = slot_file.parse_appendices(body, state_off + consumed, len(tokens))
+                appendices = slot_file.parse_appendices(
+                    body, state_off + consumed, len(tokens), self.ckpt.max_per_slot
+                )
+        return appendices if self.apply_appendices(slot, appendices) else None
+
+    def load_file_state(
+        self,
+        slot: Slot,
+        buf: bytearray | mmap.mmap,
+        state_off: int,
+        end: int,
+        tokens: list[int],
+        *,
+        exact: bool,
+    ) -> int:
+        """The first half of ``restore_file``: load the state alone (proven first) and give
+        the slot ``tokens`` without checkpoints. Returns the bytes consumed (its appendices
+        start at ``state_off + consumed``); 0 when refused (the slot is then empty)."""
+        size = end - state_off
+        region = (ctypes.c_uint8 * size).from_buffer(buf, state_off)
+        consumed = self.restore(slot, region, tokens, [], nbytes=size, whole=exact, untrusted=True)
+        del region  # the mapping may be closed once this returns
+        return consumed
+
+    def apply_appendices(self, slot: Slot, appendices: slot_file.Appendices) -> bool:
+        """The second half of ``restore_file``: a restored slot takes its file's checkpoints
+        (at most the slot's limit) and draft state. False, with the slot cleared, when the
+        file names KV cache types its state (proven ours) contradicts."""
         if slot_file.kv_types_problem(appendices, self.kv_types):
             self.clear(slot)  # its state proved of our types: the file contradicts itself
-            return None
+            return False
         self.set_checkpoints(slot, appendices.checkpoints)
         self._restore_draft(slot, appendices)
-        return appendices
+        return True
 
     def _restore_draft(self, slot: Slot, app: slot_file.Appendices) -> None:
         """A slot file's draft state (SDFT) and checkpoint draft data: kept when they fit
@@ -326,9 +351,11 @@ class SlotStore:
         return problem
 
     def set_checkpoints(self, slot: Slot, checkpoints: list[Checkpoint]) -> None:
-        """Give a restored slot the checkpoints that came with its state (those within its
-        tokens)."""
-        slot.checkpoints = [c for c in checkpoints if c.n_tokens <= len(slot.tokens)]
+        """Give a restored slot the checkpoints that came with its state: those within its
+        tokens, at most the slot's limit (the last ones), as the policy keeps them."""
+        mine = [c for c in checkpoints if c.n_tokens <= len(slot.tokens)]
+        keep = max(0, self.ckpt.max_per_slot)
+        slot.checkpoints = mine[len(mine) - keep :] if len(mine) > keep else mine
 
     def _positions_match(self, slot: Slot, n: int) -> bool:
         """The restored sequence ends at position n-1 and holds what a cut at n needs: from 0
