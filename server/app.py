@@ -238,7 +238,8 @@ def load(st: ServerState) -> None:
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
         backend = LlamaBackend(model_options(s, path))
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
-        worker.pool().warm()  # a compile child started now, not by the first schema
+        # a compile child started now (beside the rest of the load), not by the first schema
+        threading.Thread(target=worker.pool().warm, name="constraint-warm", daemon=True).start()
         st.backend = backend
         st.template = pick_template(
             name=s.chat_template,
