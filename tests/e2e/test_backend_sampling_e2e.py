@@ -72,11 +72,14 @@ def test_greedy_matches_cpu_sampling(bs: ServerProc) -> None:
     are the CPU's (a request with n_probs samples on the CPU), up to the first near tie."""
     before = counters(bs)
     for prompt in PROMPTS[:3]:
-        got = stream_tokens(bs, prompt, n_predict=10, temperature=0)
+        # ignore_eos (a bias, in the graph too): both run 10 tokens, whether or not greedy
+        # would end early on this CPU, or on one side of a near tie only
+        got = stream_tokens(bs, prompt, n_predict=10, temperature=0, ignore_eos=True)
         body = {"prompt": prompt, "n_predict": 10, "n_probs": 5, "temperature": 0}
+        body["ignore_eos"] = True
         cpu = bs.client.post("/completion", json={**body, "cache_prompt": False}).json()
         probs = cpu["completion_probabilities"]
-        assert got and len(got) <= len(probs)
+        assert len(got) == len(probs) == 10
         for tok, p in zip(got, probs, strict=False):
             if tok == p["id"]:
                 continue
@@ -125,7 +128,14 @@ def test_seeded_sampling_is_reproducible(bs: ServerProc, client: openai.OpenAI) 
                 temperature=0.9,
                 top_p=0.9,
                 seed=1234,
-                extra_body={"top_k": 40, "min_p": 0.05, "cache_prompt": False},
+                # ignore_eos (a bias: still the backend chain): 16 tokens of text whatever
+                # the seed samples on this CPU, never an empty answer that ended at once
+                extra_body={
+                    "top_k": 40,
+                    "min_p": 0.05,
+                    "cache_prompt": False,
+                    "ignore_eos": True,
+                },
             )
             .choices[0]
             .text
@@ -158,9 +168,11 @@ def test_fallbacks_work_and_are_counted(bs: ServerProc, client: openai.OpenAI) -
         model="m", prompt=PROMPTS[0], max_tokens=8, temperature=0, frequency_penalty=1.0
     )
     assert r2.usage.completion_tokens > 0
-    # logit_bias: banning the greedy first token changes the first token
-    first = stream_tokens(bs, PROMPTS[0], n_predict=1, temperature=0)[0]
-    banned = stream_tokens(bs, PROMPTS[0], n_predict=1, temperature=0, logit_bias=[[first, False]])
+    # logit_bias: banning the greedy first token changes the first token (ignore_eos: a
+    # token comes out whether or not greedy would end at once on this CPU)
+    greedy = {"n_predict": 1, "temperature": 0, "ignore_eos": True}
+    first = stream_tokens(bs, PROMPTS[0], **greedy)[0]
+    banned = stream_tokens(bs, PROMPTS[0], **greedy, logit_bias=[[first, False]])
     assert banned and banned[0] != first
     # logprobs
     r3 = client.completions.create(

@@ -131,9 +131,11 @@ def test_rerank_refused_and_server_still_generates(emb: ServerProc) -> None:
         r = _post(emb, path, {"query": "q", "documents": ["a"]})
         assert r.status_code == 501, r.text
         assert "Start it with `--reranking`" in r.json()["error"]["message"]
-    # generation keeps working beside embeddings, as in llama-server
+    # generation keeps working beside embeddings, as in llama-server (ignore_eos: 8 tokens
+    # whatever the random seed samples, an early end included)
+    gen_body = {"prompt": "Once upon a time", "n_predict": 8, "ignore_eos": True}
     with cf.ThreadPoolExecutor(2) as pool:
-        gen = pool.submit(_post, emb, "/completion", {"prompt": "Once upon a time", "n_predict": 8})
+        gen = pool.submit(_post, emb, "/completion", gen_body)
         vecs = pool.submit(_vectors, emb, TEXTS)
         assert gen.result().status_code == 200 and gen.result().json()["tokens_predicted"] == 8
         assert len(vecs.result()) == len(TEXTS)
