@@ -147,6 +147,7 @@ class DiskCounters:
     bytes_read: int = 0
     load_ms_total: float = 0.0
     load_ms_last: float = 0.0
+    lookup_ms_max: float = 0.0  # the longest lookup (engine thread), file reads apart
 
 
 @dataclass
@@ -458,15 +459,17 @@ class DiskTier:
         ``loaded``."""
         if not prompt:
             return None
+        t0 = time.perf_counter()
         n = lcp(slot_tokens, prompt) if own else 0
         keep = n / len(slot_tokens) if slot_tokens else -1.0
         sim = n / len(prompt)
         hit = self._find(prompt, tenant, keep, sim)
         if hit is None and self._stale() and self._refresh():
             hit = self._find(prompt, tenant, keep, sim)
-        if hit is None:
-            with self._lock:
-                self.counters.misses += 1
+        ms = (time.perf_counter() - t0) * 1e3
+        with self._lock:
+            self.counters.misses += hit is None
+            self.counters.lookup_ms_max = max(self.counters.lookup_ms_max, ms)
         return hit
 
     def _refresh(self) -> bool:
