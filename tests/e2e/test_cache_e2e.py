@@ -20,10 +20,18 @@ def conv_prompt(i: int, n_words: int) -> str:
 
 
 def complete(server, prompt: str, **kw) -> dict:
-    body = {"prompt": prompt, "n_predict": 16, "temperature": 0, **kw}
+    # ignore_eos: 16 tokens whether or not greedy would end early (which differs between
+    # CPUs), so the slot holds the prompt and 15 decoded tokens, and an answer to cut inside
+    body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "ignore_eos": True, **kw}
     r = server.client.post("/completion", json=body)
     r.raise_for_status()
     return r.json()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def run_conversations(server, n_words: int, edit: bool = False) -> tuple[str, dict]:
@@ -51,8 +59,12 @@ def test_follow_up_restores_from_ram(make_server, size, edit):
     n_follow = len(s.tokenize(follow))
     assert size == "short" or n_prompt > 1500
     # the slot held prompt + 15 decoded tokens; the follow-up re-tokenizes the answer, so
-    # the reuse ends where the tokens first differ: never before the end of the prompt
-    assert r["tokens_cached"] >= n_prompt
+    # the reuse ends where the tokens first differ: never before the end of the prompt,
+    # unless the answer's first piece merged with the prompt's last token when re-tokenized
+    # (what greedy writes differs between CPUs): then at most the 4 tokens back to the
+    # checkpoint before the prompt's end are recomputed
+    alike = common_prefix(s.tokenize(conv_prompt(0, n_words)), s.tokenize(follow))
+    assert r["tokens_cached"] >= (n_prompt if alike >= n_prompt else alike - 4), alike
     assert r["tokens_cached"] >= 0.9 * n_follow
     assert r["tokens_cached"] + r["timings"]["prompt_n"] == n_follow
     info = s.client.get("/cache").json()
