@@ -23,10 +23,10 @@ def action(s, slot: int, act: str, filename: str | None = None) -> httpx.Respons
 
 
 def fill(s, slot: int, prompt: str | list[int], n_predict: int = 4) -> httpx.Response:
-    return s.client.post(
-        "/completion",
-        json={"prompt": prompt, "n_predict": n_predict, "temperature": 0, "id_slot": slot},
-    )
+    # ignore_eos: n_predict tokens whether or not greedy would end early (which differs
+    # between CPUs): a full context's last request counts them
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "id_slot": slot}
+    return s.client.post("/completion", json={**body, "ignore_eos": True})
 
 
 def _walk_cells(data: bytearray, pos: int) -> tuple[list[int], int]:
