@@ -604,10 +604,11 @@ def test_router_health_and_streaming(router, replicas):
     assert router.client.get("/nginx-health").text == "ok\n"
     assert router.client.get("/health").json() == {"status": "ok"}
     events = []
+    # ignore_eos: 8 tokens streamed whatever the random seed samples (an early end included)
     with router.client.stream(
         "POST",
         "/completion",
-        json={"prompt": "Once upon a time", "n_predict": 8, "stream": True},
+        json={"prompt": "Once upon a time", "n_predict": 8, "stream": True, "ignore_eos": True},
         headers={"X-Conversation-Id": "stream-check"},
     ) as r:
         assert r.status_code == 200
@@ -616,6 +617,7 @@ def test_router_health_and_streaming(router, replicas):
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
     assert len(events) >= 2 and events[-1]["stop"] is True and "timings" in events[-1]
+    assert events[-1]["tokens_predicted"] == 8
 
 
 def test_conversation_turns_land_on_the_replica_holding_them(router, replicas):

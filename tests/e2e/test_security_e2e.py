@@ -173,13 +173,9 @@ def test_bad_input_matrix(make_server):
         assert "Traceback" not in r.text
     r = s.client.post("/v1/completions", json={"prompt": long_text(3000)})
     assert r.json()["error"]["n_ctx"] == 2048 and r.json()["error"]["n_prompt_tokens"] > 2048
-    # still serving, nothing leaked
-    assert (
-        s.client.post("/completion", json={"prompt": "Hello", "n_predict": 3}).json()[
-            "tokens_predicted"
-        ]
-        == 3
-    )
+    # still serving, nothing leaked (ignore_eos: 3 tokens whatever the random seed samples)
+    after = {"prompt": "Hello", "n_predict": 3, "ignore_eos": True}
+    assert s.client.post("/completion", json=after).json()["tokens_predicted"] == 3
     assert not any(x["is_processing"] for x in s.slots())
 
 
@@ -250,12 +246,9 @@ def test_storm_of_clients_with_early_disconnects(make_server):
     assert "llamacpp:requests_processing 0.0" in metrics
     assert "llamacpp:requests_deferred 0.0" in metrics
     s.assert_integrity()
-    assert (
-        s.client.post("/completion", json={"prompt": "After the storm", "n_predict": 4}).json()[
-            "tokens_predicted"
-        ]
-        == 4
-    )
+    # ignore_eos: 4 tokens whatever the random seed samples (an early end included)
+    after = {"prompt": "After the storm", "n_predict": 4, "ignore_eos": True}
+    assert s.client.post("/completion", json=after).json()["tokens_predicted"] == 4
 
 
 def test_queue_limit_answers_503_with_retry_after(make_server):
