@@ -229,16 +229,11 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def _pread_into(fd: int, buf: bytearray) -> None:
-    """Fill ``buf`` from the file's start; the kernel writes straight into it (no copy)."""
-    mv, pos = memoryview(buf), 0
-    try:
-        while pos < len(mv):
-            n = os.preadv(fd, [mv[pos:]], pos)  # a single read stops at ~2 GiB: loop
-            if n == 0:
-                raise EntryChanged(f"truncated while read ({pos} of {len(mv)} bytes)")
-            pos += n
-    finally:
-        mv.release()
+    """Fill ``buf`` from the file's start (``slot_file.pread_into``); EntryChanged when the
+    file ends first (another process truncated it)."""
+    got = slot_file.pread_into(fd, buf)
+    if got < len(buf):
+        raise EntryChanged(f"truncated while read ({got} of {len(buf)} bytes)")
 
 
 def _patch_body(buf: bytearray, e: DiskEntry, check: FileCheck, seq: int) -> int:

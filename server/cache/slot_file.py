@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import mmap
 import os
 import struct
 import tempfile
@@ -90,12 +89,12 @@ def resolve(directory: str | Path, name: str) -> Path:
 
 @dataclass
 class ParsedFile:
-    """A validated slot file, mapped copy-on-write (no read copy). The target state starts at
-    ``state_off``; the 8 bytes before it have been overwritten (in this private mapping only)
-    with llama_state_seq_set_data's header."""
+    """A validated slot file, read into one buffer of ours. The target state starts at
+    ``state_off``; the 8 bytes before it have been overwritten (in the buffer) with
+    llama_state_seq_set_data's header."""
 
     tokens: list[int]
-    buf: mmap.mmap
+    buf: bytearray
     state_off: int  # offset of the header + state bytes, for llama_state_seq_set_data_ext
     n_read: int
     end: int = -1  # where the state and its appendices end (before the STNT footer)
@@ -129,6 +128,22 @@ def _unpack_tokens(raw: array) -> list[int]:
     return tokens
 
 
+def pread_into(fd: int, buf: bytearray) -> int:
+    """Fill ``buf`` from the start of the file ``fd``; the kernel writes straight into it (one
+    copy, no intermediate bytes). Returns the bytes read: fewer than ``len(buf)`` when the
+    file ended first."""
+    mv, pos = memoryview(buf), 0
+    try:
+        while pos < len(mv):
+            n = os.preadv(fd, [mv[pos:]], pos)  # a single read stops at ~2 GiB: loop
+            if n == 0:
+                break
+            pos += n
+    finally:
+        mv.release()
+    return pos
+
+
 def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> ParsedFile:
     """Read and bound-check the body header and tokens (not the state: llama.cpp checks it)."""
     try:
@@ -137,10 +152,14 @@ def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> P
         raise SlotFileError(f"slot file {path.name!r} not found", 404) from None
     if size < 12:
         raise SlotFileError("slot file is truncated (no header)")
-    # A private copy-on-write mapping: no read copy, and the header patch below stays ours.
-    # (Only our own saves replace files here, by rename, which never truncates a mapped inode.)
+    # Read into our own buffer, never mapped: a file that another process (a replica sharing
+    # the directory, a user) truncates while it is restored is then a short read and a 400,
+    # not a SIGBUS that kills the server.
+    buf = bytearray(size)
     with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        got = pread_into(f.fileno(), buf)
+    if got < size:
+        raise SlotFileError(f"slot file changed while read ({got} of {size} bytes)")
     n_read = size
     magic, file_version, n_tokens = struct.unpack_from("<III", buf, 0)
     if magic != GGSQ_MAGIC:
@@ -174,7 +193,7 @@ def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> P
     return ParsedFile(tokens, buf, state_off, n_read, end, tenant)
 
 
-def read_tenant(buf: bytes | bytearray | mmap.mmap, body: int) -> tuple[str | None, int]:
+def read_tenant(buf: bytes | bytearray, body: int) -> tuple[str | None, int]:
     """The STNT footer: (the saver's tenant, where the bytes before the footer end). A file
     without one, or with one it cannot hold after its ``body`` (header and tokens), or
     not utf-8, gives (None, len(buf)): no known tenant (never an error: the state may be
@@ -287,7 +306,7 @@ def _checkpoint(
 
 
 def parse_appendices(
-    buf: bytes | bytearray | memoryview | mmap.mmap,
+    buf: bytes | bytearray | memoryview,
     pos: int,
     n_tokens: int,
     max_checkpoints: int | None = None,

@@ -47,15 +47,19 @@ def main() -> None:
     threading.stack_size(int(os.environ.get("SERVER_CONSTRAINT_STACK", str(8 << 20))))
     _limit_memory()
     os.nice(19)  # compiling waits for generation, never the other way round
-    sys.stdout.buffer.write(b"ready\n")
-    sys.stdout.buffer.flush()
+    # The protocol gets its own descriptor; fd 1 goes to stderr, so that nothing a library
+    # prints can be taken for an answer.
+    out_channel = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    out_channel.write(b"ready\n")
+    out_channel.flush()
     for line in sys.stdin.buffer:
         out: dict[str, Any] = {}
         t = threading.Thread(target=lambda r=json.loads(line), o=out: o.update(answer(r)))
         t.start()
         t.join()
-        sys.stdout.buffer.write(json.dumps(out).encode() + b"\n")
-        sys.stdout.buffer.flush()
+        out_channel.write(json.dumps(out).encode() + b"\n")
+        out_channel.flush()
 
 
 if __name__ == "__main__":

@@ -88,7 +88,13 @@ class _Child:
         line = self._line(
             time.monotonic() + WALL_FACTOR * timeout, lambda: self.cpu_seconds() - cpu0 > timeout
         )
-        return json.loads(line) if isinstance(line, bytes) else line
+        if not isinstance(line, bytes):
+            return line
+        try:
+            return json.loads(line)
+        except ValueError:  # not our protocol: the child cannot be trusted any more
+            self.kill()
+            return Lost(overran=False)
 
     def _line(self, wall_end: float, overran: Callable[[], bool]) -> bytes | Lost:
         """The child's next line; Lost (the child killed) when it dies, passes ``wall_end`` or

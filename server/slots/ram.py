@@ -8,13 +8,16 @@ true.
 from __future__ import annotations
 
 from ..cache.prompt_cache import CacheEntry, PromptCache
+from ..cache.tenancy import is_private
 from .slot import Slot
 from .store import SlotStore
 
 
 def save(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
-    """Copy an idle slot's state into the RAM cache (the slot keeps it too)."""
-    if not slot.tokens:
+    """Copy an idle slot's state into the RAM cache (the slot keeps it too). Not a private
+    tenant's (one salt-less request's under --cache-isolation salt): no later request can
+    match it, so it would only push out entries that can."""
+    if not slot.tokens or is_private(slot.tenant):
         return False
     snap = store.snapshot(slot)
     return cache.save(

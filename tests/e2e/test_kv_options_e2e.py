@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+from server.cache.slot_file import read_tenant
+
 from .conftest import free_port, llama_server_client, long_text
 from .test_slots_e2e import LLAMA_SERVER, action
 
@@ -38,8 +40,11 @@ def test_slot_files_do_not_cross_cache_types(make_server, tmp_path):
         out = complete(s, prompt)
         assert out["tokens_predicted"] == 8 and out["content"]
         assert action(s, 0, "save", name).status_code == 200
-    # our files name the types (SKVT); without it the state's own per-layer types tell
-    body = (d / "q8.bin").read_bytes()
+    # our files name the types (SKVT, before the saver's tenant footer, STNT); without it
+    # the state's own per-layer types tell
+    whole = (d / "q8.bin").read_bytes()
+    _, end = read_tenant(whole, 12)
+    body = whole[:end]
     assert body[-16:-12] == b"SKVT"
     (d / "q8-bare.bin").write_bytes(body[:-16])
     for s, name, other in (
