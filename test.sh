@@ -22,9 +22,26 @@ cd "$ROOT"
 step "smoke (model loads, one decode; llama-server runs)" "$PY" scripts/smoke.py
 step "lint" "$PY" -m ruff check server tests bench scripts/smoke.py
 step "format" "$PY" -m ruff format --check server tests bench scripts/smoke.py
-s=$(date +%s)
-echo "[test.sh] tests ..."
+# The suite: with no arguments (or only -q), in two phases. First every test but the
+# ``serial`` ones on two workers (pytest-xdist, a file per worker at a time, one thread per
+# server, so the two cores are both busy while a server starts or a client waits); then the
+# ``serial`` ones (latencies, stalls, races) alone. Any other arguments: one plain pytest run.
+run_tests() {
+  local s rc=0
+  s=$(date +%s)
+  echo "[test.sh] tests: $1 ..."
+  shift
+  "$@" || rc=$?
+  echo "[test.sh] tests: $(($(date +%s) - s)) s (exit $rc)"
+  return $rc
+}
 rc=0
-"$PY" -m pytest "$@" || rc=$?
-echo "[test.sh] tests: $(($(date +%s) - s)) s (exit $rc); total $(($(date +%s) - t0)) s"
+if [[ $# -eq 0 || "$*" == "-q" ]]; then
+  E2E_THREADS=1 run_tests "all but serial, 2 workers" "$PY" -m pytest "$@" -m "not serial" \
+    -n 2 --dist loadfile -p no:cacheprovider || rc=$?
+  run_tests "serial" "$PY" -m pytest "$@" -m serial -p no:cacheprovider || rc=$?
+else
+  run_tests "pytest $*" "$PY" -m pytest "$@" || rc=$?
+fi
+echo "[test.sh] total $(($(date +%s) - t0)) s (exit $rc)"
 exit $rc

@@ -14,6 +14,10 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# Threads per server: 2 (the machine's cores) when tests run one at a time; test.sh sets 1
+# when two pytest workers run servers side by side, so that no decode waits on a thread the
+# other worker's server holds (ggml's threads spin at their barriers).
+THREADS = os.environ.get("E2E_THREADS", "2")
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 20) -> None:
@@ -56,7 +60,7 @@ class ServerProc:
         full_env = {**os.environ, **(env or {})}
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--port", str(self.port), "-t", "2", *args],
+            [sys.executable, "-m", "server", "--port", str(self.port), "-t", THREADS, *args],
             cwd=ROOT,
             env=full_env,
             stdout=self.log,

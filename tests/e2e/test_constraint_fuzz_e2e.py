@@ -18,7 +18,7 @@ import pytest
 
 from .conftest import ServerProc
 
-BUDGET_S = float(os.environ.get("FUZZ_SECONDS", "60"))
+BUDGET_S = float(os.environ.get("FUZZ_SECONDS", "30"))
 PATTERNS = ["^[a-c]{1,4}$", "^x[0-9]{0,2}$", "^(ab|cd)+$", "^[A-Z][a-z]{0,3}$"]
 
 

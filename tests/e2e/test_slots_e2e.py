@@ -19,10 +19,12 @@ from .conftest import (
     terminate,
 )
 
+# scripts/build_llama.sh's llama-server (the same build as llama-cpp-python's libraries)
 LLAMA_SERVER = Path(
     os.environ.get(
         "LLAMA_SERVER_BIN",
-        Path.home() / ".cache/llama-slot-server/llama-server-0.3.36/build/bin/llama-server",
+        Path(os.environ.get("LLAMA_SERVER_CACHE", Path.home() / ".cache/llama-slot-server"))
+        / "llama-server-0.3.36/build/bin/llama-server",
     )
 )
 
