@@ -11,7 +11,7 @@ the server. Each limit has a flag (``--constraint-max-*``) and the error names i
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -101,41 +101,54 @@ def _successors(node: Any, root: Any, anchors: dict[str, Any]) -> Iterator[Any]:
             yield target
 
 
-def schema_depth(root: Any, limit: int) -> int:
-    """The longest path from ``root`` through nested JSON values and ``$ref`` hops (cycles cut
-    where they close; a finished subschema's depth is remembered, so each is walked once).
-    Stops early and returns a value above ``limit`` as soon as a path passes it."""
-    anchors = _anchors(root)
-    done: dict[int, int] = {}  # id(node) -> depth of the longest path below and including it
-    best: dict[int, int] = {id(root): 0}
-    on_path = {id(root)}
-    stack = [(root, _successors(root, root, anchors))]
+def _longest_path(
+    root: Any,
+    successors: Callable[[Any], Iterable[Any]],
+    key: Callable[[Any], Hashable],
+    limit: int,
+) -> int:
+    """The number of nodes on the longest path from ``root`` (iterative DFS: cycles are cut
+    where they close, and a finished node's depth is remembered and added to any later path
+    that reaches it, so each node is walked once). Returns a value above ``limit`` as soon as
+    a path passes it."""
+    done: dict[Hashable, int] = {}  # key -> nodes on the longest path below and including it
+    best: dict[Hashable, int] = {key(root): 0}
+    on_path = {key(root)}
+    stack = [(root, iter(successors(root)))]
     while stack:
         node, it = stack[-1]
         child = next(it, None)
         if child is None:
             stack.pop()
-            on_path.discard(id(node))
-            d = 1 + best.pop(id(node))
-            done[id(node)] = d
+            on_path.discard(key(node))
+            d = 1 + best.pop(key(node))
+            done[key(node)] = d
             if stack:
-                parent = id(stack[-1][0])
+                parent = key(stack[-1][0])
                 best[parent] = max(best[parent], d)
             continue
-        cid = id(child)
-        if cid in on_path:
+        k = key(child)
+        if k in on_path:
             continue
-        if cid in done:
-            best[id(node)] = max(best[id(node)], done[cid])
-            if len(stack) + done[cid] > limit:
-                return len(stack) + done[cid]
+        if k in done:
+            best[key(node)] = max(best[key(node)], done[k])
+            if len(stack) + done[k] > limit:
+                return len(stack) + done[k]
             continue
         if len(stack) + 1 > limit:
             return len(stack) + 1
-        on_path.add(cid)
-        best[cid] = 0
-        stack.append((child, _successors(child, root, anchors)))
-    return done[id(root)]
+        on_path.add(k)
+        best[k] = 0
+        stack.append((child, iter(successors(child))))
+    return done[key(root)]
+
+
+def schema_depth(root: Any, limit: int) -> int:
+    """The longest path from ``root`` through nested JSON values and ``$ref`` hops (cycles cut
+    where they close). Stops early and returns a value above ``limit`` as soon as a path
+    passes it."""
+    anchors = _anchors(root)
+    return _longest_path(root, lambda n: _successors(n, root, anchors), id, limit)
 
 
 def enum_entries(root: Any) -> int:
@@ -202,33 +215,8 @@ def gbnf_depth(text: str, limit: int) -> int:
     rules, deepest = _gbnf_rules(text)
     if deepest > limit or "root" not in rules:
         return deepest
-    done: dict[str, int] = {}
-    best = {"root": 0}
-    on_path = {"root"}
-    stack = [("root", iter(rules["root"]))]
-    while stack:
-        name, it = stack[-1]
-        child = next(it, None)
-        if child is None:
-            stack.pop()
-            on_path.discard(name)
-            done[name] = d = 1 + best.pop(name)
-            if stack:
-                best[stack[-1][0]] = max(best[stack[-1][0]], d)
-            continue
-        if child in on_path or child not in rules:
-            continue
-        if child in done:
-            best[name] = max(best[name], done[child])
-            if len(stack) + done[child] > limit:
-                return len(stack) + done[child]
-            continue
-        if len(stack) + 1 > limit:
-            return len(stack) + 1
-        on_path.add(child)
-        best[child] = 0
-        stack.append((child, iter(rules[child])))
-    return max(done["root"], deepest)
+    chain = _longest_path("root", lambda n: (r for r in rules[n] if r in rules), str, limit)
+    return max(chain, deepest)
 
 
 def check_grammar_shape(text: str, limits: ConstraintLimits) -> None:

@@ -447,6 +447,15 @@ def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:
     return plan
 
 
+def chat_constraint(plan: ChatPlan, body: ChatRequest) -> Constraint | None:
+    """A chat request's constraint: the forced call's, else what its ``response_format``,
+    ``json_schema`` or ``grammar`` asks for. Compiles the client's schema (in a compile
+    child): call it from a worker thread (``Submission.constraint``)."""
+    return _tool_constraint(plan) or constraint_of(
+        response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
+    )
+
+
 def _tool_constraint(plan: ChatPlan) -> Constraint | None:
     """The forced call's constraint (None unless tool_choice forces one)."""
     try:
@@ -474,14 +483,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         logprobs=body.logprobs,
         n=body.n,
         check=top_logprobs_needs_logprobs,
-        constraint=lambda: (
-            _tool_constraint(plan)
-            or constraint_of(
-                response_format=body.response_format,
-                json_schema=body.json_schema,
-                grammar=body.grammar,
-            )
-        ),
+        constraint=lambda: chat_constraint(plan, body),
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
     )

@@ -29,12 +29,12 @@ from ..responses import (
     usage,
 )
 from ..schemas import ChatRequest, ResponsesRequest
-from ..service import Submission, TaskGroup, constraint_of, submit, tenant_of
+from ..service import Submission, TaskGroup, submit, tenant_of
 from ..tools.parse import Delta, Message, ToolCall, parse_message
 from ..tools.plan import ChatPlan
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk
 from .common import SSE_HEADERS, sse_error, state_of
-from .openai import _max_tokens, _plan, _tool_constraint, render_chat
+from .openai import _max_tokens, _plan, chat_constraint, render_chat
 
 router = APIRouter()
 
@@ -71,14 +71,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         prompts=lambda: [render_chat(st, chat, plan)],
         max_tokens=_max_tokens(chat.max_completion_tokens, chat.max_tokens),
         stream=chat.stream,
-        constraint=lambda: (
-            _tool_constraint(plan)
-            or constraint_of(
-                response_format=chat.response_format,
-                json_schema=chat.json_schema,
-                grammar=chat.grammar,
-            )
-        ),
+        constraint=lambda: chat_constraint(plan, chat),
         return_progress=chat.return_progress,
         timings_per_token=chat.timings_per_token,
     )
