@@ -93,7 +93,7 @@ if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
   step "downloading the llama-cpp-python $VERSION sdist"
   TMP="$(mktemp -d)"
   trap 'rm -rf "$TMP"' EXIT
-  "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
     -d "$TMP" "llama-cpp-python==$VERSION"
   mkdir -p "$SRC_PARENT"
   tar -xzf "$TMP"/llama_cpp_python-"$VERSION".tar.gz -C "$SRC_PARENT"

@@ -37,7 +37,14 @@ def sdist_dir(version: str | None = None) -> Path:
 def _unpack_one(version: str, member: str, dest_root: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check"]
-        cmd += ["--no-deps", "--no-binary", ":all:", "-d", tmp, f"llama-cpp-python=={version}"]
+        cmd += [
+            "--no-deps",
+            "--no-binary",
+            "llama-cpp-python",
+            "-d",
+            tmp,
+            f"llama-cpp-python=={version}",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
             raise AssertionError(f"pip download of the sdist failed:\n{r.stderr[-2000:]}")
