@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -270,7 +269,7 @@ class SlotStore:
     def restore_file(
         self,
         slot: Slot,
-        buf: bytearray | mmap.mmap,
+        buf: bytearray,
         state_off: int,
         end: int,
         tokens: list[int],
@@ -297,7 +296,7 @@ class SlotStore:
     def load_file_state(
         self,
         slot: Slot,
-        buf: bytearray | mmap.mmap,
+        buf: bytearray,
         state_off: int,
         end: int,
         tokens: list[int],

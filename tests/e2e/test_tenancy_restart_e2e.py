@@ -14,10 +14,10 @@ comes back from disk is the last window plus the file's checkpoints.
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 from .conftest import ServerProc, long_text
+from .test_disk_cache_e2e import wait_for
 
 SECRET = "Private memo: the launch code is 7741. " + long_text(1400, seed=5) + " Summary?"
 SALTED = "Team notes. " + long_text(450, seed=6) + " What next?"  # ~560 tokens
@@ -49,15 +49,6 @@ def disk(s: ServerProc, salt: str | None = None) -> dict:
 
 def files(d: Path) -> list[bytes]:
     return [p.read_bytes() for p in sorted(d.glob("*.lsc")) if not p.name.startswith(".")]
-
-
-def wait_for(pred, what: str, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_cold(s: ServerProc, prompt: str, got: dict) -> None:
