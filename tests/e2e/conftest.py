@@ -120,6 +120,14 @@ def server() -> Iterator[ServerProc]:
 
 
 @pytest.fixture
+def save_dir(tmp_path) -> Path:
+    """An empty directory for --slot-save-path."""
+    d = tmp_path / "slots"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
 def make_server():
     made: list[ServerProc] = []
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import pytest
 
 from .conftest import ServerProc, long_text
 
@@ -62,13 +60,6 @@ def assert_refused(r: httpx.Response) -> None:
     assert r.status_code == 403, r.text
     err = r.json()["error"]
     assert err["type"] == "permission_error" and err["code"] == 403, err
-
-
-@pytest.fixture
-def save_dir(tmp_path) -> Path:
-    d = tmp_path / "slots"
-    d.mkdir()
-    return d
 
 
 def test_slot_actions_are_checked_against_the_callers_key(make_server, save_dir):

@@ -43,13 +43,6 @@ def fill(s, slot: int, prompt: str) -> dict:
     return r.json()
 
 
-@pytest.fixture
-def save_dir(tmp_path) -> Path:
-    d = tmp_path / "slots"
-    d.mkdir()
-    return d
-
-
 def test_round_trip_between_slots_and_erase(make_server, save_dir):
     s = make_server(
         "-np", "2", "-c", "4096", "--slot-save-path", str(save_dir), "--no-cache-idle-slots"
