@@ -145,13 +145,11 @@ class DraftKV:
     def problems(self, slots: list[Slot]) -> list[str]:
         out = []
         for s in slots:
-            if s.pending:
-                continue
             pmax = self.d.seq_pos_max(s.id)
             if pmax != s.n_dft - 1 or s.n_dft > len(s.tokens):
                 out.append(f"slot {s.id}: draft holds {s.n_dft} tokens but pos_max {pmax}")
         caches = self.d.kv_cells()
         if caches is not None:
-            n = [None if s.pending else s.n_dft for s in slots]
+            n: list[int | None] = [s.n_dft for s in slots]
             out += [f"draft {p}" for p in kv_problems(caches, n)]
         return out

@@ -1,8 +1,10 @@
 """The engine: one thread owns the llama context and runs continuous-batching steps.
 
-Each step (DESIGN §3): admit waiting tasks to idle slots, build one batch holding the next
-token of every generating slot plus prompt chunks of prefilling slots (<= n_batch tokens),
-decode it once, sample where logits were requested, emit text to the tasks' sinks.
+Each step (DESIGN §3): run the commands queued for the engine thread, admit waiting tasks
+to idle slots (placement: reuse, cache restores, sharing), then one batch in three phases
+(slots/plan.py): ``schedule`` plans the next token of every generating slot plus prompt
+chunks of prefilling slots (<= n_batch tokens), ``execute`` decodes it once and samples
+where logits were requested, ``update`` accounts and emits text to the tasks' sinks.
 """
 
 from __future__ import annotations
@@ -19,30 +21,23 @@ from typing import Any
 
 from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
-from ..types import (
-    Event,
-    FinishReason,
-    PromptProgress,
-    Task,
-    TaskError,
-    TaskResult,
-    TextChunk,
-    Timings,
-    TokenLogprob,
-)
+from ..types import Event, FinishReason, Task, TaskError
 from . import disk_glue, ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .draft_kv import DraftMemory
 from .embed import EmbedQueue, EmbedTask
+from .executor import Executor
 from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
 from .sampling import ParallelSampling, cpu_reason
+from .scheduler import Scheduler
 from .sharing import PrefixSharing
 from .slot import Slot, SlotRun, SlotState
 from .spec_step import Speculation
 from .speculative import SpecConfig
 from .stats import EngineStats
-from .store import SlotStore, shift_span
+from .store import SlotStore
+from .update import Updater
 
 log = logging.getLogger("server.slots.engine")
 
@@ -110,6 +105,21 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.par = ParallelSampling(opts.sample_threads, opts.sample_parallel_min)
+        # the step's three phases (slots/plan.py): decide, change memory, account
+        self.scheduler = Scheduler(
+            self.ckpt,
+            self.spec,
+            backend.n_batch,
+            backend.n_swa,
+            backend.is_recurrent,
+            add_bos=bool(getattr(backend, "add_bos", False)),
+        )
+        self.executor = Executor(
+            backend, self.store, self.spec, self.stats, self.par, self._free_idle_kv
+        )
+        self.updater = Updater(
+            backend, self.stats, self._send, lambda: self.shifts, self.executor.settle
+        )
         # --embedding: prompt-only tasks run on idle slots within a step (slots/embed.py)
         self.embed = EmbedQueue(
             backend, self.store, cache, self._send, self._flush, self._free_idle_kv
@@ -197,9 +207,9 @@ class Engine:
             seen = n
 
     def _has_work(self) -> bool:
-        return bool(self.waiting or self._ops or self.embed.waiting) or any(
-            not s.idle for s in self.slots
-        )
+        if self.waiting or self._ops or self.embed.waiting or self.executor.settle:
+            return True
+        return any(not s.idle for s in self.slots)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -238,6 +248,7 @@ class Engine:
         end of this step (the engine thread passes False and flushes when it goes idle).
         """
         t0 = time.perf_counter()
+        self.executor.settle_ended()
         self._drain_inbox()
         self._run_ops()
         self._reap_cancelled()
@@ -245,7 +256,7 @@ class Engine:
         decoded = False
         try:
             embedded = self.embed.step() if self.embed.waiting else False
-            decoded = self._decode_step() or embedded
+            decoded = self._batch_step() or embedded
             if decoded:
                 self.stats.on_step(time.perf_counter() - t0)
         finally:
@@ -286,7 +297,7 @@ class Engine:
             self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
         for s in self.slots:
             if s.task is not None and s.task.cancelled:
-                self._finish(s, FinishReason.CANCELLED)
+                self.updater.finish(s, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
         if not self.waiting:
@@ -362,7 +373,7 @@ class Engine:
             wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
         run = slot.start(task, n_past)
         if task.return_progress:  # llama-server's first (0 %) progress event
-            self._progress(slot)
+            self.updater.progress(slot)
         if wait is not None:
             self.sharing.wait_on(slot, wait)
         run.sampler = self.b.new_sampler(task.sampling, task.prompt)
@@ -383,10 +394,11 @@ class Engine:
             t_wait,
         )
 
-    # ---- decode step --------------------------------------------------------------
+    # ---- the step: schedule, execute, update ---------------------------------------
 
-    def _decode_step(self) -> bool:
-        """Build, decode and sample one batch; False when there was nothing to decode."""
+    def _batch_step(self) -> bool:
+        """Schedule, execute and update one batch; False when there was nothing to decode.
+        Waiters whose shared prefix is ready start first (slots/sharing.py)."""
         self.sharing.resolve_waiters()
         # backpressure: a slot whose reader lags generates nothing until it catches up
         active = [
@@ -396,132 +408,27 @@ class Engine:
         ]
         if not active:
             return False
-        budget = self.b.n_batch
-        while True:
-            n = self._build_batch(active, budget)
-            if n == 0:
-                return False
-            self._flush()
-            t0 = time.perf_counter()
-            try:
-                ret = self.b.decode(0, n)
-            except Exception:
-                log.exception("llama_decode raised")
-                ret = -100
-            dt = time.perf_counter() - t0
-            if ret == 0:
-                break
-            for s in active:
-                self.store.rollback(s)
-            budget, active = self._recover(ret, budget, active)
-            if not active:
-                return True
-        self.stats.on_decode(sum(1 for s in active if s.pending), dt)
-        self._after_decode(active)
-        return True
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(active)
+        if not plan.work:
+            return False
+        self._flush()  # deliver events while llama.cpp runs (it releases the GIL)
+        out = self.executor.execute(plan)
+        self.updater.update(out)
+        if out.n_tokens:
+            self.stats.on_batch(out.n_tokens, time.perf_counter() - t0)
+        return bool(out.outputs or out.ended)
 
-    def _recover(self, ret: int, budget: int, active: list[Slot]) -> tuple[int, list[Slot]]:
-        """After a failed decode: free idle KV, else halve the batch, else end the longest
-        task. Returns the budget and the slots for the next try."""
-        if ret == 1 and self._free_idle_kv():
-            return budget, active
-        if ret == 1 and budget > 1:
-            budget = max(1, budget // 2)
-            log.warning("llama_decode found no KV room; retrying with n_batch=%d", budget)
-            return budget, active
-        victim = max(active, key=lambda s: len(s.tokens))
-        log.error("llama_decode failed (%d); ending task on slot %d", ret, victim.id)
-        if ret == 1:
-            # an error, as llama-server sends one, never a quiet "length" with no text
-            self.stats.kv_exhausted += 1
-            error = "Context size has been exceeded: the KV cache has no room left"
-        else:
-            error = f"llama_decode failed ({ret})"
-        self._finish(victim, FinishReason.ERROR, error=error)
-        return budget, [s for s in active if s is not victim]
-
-    def _build_batch(self, active: list[Slot], budget: int) -> int:
-        batch = self.b.batch
-        batch.clear()
-        gen = [s for s in active if s.state is SlotState.GENERATE]
-        pre = sorted(
-            (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.run.t_start
-        )
-        # Generating slots first: a long prefill never starves them of their next token. They
-        # go into the (empty) batch in one call: no per-token batch writes from Python.
-        toks: list[int] = []
-        pos: list[int] = []
-        seqs: list[int] = []
-        drafted = self.spec.model_drafts(gen)
-        for s in gen:
-            if len(toks) >= budget:
-                s.pending, s.i_batch, s.run.draft = [], -1, []
-                continue
-            run = s.run
-            if run.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
-                self._take_checkpoint(s)
-            s.i_batch = len(toks)
-            n = len(s.tokens)
-            if run.spec is None:
-                s.pending = [run.next_token]
-                toks.append(run.next_token)
-                pos.append(n)
-                seqs.append(s.id)
-                continue
-            # the sampled token and its draft, each row with logits (verified after decode)
-            run.draft = self.spec.draft(s, budget - len(toks) - 1, drafted)
-            s.pending = [run.next_token, *run.draft]
-            toks.extend(s.pending)
-            pos.extend(range(n, n + len(s.pending)))
-            seqs.extend([s.id] * len(s.pending))
-        if toks:
-            batch.add_tokens(toks, pos, seqs)
-        for s in pre:
-            s.pending, s.i_batch = [], -1
-            if budget - batch.n > 0:
-                self._add_prompt_chunk(s, budget - batch.n)
-        return batch.n
+    @property
+    def shifts(self) -> bool:
+        """--context-shift is on and the KV cache can move positions (llama-server turns
+        it off otherwise)."""
+        return self.opts.context_shift and bool(getattr(self.b, "can_shift", False))
 
     def _remaining(self, run: SlotRun) -> int:
         """Tokens the run may still generate (-1: no limit but the context)."""
         limit = run.task.gen.max_tokens
         return -1 if limit < 0 else limit - run.n_decoded
-
-    def _add_prompt_chunk(self, s: Slot, room: int) -> None:
-        """Add the slot's next prompt chunk (at most ``room`` tokens) to the batch. A chunk
-        ends where a sharing waiter or a checkpoint needs the slot to stop."""
-        cur = len(s.tokens)
-        task = s.run.task
-        prompt = task.prompt
-        end = min(len(prompt), cur + room)
-        marks = s.run.share_marks
-        if marks:
-            end = min(end, min((m for m in marks if m > cur), default=end))
-        if self.ckpt.enabled:
-            n_start = s.run.n_cached
-            end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
-            if self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start):
-                self._take_checkpoint(s)
-        s.pending = prompt[cur:end]
-        last = end == len(prompt)
-        i = self.b.batch.add_span(s.pending, cur, s.id, last)
-        s.i_batch = i if last else -1
-
-    def _wants_prompt_end_checkpoint(self, s: Slot) -> bool:
-        """The slot holds exactly its prompt and its first sampled token is about to be
-        decoded. Skipped when prompt plus answer stay inside one window: a restored state of
-        at most n_swa tokens serves every cut."""
-        n_prompt = len(s.tokens)
-        if not self.ckpt.wants_at_prompt_end(n_prompt, s.checkpoints):
-            return False
-        limit = s.run.task.gen.max_tokens
-        return self.b.is_recurrent or limit < 0 or n_prompt + limit > self.b.n_swa
-
-    def _take_checkpoint(self, s: Slot) -> None:
-        self.spec.sync(s, whole=True)  # the checkpoint carries the draft's state too
-        c = self.store.take_checkpoint(s)
-        self.stats.checkpoints_created += 1
-        log.debug("slot %d: checkpoint at %d tokens (%d bytes)", s.id, c.n_tokens, c.nbytes)
 
     def _free_idle_kv(self) -> bool:
         """Clear idle slots' sequences to make KV room (unified mode), saving them to the RAM
@@ -533,228 +440,11 @@ class Engine:
                 freed = True
         return freed
 
-    def _after_decode(self, active: list[Slot]) -> None:
-        now = time.perf_counter()
-        todo: list[tuple[Slot, int]] = []
-        for s in active:
-            if not s.pending:
-                continue
-            run = s.run
-            n = self.store.commit(s)
-            if s.state is SlotState.PREFILL:
-                run.n_processed += n
-                if run.task.return_progress:
-                    self._progress(s)
-            if s.i_batch < 0:
-                continue
-            s.i_batch, idx = -1, s.i_batch
-            if s.state is SlotState.PREFILL:
-                s.state = SlotState.GENERATE
-                run.t_first = now
-                self.stats.on_first_token((now - run.task.t_enqueued) * 1e3)
-                if run.task.gen.max_tokens == 0:  # prompt only (n_predict 0): nothing sampled
-                    self._finish(s, FinishReason.LENGTH)
-                    continue
-            todo.append((s, idx))
-        self._sample_all(todo)
-
     def _place_sampler(self, slot: Slot, run: SlotRun) -> None:
         """-bs: run the slot's chain on the backend, or count why it stays on the CPU."""
         reason = cpu_reason(run.task)
         run.backend_sampled = not reason and self.b.attach_sampler(run.sampler, slot.id)
         self.stats.on_sampler_placed(reason or ("" if run.backend_sampled else "refused"))
-
-    def _sample_all(self, todo: list[tuple[Slot, int]]) -> None:
-        """Sample every slot that got logits. The CPU-sampled slots without a constraint
-        are sampled together first (concurrently when the pool is worth it), then each slot
-        takes its token in turn."""
-        cpu = [
-            (s, i)
-            for s, i in todo
-            if s.run.matcher is None and not s.run.backend_sampled and not s.run.draft
-        ]
-        picked: dict[int, int] = {}
-        if len(cpu) > 1:
-            pool = self.par.pool_for(len(cpu))
-            try:
-                toks = self.b.sample_many([(s.run.sampler, i) for s, i in cpu], pool)
-                picked = {s.id: t for (s, _), t in zip(cpu, toks, strict=True)}
-            except Exception:  # sampled one by one below, where a failure ends its slot only
-                log.exception("batched sampling failed")
-        for s, idx in todo:
-            if s.run.draft:
-                self._verify(s, idx)
-            else:
-                self._sample(s, idx, picked.get(s.id, -1))
-
-    def _sample(self, s: Slot, idx: int, tok: int = -1) -> None:
-        """Take the slot's next token (``tok`` when already sampled) and emit its text."""
-        try:
-            if tok < 0:
-                tok = self._pick(s.run, idx)
-        except Exception as e:
-            log.exception("sampling failed on slot %d", s.id)
-            self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
-            return
-        self._take(s, idx, tok)
-
-    def _verify(self, s: Slot, idx: int) -> None:
-        """A drafting slot's rows ``idx..idx+k`` were decoded: sample them in order while
-        the sampled token equals the draft, drop the rejected rows from the KV cache, then
-        take the sampled tokens (the last one is the next to decode)."""
-        run = s.run
-        draft, run.draft = run.draft, []
-        picked: list[int] = []
-        try:
-            for i in range(len(draft) + 1):
-                picked.append(self._pick(run, idx + i))
-                if i == len(draft) or picked[-1] != draft[i]:
-                    break
-        except Exception as e:
-            log.exception("sampling failed on slot %d", s.id)
-            self._finish(s, FinishReason.ERROR, error=f"sampling failed: {e}")
-            return
-        log.debug("slot %d: accepted %d/%d draft tokens", s.id, len(picked) - 1, len(draft))
-        if not self.spec.accept(s, draft, len(picked) - 1):
-            self._finish(s, FinishReason.ERROR, error="could not drop rejected draft tokens")
-            return
-        for i, tok in enumerate(picked):
-            if not self._take(s, idx + i, tok):
-                return
-
-    def _take(self, s: Slot, idx: int, tok: int) -> bool:
-        """Account for the sampled token ``tok`` (logits row ``idx``) and emit its text;
-        False when this ended the run."""
-        run = s.run
-        gen = run.task.gen
-        run.n_decoded += 1
-        lp: TokenLogprob | None = None
-        if gen.logprobs or gen.n_probs > 0:
-            lp = self.b.sampled_logprobs(run.sampler, idx, tok, gen.n_probs)
-        if self.b.is_eog(tok) and not gen.ignore_eos:
-            self._finish(s, FinishReason.STOP)
-            return False
-        run.generated.append(tok)
-        rel = run.stream.push(self.b.token_to_piece(tok))
-        if lp is not None:
-            run.logprobs.append(lp)
-        if rel.text or rel.stop:
-            self._emit_text(run, rel.text)
-        if rel.stop:
-            self._finish(s, FinishReason.STOP, stop_word=rel.stop)
-            return False
-        if run.matcher is not None and run.matcher.is_done():
-            self._finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
-            return False
-        limit = run.task.gen.max_tokens
-        if (limit >= 0 and run.n_decoded >= limit) or self._context_full(s):
-            self._finish(s, FinishReason.LENGTH)
-            return False
-        run.next_token = tok
-        return True
-
-    def _pick(self, run: SlotRun, idx: int) -> int:
-        """The run's next token: sampled, and for a constrained run one its matcher allows
-        (the matcher is advanced over it). Costs a constrained slot about 0.2 ms per token,
-        1-2 ms when the sampled token is refused (full-vocabulary mask): it never holds up
-        the batch for long. Raises RuntimeError when the constraint admits no token."""
-        m = run.matcher
-        if m is None:
-            return self.b.sample(run.sampler, idx)
-        gen = run.task.gen
-        # with log-probs wanted, always mask: they report the constrained distribution
-        tok = self.b.sample_constrained(run.sampler, idx, m, gen.logprobs or gen.n_probs > 0)
-        if tok < 0 or not m.accept(tok):
-            raise RuntimeError(f"the constraint admits no token: {m.error() or 'dead end'}")
-        return tok
-
-    def _progress(self, s: Slot) -> None:
-        """Send the slot's prompt progress (tasks with ``return_progress``, streamed only):
-        ``processed`` is what the slot holds of the prompt, cached tokens included."""
-        run = s.run
-        if run.task.stream:
-            t_ms = (time.perf_counter() - run.t_start) * 1e3
-            ev = PromptProgress(run.n_prompt, run.n_cached, len(s.tokens), int(t_ms))
-            if run.task.timings_per_token:  # llama-server's: 0 ms until a prompt token is in
-                ms = t_ms if run.n_processed else 0.0
-                ev.timings = Timings(cache_n=run.n_cached, prompt_n=run.n_processed, prompt_ms=ms)
-            self._send(run.task, ev)
-
-    @property
-    def shifts(self) -> bool:
-        """--context-shift is on and the KV cache can move positions (llama-server turns
-        it off otherwise)."""
-        return self.opts.context_shift and bool(getattr(self.b, "can_shift", False))
-
-    def _context_full(self, s: Slot) -> bool:
-        """Whether the slot has no room for its next token. With --context-shift a full slot
-        drops half of what follows n_keep and goes on (llama-server's rule: shift_span); the
-        run is ``truncated`` either way."""
-        if len(s.tokens) + 1 < s.n_ctx:
-            return False
-        run = s.run
-        run.truncated = True
-        if not self.shifts:
-            return True
-        gen = run.task.gen
-        add_bos = bool(getattr(self.b, "add_bos", False))
-        n_keep, n_discard = shift_span(
-            len(s.tokens), s.n_ctx, run.n_prompt, gen.n_keep, gen.n_discard, add_bos
-        )
-        if not self.store.shift(s, n_keep, n_discard):
-            return True
-        if run.history is not None:
-            run.history.truncate(n_keep)
-        self.stats.context_shifts += 1
-        log.info("slot %d: context shift, n_keep = %d, n_discard = %d", s.id, n_keep, n_discard)
-        return False
-
-    def _emit_text(self, run: SlotRun, text: str) -> None:
-        """Release text; it carries the tokens (and log-probs) not sent yet, which includes
-        those whose text was held back as a possible stop-string prefix."""
-        if run.task.stream:
-            n = run.n_emitted
-            chunk = TextChunk(text, run.generated[n:], run.logprobs[n:])
-            if run.task.timings_per_token:  # llama-server's timings on every chunk
-                chunk.timings = _timings_of(run, time.perf_counter())
-            self._send(run.task, chunk)
-            run.n_emitted = len(run.generated)
-        run.out_text.append(text)
-
-    def _finish(
-        self, s: Slot, reason: FinishReason, *, stop_word: str = "", error: str = ""
-    ) -> None:
-        run = s.run
-        task = run.task
-        now = time.perf_counter()
-        if reason is not FinishReason.STOP or not stop_word:
-            rest = run.stream.flush()
-            if rest and reason is not FinishReason.CANCELLED:
-                self._emit_text(run, rest)
-        result = _result_of(s.id, run, reason, stop_word, error, now)
-        if run.sampler is not None:
-            run.sampler.free()
-            run.sampler = None
-        self.stats.on_finish(result, (now - task.t_enqueued) * 1e3)
-        if reason is FinishReason.ERROR:
-            self._send(task, TaskError(500, error or "generation failed"))
-        else:
-            self._send(task, result)
-        t = result.timings
-        log.info(
-            "slot %d task %d: %s cache_n=%d prompt_n=%d predicted_n=%d prompt_ms=%.1f predicted_ms=%.1f",
-            s.id,
-            task.id,
-            reason.value,
-            t.cache_n,
-            t.prompt_n,
-            t.predicted_n,
-            t.prompt_ms,
-            t.predicted_ms,
-        )
-        if reason is not FinishReason.ERROR:
-            self.spec.sync(s)  # the idle slot's snapshots carry the draft's state too
-        s.release()
 
     def _fail_everything(self, message: str) -> None:
         self._flush()
@@ -783,40 +473,6 @@ class Engine:
     def check_integrity(self) -> list[str]:
         """The slot store's invariant (tokens == KV) for every slot; returns problems."""
         return self.store.check_integrity()
-
-
-def _timings_of(run: SlotRun, now: float) -> Timings:
-    """The run's token accounting and times so far (all of them when it ends now)."""
-    t_first = run.t_first or now
-    return Timings(
-        cache_n=run.n_cached,
-        prompt_n=run.n_processed,
-        prompt_ms=(t_first - run.t_start) * 1e3,
-        predicted_n=run.n_decoded,
-        predicted_ms=(now - t_first) * 1e3 if run.t_first else 0.0,
-        draft_n=run.n_drafted,
-        draft_n_accepted=run.n_draft_accepted,
-    )
-
-
-def _result_of(
-    slot_id: int, run: SlotRun, reason: FinishReason, stop_word: str, error: str, now: float
-) -> TaskResult:
-    """The TaskResult of a run ending now: its text, tokens and token accounting."""
-    timings = _timings_of(run, now)
-    return TaskResult(
-        id_slot=slot_id,
-        finish=reason,
-        text="".join(run.out_text),
-        tokens=list(run.generated),
-        n_prompt=run.n_prompt,
-        timings=timings,
-        stop_word=stop_word,
-        error=error,
-        t_queue_ms=(run.t_start - run.task.t_enqueued) * 1e3,
-        logprobs=run.logprobs,
-        truncated=run.truncated,
-    )
 
 
 def _deliver_all(items: list) -> None:

@@ -41,7 +41,7 @@ class PrefixSharing:
         self.enabled = enabled
         self.min_wait = min_wait  # least gain worth waiting for (--prefix-share-min)
         self.speed = StepSpeed()  # tests may inject their own
-        self._seen = (0, 0.0)  # stats.n_steps, stats.step_seconds_total last observed
+        self._seen = 0  # stats.n_batches last observed
 
     def held_source(
         self, dst: Slot, prompt: list[int], n_past: int, tenant: str = ""
@@ -53,7 +53,7 @@ class PrefixSharing:
         cap = len(prompt) - 1  # the last prompt token is always evaluated by its own slot
         best: Source | None = None
         for s in self.store.slots:
-            if s is dst or not s.tokens or s.state is SlotState.WAIT or s.pending:
+            if s is dst or not s.tokens or s.state is SlotState.WAIT:
                 continue
             if s.tenant != tenant:
                 continue
@@ -147,7 +147,7 @@ class PrefixSharing:
         held = self.held_source(w, task.prompt, len(w.tokens), task.tenant)
         if held is not None:
             self.copy(self.store.slots[held.slot], w, held.n_tokens)
-        w.run.n_cached = len(w.tokens)  # what this task will not compute itself
+        w.seq.n_cached = len(w.tokens)  # what this task will not compute itself
         if again:
             other = self.inflight_source(w, task.prompt, len(w.tokens), task.tenant)
             if other is not None:
@@ -167,9 +167,10 @@ class PrefixSharing:
         return queue_of(self.store.slots, self.store.b.n_batch)
 
     def _observe_step(self) -> None:
-        """Feed the last decoding step to the speed estimate: its time (stats.on_step) and
-        its batch, which the backend still holds until the next batch is built."""
-        n, secs = self.stats.n_steps, self.stats.step_seconds_total
-        if n == self._seen[0] + 1:
-            self.speed.observe(self.store.b.batch.n, secs - self._seen[1])
-        self._seen = (n, secs)
+        """Feed the last decoded batch to the speed estimate: its tokens and its time, as
+        the step recorded them (stats.on_batch); only a batch not observed yet, and only
+        when exactly one was decoded since the last call."""
+        n = self.stats.n_batches
+        if n == self._seen + 1:
+            self.speed.observe(self.stats.last_batch_tokens, self.stats.last_batch_seconds)
+        self._seen = n

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..types import Checkpoint, Task, TokenLogprob, TokenMatcher
-from .speculative import DraftLimits, TokenHistory
+from .sequence import Sequence
+from .speculative import DraftLimits
 from .text import TextStream
 
 
@@ -21,16 +22,13 @@ class SlotState(enum.Enum):
 
 @dataclass
 class SlotRun:
-    """One task's run on a slot: its accounting and generation state. A new run replaces
-    the old one whole when a task starts; the last one stays readable (``/slots``)."""
+    """One task's run on a slot: how it samples, what it has sent, and its waits. Its
+    token accounting is the slot's ``Sequence`` (read through the properties below). A new
+    run replaces the old one whole when a task starts; the last one stays readable
+    (``/slots``)."""
 
     task: Task
-    n_cached: int  # prompt tokens reused from the KV cache (cache_n)
-    n_processed: int = 0  # prompt tokens decoded for this task (prompt_n when done)
-    n_decoded: int = 0  # tokens sampled (completion tokens)
-    generated: list[int] = field(default_factory=list)
-    n_emitted: int = 0  # generated tokens already sent in a TextChunk
-    next_token: int = -1  # sampled, not yet decoded
+    seq: Sequence
     sampler: Any = None
     matcher: TokenMatcher | None = None  # the task's constraint, when it has one
     backend_sampled: bool = False  # -bs: the chain runs in the decode graph (slots/sampling.py)
@@ -44,13 +42,12 @@ class SlotRun:
     wait_task: int = -1
     wait_target: int = 0
     share_marks: set[int] = field(default_factory=set)  # waiters' targets: end chunks there
-    # speculative decoding: this run's limits (None: it does not speculate), its context as
-    # an array for n-gram lookups, the draft riding in the batch being decoded, and counts
+    # speculative decoding: this run's limits (None: it does not speculate), and counts
     spec: DraftLimits | None = None
-    history: TokenHistory | None = None
-    draft: list[int] = field(default_factory=list)
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    # the context is full: the next step shifts it (--context-shift) before decoding
+    shift_due: bool = False
     # the context filled up: the run stopped there, or shifted it (llama-server's truncated)
     truncated: bool = False
 
@@ -58,24 +55,53 @@ class SlotRun:
     def n_prompt(self) -> int:
         return len(self.task.prompt)
 
+    @property
+    def n_cached(self) -> int:
+        """Prompt tokens reused from the KV cache (cache_n)."""
+        return self.seq.n_cached
+
+    @property
+    def n_processed(self) -> int:
+        """Prompt tokens decoded for this task (prompt_n when done)."""
+        return self.seq.n_computed
+
+    @property
+    def n_decoded(self) -> int:
+        """Tokens sampled (completion tokens)."""
+        return self.seq.n_sampled
+
+    @property
+    def generated(self) -> list[int]:
+        return self.seq.generated
+
+    @property
+    def next_token(self) -> int:
+        return self.seq.next_token
+
 
 @dataclass
 class Slot:
     id: int
     n_ctx: int
-    # Invariant: the KV cache of sequence ``id`` holds exactly these tokens at positions
-    # 0..len-1 (tokens added to the batch being decoded are in ``pending`` until it
-    # succeeds). Only SlotStore (slots/store.py) changes ``tokens`` and ``checkpoints``.
-    tokens: list[int] = field(default_factory=list)
+    # Invariant: the KV cache of sequence ``id`` holds exactly ``seq.tokens`` at positions
+    # 0..len-1. Only SlotStore (slots/store.py) changes them and ``checkpoints``.
+    seq: Sequence = field(default_factory=Sequence)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     state: SlotState = SlotState.IDLE
     last_used: float = 0.0
     run: SlotRun | None = None  # the current run, or the last one when idle
-    pending: list[int] = field(default_factory=list)
-    i_batch: int = -1  # output row of this step's batch, -1 when no logits are wanted
     tenant: str = ""  # whose prompt ``tokens`` hold (see Task.tenant)
     # with a draft model: its sequence holds tokens[:n_dft] (SlotStore keeps it so)
     n_dft: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the slot's KV sequence holds (read-only outside SlotStore)."""
+        return self.seq.tokens
+
+    @tokens.setter
+    def tokens(self, toks: list[int]) -> None:
+        self.seq.assign(toks)
 
     @property
     def idle(self) -> bool:
@@ -88,14 +114,11 @@ class Slot:
 
     def start(self, task: Task, n_past: int) -> SlotRun:
         self.tenant = task.tenant  # the KV it holds from now on is this tenant's
-        self.run = SlotRun(task, n_cached=n_past, stream=TextStream(task.gen.stop))
+        self.seq.start(len(task.prompt), n_past)
+        self.run = SlotRun(task, self.seq, stream=TextStream(task.gen.stop))
         self.state = SlotState.PREFILL
-        self.pending = []
-        self.i_batch = -1
         return self.run
 
     def release(self) -> None:
         self.state = SlotState.IDLE
-        self.pending = []
-        self.i_batch = -1
         self.last_used = time.perf_counter()

@@ -1,7 +1,7 @@
 """The engine's speculative decoding, step by step: which runs draft, what each drafts this
-step (an n-gram of its context, or the draft model's batched proposal), and keeping what
-verification accepted. The engine samples the verification rows (``Engine._verify``);
-policy lives in ``speculative.py``, the draft model's decoding in ``drafter.py``."""
+step (an n-gram of its context, read by ``schedule``; or the draft model's batched proposal,
+run by ``execute``), and verification: sampling the drafted rows and dropping the rejected
+ones. Policy lives in ``speculative.py``, the draft model's decoding in ``drafter.py``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ from collections.abc import Callable
 
 from .drafter import ModelDrafter, Want
 from .slot import Slot, SlotRun
-from .speculative import SpecConfig, TokenHistory, draft_room, ngram_draft, request_limits
+from .speculative import SpecConfig, draft_room, ngram_draft, request_limits
 from .stats import EngineStats
 from .store import SlotStore
+
+
+class DraftDropError(RuntimeError):
+    """The rejected draft rows could not be removed from the KV cache."""
 
 
 class Speculation:
@@ -40,47 +44,46 @@ class Speculation:
         if limits is None or run.backend_sampled or self.recurrent:
             return
         run.spec = limits
-        run.history = TokenHistory()
 
-    def room(self, s: Slot) -> int:
+    @property
+    def by_model(self) -> bool:
+        """draft-simple: drafts come from the draft model (``execute`` runs it)."""
+        return self.drafter is not None
+
+    def draft_room(self, s: Slot, room: int) -> int:
+        """Most draft tokens the slot tries this step, within ``room`` batch rows: 0 when
+        that is below the run's n_min."""
         run = s.run
-        return draft_room(len(s.tokens), s.n_ctx, self.remaining(run), run.spec)
+        n = min(room, draft_room(len(s.tokens), s.n_ctx, self.remaining(run), run.spec))
+        return n if n >= max(1, run.spec.n_min) else 0
 
-    def model_drafts(self, gen: list[Slot]) -> dict[int, list[int]]:
-        """draft-simple: the draft model's proposals for this step's drafting slots."""
-        if self.drafter is None:
+    def ngram(self, s: Slot, room: int) -> list[int]:
+        """ngram-simple: the draft read off the slot's own tokens (at most ``room``)."""
+        hist = s.seq.array()
+        return ngram_draft(hist, s.run.next_token, self.cfg.ngram_n, self.cfg.ngram_m)[:room]
+
+    def model_drafts(self, wants: list[tuple[Slot, int]]) -> dict[int, list[int]]:
+        """draft-simple: the draft model's proposals for (slot, room) pairs, by slot id."""
+        if self.drafter is None or not wants:
             return {}
-        wants = []
-        for s in gen:
-            if s.run.spec is not None and (room := self.room(s)) > 0:
-                wants.append(Want(s, room, s.run.spec.p_min))
-        return self.drafter.propose(wants) if wants else {}
+        return self.drafter.propose([Want(s, room, s.run.spec.p_min) for s, room in wants])
 
-    def draft(self, s: Slot, room: int, drafted: dict[int, list[int]]) -> list[int]:
-        """The draft the slot tries this step (at most ``room`` tokens; may be empty):
-        the draft model's (``drafted``), or an n-gram of its context."""
-        run = s.run
-        room = min(room, self.room(s))
-        if room < max(1, run.spec.n_min):
-            return []
-        if self.drafter is not None:
-            return drafted.get(s.id, [])[:room]
-        hist = run.history.sync(s.tokens)
-        return ngram_draft(hist, run.next_token, self.cfg.ngram_n, self.cfg.ngram_m)[:room]
-
-    def accept(self, s: Slot, draft: list[int], n_accepted: int) -> bool:
-        """Verification kept ``n_accepted`` of ``draft``: drop the rejected rows from the KV
-        cache (the slot holds the decoded sampled token and the accepted drafts); False
-        when they could not be dropped."""
-        n_keep = len(s.tokens) - len(draft) + n_accepted
+    def verify(self, s: Slot, row: int, draft: list[int], pick: Callable[[int], int]) -> list[int]:
+        """A drafting slot's rows ``row..row+len(draft)`` were decoded: sample them in
+        order (``pick(row)``) while the sampled token equals the draft (llama.cpp's
+        ``common_sampler_sample_and_accept_n``), then drop the rejected rows from the KV
+        cache. Returns the sampled tokens: the accepted drafts and the token after them
+        (the next to decode). Raises DraftDropError when the rows could not be dropped; a
+        sampling failure propagates."""
+        picked: list[int] = []
+        for i in range(len(draft) + 1):
+            picked.append(pick(row + i))
+            if i == len(draft) or picked[-1] != draft[i]:
+                break
+        n_keep = len(s.tokens) - len(draft) + len(picked) - 1
         if self.store.cut(s, n_keep) != n_keep:
-            return False
-        run = s.run
-        run.history.truncate(n_keep)
-        run.n_drafted += len(draft)
-        run.n_draft_accepted += n_accepted
-        self.stats.on_draft(len(draft), n_accepted)
-        return True
+            raise DraftDropError("could not drop rejected draft tokens")
+        return picked
 
     def sync(self, s: Slot, whole: bool = False) -> None:
         """Catch the slot's draft sequence up (see ModelDrafter.sync); only for a run that

@@ -18,6 +18,11 @@ class EngineStats:
     decode_seconds_total: float = 0.0  # inside llama_decode
     step_seconds_total: float = 0.0  # whole engine steps that decoded something
     n_steps: int = 0
+    # the last decoded batch (schedule to update): its tokens and seconds, for the
+    # prefill speed estimate of prefix sharing (slots/share_cost.py)
+    n_batches: int = 0
+    last_batch_tokens: int = 0
+    last_batch_seconds: float = 0.0
     # Prompt/predicted accounting of finished requests: exactly the sums of the ``timings``
     # their responses carried. Cancelled or failed requests (whose clients never see timings)
     # are counted apart, so nothing is counted twice or against a response that says otherwise.
@@ -76,6 +81,10 @@ class EngineStats:
         self.slot_file_failures += failures
         self.slot_bytes_written += bytes_written
         self.slot_bytes_read += bytes_read
+
+    def on_batch(self, n_tokens: int, seconds: float) -> None:
+        self.n_batches += 1
+        self.last_batch_tokens, self.last_batch_seconds = n_tokens, seconds
 
     def on_step(self, seconds: float) -> None:
         self.n_steps += 1

@@ -104,7 +104,7 @@ class SlotStore:
                 log.debug("slot %d: partial removal at %d failed; clearing", slot.id, n_past)
                 self.clear(slot)
                 return 0
-        del slot.tokens[n_past:]
+        slot.seq.truncate(n_past)
         slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
         if self.dft is not None:
             self.dft.cut(slot, n_past)
@@ -133,7 +133,7 @@ class SlotStore:
         ok = self.b.seq_rm(slot.id, n_keep, end)
         if ok:
             self.b.seq_add(slot.id, end, n, -n_discard)
-        del slot.tokens[n_keep:end]
+        slot.seq.remove(n_keep, end)
         slot.checkpoints = []
         if not ok or self.b.seq_pos_max(slot.id) != len(slot.tokens) - 1:
             log.warning("slot %d: context shift failed; clearing", slot.id)
@@ -169,20 +169,15 @@ class SlotStore:
 
     # ---- decoding -----------------------------------------------------------------
 
-    def commit(self, slot: Slot) -> int:
-        """The batch holding the slot's pending tokens was decoded: they are in the KV cache
-        now. Returns how many were added."""
-        n = len(slot.pending)
-        slot.tokens.extend(slot.pending)
-        slot.pending = []
-        return n
+    def commit(self, slot: Slot, toks: list[int]) -> None:
+        """The batch holding ``toks`` at the slot's next positions was decoded: they are
+        in the KV cache now."""
+        slot.seq.extend(toks)
 
     def rollback(self, slot: Slot) -> None:
-        """A failed decode may leave some ubatches in memory: cut back to the committed
-        tokens."""
-        if slot.pending:
-            self.b.seq_rm(slot.id, len(slot.tokens), -1)
-        slot.pending, slot.i_batch = [], -1
+        """A failed decode may leave some ubatches of the slot's work in memory: cut back
+        to the committed tokens."""
+        self.b.seq_rm(slot.id, len(slot.tokens), -1)
 
     # ---- sharing, snapshots, restores ---------------------------------------------
 
@@ -371,12 +366,10 @@ class SlotStore:
     # ---- integrity ----------------------------------------------------------------
 
     def check_integrity(self) -> list[str]:
-        """Every settled slot's token count matches its KV positions and its cells, cell by
+        """Every slot's token count matches its KV positions and its cells, cell by
         cell (no cell of the KV cache belongs to no slot); returns problems."""
         problems = []
         for s in self.slots:
-            if s.pending:
-                continue
             pmax = self.b.seq_pos_max(s.id)
             if pmax != len(s.tokens) - 1:
                 problems.append(f"slot {s.id}: {len(s.tokens)} tokens but pos_max {pmax}")
@@ -387,7 +380,7 @@ class SlotStore:
                     problems.append(f"slot {s.id}: checkpoint at {c.n_tokens} beyond its tokens")
         caches = self.b.kv_cells()
         if caches is not None:
-            n_tokens = [None if s.pending else len(s.tokens) for s in self.slots]
+            n_tokens: list[int | None] = [len(s.tokens) for s in self.slots]
             problems += kv_problems(caches, n_tokens)
         if self.dft is not None:
             problems += self.dft.problems(self.slots)

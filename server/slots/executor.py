@@ -1,0 +1,231 @@
+"""``execute``: the one phase of a step that changes llama.cpp memory.
+
+It runs the plan's memory operations (context shifts, checkpoints, draft-model proposals),
+fills the batch, decodes it (a decode without KV room frees idle slots' KV, then retries
+with a smaller plan, then ends the longest run), commits what was decoded to the slot store
+(so its invariant holds again before anything else runs) and samples every row with
+logits: CPU-sampled slots together (concurrently when the pool pays), constrained and
+backend-sampled ones alone, drafting ones by verification. ``update`` then does the
+accounting from the ``StepOutputs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ..types import FinishReason, TokenLogprob
+from .backend_api import Backend
+from .plan import Ended, Sampled, SlotOutput, SlotWork, StepOutputs, StepPlan
+from .sampling import ParallelSampling
+from .slot import Slot, SlotRun
+from .spec_step import DraftDropError, Speculation
+from .stats import EngineStats
+from .store import SlotStore
+
+log = logging.getLogger("server.slots.executor")
+
+KV_FULL = "Context size has been exceeded: the KV cache has no room left"
+
+
+class Executor:
+    def __init__(
+        self,
+        backend: Backend,
+        store: SlotStore,
+        spec: Speculation,
+        stats: EngineStats,
+        par: ParallelSampling,
+        free_idle_kv: Callable[[], bool],
+    ) -> None:
+        """``free_idle_kv()``: clear idle slots' KV (saving them first); whether any was."""
+        self.b = backend
+        self.store = store
+        self.spec = spec
+        self.stats = stats
+        self.par = par
+        self.free_idle_kv = free_idle_kv
+        self.settle: list[Slot] = []  # runs ended: their draft catches up before admission
+
+    def execute(self, plan: StepPlan) -> StepOutputs:
+        """Carry out ``plan``; see the module docstring. The plan may shrink on a retry."""
+        out = StepOutputs()
+        self.prepare(plan, out)
+        if not plan.work or not self._decode(plan, out):
+            return out
+        for w in plan.work:
+            self.store.commit(w.slot, w.tokens)
+        out.outputs = [SlotOutput(w) for w in plan.work]
+        self._sample_all(out)
+        return out
+
+    def settle_ended(self) -> None:
+        """Catch up the draft of runs that ended, so that the idle slots' snapshots carry
+        the draft's state too. Runs at the start of the next step, before admission."""
+        for s in self.settle:
+            if s.idle and s.run is not None:
+                self.spec.sync(s)
+        self.settle.clear()
+
+    # ---- before the decode ---------------------------------------------------------
+
+    def prepare(self, plan: StepPlan, out: StepOutputs) -> None:
+        """The plan's memory operations: shifts, checkpoints, then draft-model proposals
+        (for the works still in the plan, with the room it reserved)."""
+        for w in list(plan.work):
+            if w.shift is not None and not self._shift(w.slot, *w.shift):
+                plan.drop(w.slot)
+                out.ended.append(Ended(w.slot, FinishReason.LENGTH))
+            elif w.checkpoint:
+                self.spec.sync(w.slot, whole=True)  # the checkpoint carries the draft too
+                c = self.store.take_checkpoint(w.slot)
+                self.stats.checkpoints_created += 1
+                log.debug("slot %d: checkpoint at %d tokens", w.slot.id, c.n_tokens)
+        wants = [(w.slot, w.model_room) for w in plan.work if w.model_room > 0]
+        drafted = self.spec.model_drafts(wants)
+        for w in plan.work:
+            if w.model_room > 0:
+                w.tokens += drafted.get(w.slot.id, [])[: w.model_room]
+
+    def _shift(self, s: Slot, n_keep: int, n_discard: int) -> bool:
+        """--context-shift: drop half of what follows n_keep and go on; False: the run
+        ends (``length``)."""
+        s.run.shift_due = False
+        if not self.store.shift(s, n_keep, n_discard):
+            return False
+        self.stats.context_shifts += 1
+        log.info("slot %d: context shift, n_keep = %d, n_discard = %d", s.id, n_keep, n_discard)
+        return True
+
+    def _fill(self, plan: StepPlan) -> int:
+        """Put the plan into the batch: generating slots' rows in one call (no per-token
+        batch writes from Python), then prompt chunks. Sets each work's ``row``."""
+        batch = self.b.batch
+        batch.clear()
+        toks: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
+        for w in plan.work:
+            if w.generating:
+                n = len(w.slot.tokens)
+                w.row = len(toks)
+                toks.extend(w.tokens)
+                pos.extend(range(n, n + len(w.tokens)))
+                seqs.extend([w.slot.id] * len(w.tokens))
+        if toks:
+            batch.add_tokens(toks, pos, seqs)
+        for w in plan.work:
+            if not w.generating:
+                w.row = batch.add_span(w.tokens, len(w.slot.tokens), w.slot.id, w.logits)
+        return batch.n
+
+    # ---- the decode ----------------------------------------------------------------
+
+    def _decode(self, plan: StepPlan, out: StepOutputs) -> bool:
+        """Decode the plan, retrying as ``_recover`` says; whether a batch was decoded."""
+        while plan.work:
+            n = self._fill(plan)
+            t0 = time.perf_counter()
+            try:
+                ret = self.b.decode(0, n)
+            except Exception:
+                log.exception("llama_decode raised")
+                ret = -100
+            dt = time.perf_counter() - t0
+            if ret == 0:
+                out.n_tokens, out.decode_seconds = n, dt
+                self.stats.on_decode(len(plan.work), dt)
+                return True
+            for w in plan.work:
+                self.store.rollback(w.slot)
+            self._recover(ret, plan, out)
+        return False
+
+    def _recover(self, ret: int, plan: StepPlan, out: StepOutputs) -> None:
+        """After a failed decode: free idle KV, else halve the batch, else end the longest
+        run (an error, as llama-server sends one, never a quiet "length" with no text)."""
+        if ret == 1 and self.free_idle_kv():
+            return
+        if ret == 1 and plan.budget > 1:
+            plan.shrink(max(1, plan.budget // 2))
+            log.warning("llama_decode found no KV room; retrying with n_batch=%d", plan.budget)
+            return
+        victim = max(plan.work, key=lambda w: len(w.slot.tokens)).slot
+        log.error("llama_decode failed (%d); ending task on slot %d", ret, victim.id)
+        if ret == 1:
+            self.stats.kv_exhausted += 1
+            error = KV_FULL
+        else:
+            error = f"llama_decode failed ({ret})"
+        plan.drop(victim)
+        out.ended.append(Ended(victim, FinishReason.ERROR, error))
+
+    # ---- sampling --------------------------------------------------------------------
+
+    def _sample_all(self, out: StepOutputs) -> None:
+        """Sample every work with logits. CPU-sampled slots without a constraint or a
+        draft are sampled together first (concurrently when the pool is worth it), then
+        each slot takes its token(s) in turn; a failure ends that slot's run only."""
+        todo = [o for o in out.outputs if _wants_sample(o.work)]
+        cpu = [o for o in todo if _plain(o.work)]
+        picked: dict[int, int] = {}
+        if len(cpu) > 1:
+            pool = self.par.pool_for(len(cpu))
+            try:
+                items = [(o.work.slot.run.sampler, o.work.row) for o in cpu]
+                toks = self.b.sample_many(items, pool)
+                picked = {o.work.slot.id: t for o, t in zip(cpu, toks, strict=True)}
+            except Exception:  # sampled one by one below, where a failure ends its slot only
+                log.exception("batched sampling failed")
+        for o in todo:
+            s = o.work.slot
+            try:
+                self._sample(o, picked.get(s.id, -1))
+            except Exception as e:
+                log.exception("sampling failed on slot %d", s.id)
+                o.sampled = []
+                why = str(e) if isinstance(e, DraftDropError) else f"sampling failed: {e}"
+                out.ended.append(Ended(s, FinishReason.ERROR, why))
+
+    def _sample(self, o: SlotOutput, tok: int) -> None:
+        w = o.work
+        run = w.slot.run
+        draft = w.draft
+        if draft:
+            toks = self.spec.verify(w.slot, w.row, draft, lambda i: self.pick(run, i))
+            o.n_drafted, o.n_accepted = len(draft), len(toks) - 1
+        else:
+            toks = [tok if tok >= 0 else self.pick(run, w.row)]
+        o.sampled = [Sampled(t, self._logprob(run, w.row + i, t)) for i, t in enumerate(toks)]
+
+    def _logprob(self, run: SlotRun, row: int, tok: int) -> TokenLogprob | None:
+        gen = run.task.gen
+        if gen.logprobs or gen.n_probs > 0:
+            return self.b.sampled_logprobs(run.sampler, row, tok, gen.n_probs)
+        return None
+
+    def pick(self, run: SlotRun, idx: int) -> int:
+        """The run's next token: sampled, and for a constrained run one its matcher allows
+        (the matcher is advanced over it). Costs a constrained slot about 0.2 ms per token,
+        1-2 ms when the sampled token is refused (full-vocabulary mask): it never holds up
+        the batch for long. Raises RuntimeError when the constraint admits no token."""
+        m = run.matcher
+        if m is None:
+            return self.b.sample(run.sampler, idx)
+        gen = run.task.gen
+        # with log-probs wanted, always mask: they report the constrained distribution
+        tok = self.b.sample_constrained(run.sampler, idx, m, gen.logprobs or gen.n_probs > 0)
+        if tok < 0 or not m.accept(tok):
+            raise RuntimeError(f"the constraint admits no token: {m.error() or 'dead end'}")
+        return tok
+
+
+def _wants_sample(w: SlotWork) -> bool:
+    """Rows with logits are sampled, but a prompt-only run (n_predict 0) samples nothing."""
+    return w.logits and (w.generating or w.slot.run.task.gen.max_tokens != 0)
+
+
+def _plain(w: SlotWork) -> bool:
+    run = w.slot.run
+    return run.matcher is None and not run.backend_sampled and not w.draft

@@ -1,0 +1,115 @@
+"""What one engine step does, as data: the plan ``schedule`` makes, and what ``execute``
+reports back to ``update``.
+
+A step is three phases (DESIGN §3):
+- ``schedule() -> StepPlan`` decides, touching nothing: per slot, which tokens go into the
+  batch, which rows need logits, and which memory operations run first (a context shift, a
+  checkpoint, a draft model's proposal);
+- ``execute(plan) -> StepOutputs`` is the only phase that changes llama.cpp memory: it runs
+  the planned operations, fills the batch, decodes (retrying a KV-full decode with a smaller
+  plan), commits what was decoded to the slot store and samples the rows with logits;
+- ``update(plan, outputs)`` does the accounting: tokens taken, text streamed, runs finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..types import FinishReason, TokenLogprob
+from .slot import Slot
+
+
+@dataclass(slots=True)
+class SlotWork:
+    """One slot's part of the step. ``tokens`` are decoded at positions
+    len(slot.tokens)..; a generating slot's are its sampled token and its draft, each row
+    with logits; a prefilling slot's are its next prompt chunk, logits on the last row only
+    when the chunk ends the prompt."""
+
+    slot: Slot
+    tokens: list[int]
+    generating: bool
+    logits: bool
+    checkpoint: bool = False  # take a checkpoint of the slot's state before decoding
+    shift: tuple[int, int] | None = None  # (n_keep, n_discard): shift the context first
+    model_room: int = 0  # draft-simple: most draft-model tokens to propose (execute)
+    row: int = -1  # the first row of the batch holding this work (execute sets it)
+
+    @property
+    def draft(self) -> list[int]:
+        """The draft riding behind a generating slot's sampled token."""
+        return self.tokens[1:] if self.generating else []
+
+
+@dataclass
+class StepPlan:
+    """The step's work: generating slots first (a long prefill never starves them of their
+    next token), then prompt chunks, oldest first, within ``budget`` tokens."""
+
+    budget: int
+    work: list[SlotWork] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(w.tokens) for w in self.work)
+
+    def shrink(self, budget: int) -> None:
+        """Fit the plan into ``budget`` tokens for a retried decode: drafts go first (a
+        retried step does not speculate), then slots beyond the budget, then prompt chunks
+        are cut short (their logits only if they still end the prompt)."""
+        self.budget = budget
+        kept: list[SlotWork] = []
+        used = 0
+        for w in self.work:
+            room = budget - used
+            if room <= 0:
+                break
+            if w.generating:
+                w.tokens, w.model_room = w.tokens[:1], 0
+            elif len(w.tokens) > room:
+                w.tokens, w.logits = w.tokens[:room], False
+            used += len(w.tokens)
+            kept.append(w)
+        self.work = kept
+
+    def drop(self, slot: Slot) -> None:
+        self.work = [w for w in self.work if w.slot is not slot]
+
+
+@dataclass(slots=True)
+class Sampled:
+    """A token sampled from one logits row, with its log-probabilities when asked for."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(slots=True)
+class SlotOutput:
+    """What the step gave one slot: the tokens it sampled, in order (a drafting slot's
+    accepted drafts and the token after them; none for a prompt chunk short of the end)."""
+
+    work: SlotWork
+    sampled: list[Sampled] = field(default_factory=list)
+    n_drafted: int = 0
+    n_accepted: int = 0
+
+
+@dataclass(slots=True)
+class Ended:
+    """A run that ``execute`` could not carry on: ``update`` finishes it so."""
+
+    slot: Slot
+    reason: FinishReason
+    error: str = ""
+
+
+@dataclass
+class StepOutputs:
+    """``execute``'s report: per decoded slot, in plan order, and the runs it ended. When
+    nothing was decoded ``outputs`` is empty (a failed decode ends at least one run)."""
+
+    outputs: list[SlotOutput] = field(default_factory=list)
+    ended: list[Ended] = field(default_factory=list)
+    n_tokens: int = 0  # tokens in the decoded batch
+    decode_seconds: float = 0.0

@@ -1,0 +1,107 @@
+"""``schedule``: the step's plan, decided from the slots' states without touching memory.
+
+Generating slots come first, each with its sampled token (and its draft when it speculates:
+an n-gram draft is read off its tokens here; a draft model's proposal is only given room,
+``execute`` runs it); then the prefilling slots, oldest first, take what is left of the
+budget in chunks that end where a sharing waiter or a checkpoint needs the slot to stop.
+"""
+
+from __future__ import annotations
+
+from .checkpoints import CheckpointPolicy
+from .plan import SlotWork, StepPlan
+from .slot import Slot, SlotState
+from .spec_step import Speculation
+from .store import shift_span
+
+
+class Scheduler:
+    def __init__(
+        self,
+        ckpt: CheckpointPolicy,
+        spec: Speculation,
+        n_batch: int,
+        n_swa: int,
+        recurrent: bool,
+        add_bos: bool,
+    ) -> None:
+        self.ckpt = ckpt
+        self.spec = spec
+        self.n_batch = n_batch
+        self.n_swa = n_swa
+        self.recurrent = recurrent
+        self.add_bos = add_bos
+
+    def schedule(self, active: list[Slot], budget: int | None = None) -> StepPlan:
+        """The plan for ``active`` (the slots prefilling or generating that may decode),
+        within ``budget`` tokens (n_batch by default). Pure: nothing is changed."""
+        plan = StepPlan(self.n_batch if budget is None else budget)
+        used = 0
+        for s in active:
+            if s.state is SlotState.GENERATE and used < plan.budget:
+                w = self._generate(s, plan.budget - used)
+                plan.work.append(w)
+                used += len(w.tokens) + w.model_room
+        pre = sorted(
+            (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.run.t_start
+        )
+        for s in pre:
+            if used >= plan.budget:
+                break
+            w = self._prompt_chunk(s, plan.budget - used)
+            plan.work.append(w)
+            used += len(w.tokens)
+        return plan
+
+    def _generate(self, s: Slot, room: int) -> SlotWork:
+        """A generating slot's work: its sampled token, and a draft within ``room``."""
+        run = s.run
+        w = SlotWork(s, [run.next_token], generating=True, logits=True)
+        if run.shift_due:
+            w.shift = self.shift_of(s)
+        if run.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
+            w.checkpoint = True
+        if run.spec is not None and w.shift is None:
+            n = self.spec.draft_room(s, room - 1)
+            if n > 0 and self.spec.by_model:
+                w.model_room = n
+            elif n > 0:
+                w.tokens += self.spec.ngram(s, n)
+        return w
+
+    def shift_of(self, s: Slot) -> tuple[int, int]:
+        """llama-server's context shift for a full slot: (n_keep, n_discard)."""
+        gen = s.run.task.gen
+        return shift_span(
+            len(s.tokens), s.n_ctx, s.run.n_prompt, gen.n_keep, gen.n_discard, self.add_bos
+        )
+
+    def _prompt_chunk(self, s: Slot, room: int) -> SlotWork:
+        """The slot's next prompt chunk (at most ``room`` tokens). A chunk ends where a
+        sharing waiter or a checkpoint needs the slot to stop; a checkpoint of the state
+        the chunk starts from is taken first when the policy wants one there."""
+        cur = len(s.tokens)
+        task = s.run.task
+        prompt = task.prompt
+        end = min(len(prompt), cur + room)
+        marks = s.run.share_marks
+        if marks:
+            end = min(end, min((m for m in marks if m > cur), default=end))
+        checkpoint = False
+        if self.ckpt.enabled:
+            n_start = s.run.n_cached
+            end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
+            checkpoint = self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start)
+        return SlotWork(
+            s, prompt[cur:end], generating=False, logits=end == len(prompt), checkpoint=checkpoint
+        )
+
+    def _wants_prompt_end_checkpoint(self, s: Slot) -> bool:
+        """The slot holds exactly its prompt and its first sampled token is about to be
+        decoded. Skipped when prompt plus answer stay inside one window: a restored state of
+        at most n_swa tokens serves every cut."""
+        n_prompt = len(s.tokens)
+        if not self.ckpt.wants_at_prompt_end(n_prompt, s.checkpoints):
+            return False
+        limit = s.run.task.gen.max_tokens
+        return self.recurrent or limit < 0 or n_prompt + limit > self.n_swa

@@ -1,0 +1,105 @@
+"""A slot's one record of its sequence's tokens, and the counts that describe them.
+
+``tokens`` is what the slot's KV sequence holds, at positions 0..len-1 (the slot store's
+invariant: only ``SlotStore`` changes it, through the methods here). The counts describe the
+run on it (the current task's, or the last one's while the slot is idle):
+
+- ``n_prompt``: the task's prompt length; ``n_cached``: prompt tokens the KV already held
+  (``cache_n``); ``n_computed``: prompt tokens this run decoded (``prompt_n``);
+- ``generated``: the answer's tokens; ``n_sampled``: every token sampled, an ending
+  end-of-generation token included (``predicted_n``); ``next_token``: the last one sampled,
+  not in the KV yet (the token the next step decodes); ``n_emitted``: generated tokens sent
+  to the client already.
+
+What the next step decodes, the draft, the n-gram history and ``usage`` are views of this
+record, never copies kept in step by hand.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Usage(NamedTuple):
+    """A run's token accounting, as ``timings`` and ``usage`` report it."""
+
+    cache_n: int
+    prompt_n: int
+    predicted_n: int
+
+
+class Sequence:
+    __slots__ = (
+        "tokens",
+        "n_prompt",
+        "n_cached",
+        "n_computed",
+        "n_sampled",
+        "generated",
+        "next_token",
+        "n_emitted",
+        "_arr",
+        "_n_arr",
+    )
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.n_prompt = 0
+        self.n_cached = 0
+        self.n_computed = 0
+        self.n_sampled = 0
+        self.generated: list[int] = []
+        self.next_token = -1
+        self.n_emitted = 0
+        # int32 mirror of tokens[:_n_arr] (the rest is copied in when array() is read)
+        self._arr = np.empty(0, dtype=np.int32)
+        self._n_arr = 0
+
+    # ---- a run -------------------------------------------------------------------
+
+    def start(self, n_prompt: int, n_cached: int) -> None:
+        """A task starts on the slot holding ``n_cached`` tokens of its prompt."""
+        self.n_prompt, self.n_cached, self.n_computed = n_prompt, n_cached, 0
+        self.n_sampled, self.generated, self.next_token, self.n_emitted = 0, [], -1, 0
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.n_cached, self.n_computed, self.n_sampled)
+
+    @property
+    def prompt_done(self) -> bool:
+        """The KV holds the whole prompt."""
+        return len(self.tokens) >= self.n_prompt
+
+    # ---- the KV's tokens (SlotStore only) ----------------------------------------
+
+    def extend(self, toks: list[int]) -> None:
+        self.tokens.extend(toks)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+        self._n_arr = min(self._n_arr, n)
+
+    def remove(self, start: int, end: int) -> None:
+        """Drop tokens[start:end] (a context shift): those after them move down."""
+        del self.tokens[start:end]
+        self._n_arr = min(self._n_arr, start)
+
+    def assign(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self._n_arr = 0
+
+    def array(self) -> np.ndarray:
+        """``tokens`` as an int32 array (a view, valid until the tokens change): only the
+        tokens appended since the last read are copied."""
+        n = len(self.tokens)
+        if n > self._arr.size:
+            grown = np.empty(max(n, 2 * self._arr.size, 1024), dtype=np.int32)
+            grown[: self._n_arr] = self._arr[: self._n_arr]
+            self._arr = grown
+        if n > self._n_arr:
+            self._arr[self._n_arr : n] = self.tokens[self._n_arr : n]
+        self._n_arr = n
+        return self._arr[:n]

@@ -1,0 +1,220 @@
+"""``update``: a step's accounting, from what ``execute`` reported; and the end of runs.
+
+Nothing here touches llama.cpp memory: prompt progress, the sampled tokens taken (stop
+strings, end of generation, constraints, limits), text streamed to the tasks, and runs
+finished with their token accounting, which ``timings``, ``usage`` and the metrics read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ..types import (
+    Event,
+    FinishReason,
+    PromptProgress,
+    Task,
+    TaskError,
+    TaskResult,
+    TextChunk,
+    Timings,
+)
+from .backend_api import Backend
+from .plan import Sampled, SlotOutput, StepOutputs
+from .slot import Slot, SlotRun, SlotState
+from .stats import EngineStats
+
+log = logging.getLogger("server.slots.engine")
+
+
+class Updater:
+    def __init__(
+        self,
+        backend: Backend,
+        stats: EngineStats,
+        send: Callable[[Task, Event], None],
+        shifts: Callable[[], bool],
+        ended: list[Slot],
+    ) -> None:
+        """``send(task, event)`` queues an event; ``shifts()``: --context-shift applies;
+        ``ended`` collects the slots whose runs ended (their drafts settle next step)."""
+        self.b = backend
+        self.stats = stats
+        self.send = send
+        self.shifts = shifts
+        self.ended = ended
+
+    def update(self, out: StepOutputs) -> None:
+        """Account for one executed step: every decoded slot in plan order, then the runs
+        ``execute`` ended."""
+        now = time.perf_counter()
+        for o in out.outputs:
+            if o.work.slot.run is not None and not o.work.slot.idle:
+                self._account(o, now)
+        for e in out.ended:
+            if not e.slot.idle:
+                self.finish(e.slot, e.reason, error=e.error)
+
+    def _account(self, o: SlotOutput, now: float) -> None:
+        s = o.work.slot
+        run = s.run
+        if not o.work.generating:
+            run.seq.n_computed += len(o.work.tokens)
+            if run.task.return_progress:
+                self.progress(s)
+            if not o.work.logits:
+                return
+            s.state = SlotState.GENERATE
+            run.t_first = now
+            self.stats.on_first_token((now - run.task.t_enqueued) * 1e3)
+            if run.task.gen.max_tokens == 0:  # prompt only (n_predict 0): nothing sampled
+                self.finish(s, FinishReason.LENGTH)
+                return
+        if o.n_drafted:
+            run.n_drafted += o.n_drafted
+            run.n_draft_accepted += o.n_accepted
+            self.stats.on_draft(o.n_drafted, o.n_accepted)
+        for smp in o.sampled:
+            if not self.take(s, smp):
+                return
+
+    def take(self, s: Slot, smp: Sampled) -> bool:
+        """Account for the sampled token and emit its text; False when this ended the run."""
+        run = s.run
+        seq = run.seq
+        gen = run.task.gen
+        tok = smp.token
+        seq.n_sampled += 1
+        if self.b.is_eog(tok) and not gen.ignore_eos:
+            self.finish(s, FinishReason.STOP)
+            return False
+        seq.generated.append(tok)
+        rel = run.stream.push(self.b.token_to_piece(tok))
+        if smp.logprob is not None:
+            run.logprobs.append(smp.logprob)
+        if rel.text or rel.stop:
+            self.emit_text(run, rel.text)
+        if rel.stop:
+            self.finish(s, FinishReason.STOP, stop_word=rel.stop)
+            return False
+        if run.matcher is not None and run.matcher.is_done():
+            self.finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
+            return False
+        limit = gen.max_tokens
+        if (limit >= 0 and seq.n_sampled >= limit) or self._context_full(s):
+            self.finish(s, FinishReason.LENGTH)
+            return False
+        seq.next_token = tok
+        return True
+
+    def _context_full(self, s: Slot) -> bool:
+        """Whether the slot has no room for its next token. With --context-shift the next
+        step shifts it (``execute``) and the run goes on; it is ``truncated`` either way."""
+        if len(s.tokens) + 1 < s.n_ctx:
+            return False
+        s.run.truncated = True
+        if not self.shifts():
+            return True
+        s.run.shift_due = True
+        return False
+
+    def progress(self, s: Slot) -> None:
+        """Send the slot's prompt progress (tasks with ``return_progress``, streamed only):
+        ``processed`` is what the slot holds of the prompt, cached tokens included."""
+        run = s.run
+        if run.task.stream:
+            t_ms = (time.perf_counter() - run.t_start) * 1e3
+            ev = PromptProgress(run.n_prompt, run.n_cached, len(s.tokens), int(t_ms))
+            if run.task.timings_per_token:  # llama-server's: 0 ms until a prompt token is in
+                ms = t_ms if run.n_processed else 0.0
+                ev.timings = Timings(cache_n=run.n_cached, prompt_n=run.n_processed, prompt_ms=ms)
+            self.send(run.task, ev)
+
+    def emit_text(self, run: SlotRun, text: str) -> None:
+        """Release text; it carries the tokens (and log-probs) not sent yet, which includes
+        those whose text was held back as a possible stop-string prefix."""
+        seq = run.seq
+        if run.task.stream:
+            n = seq.n_emitted
+            chunk = TextChunk(text, seq.generated[n:], run.logprobs[n:])
+            if run.task.timings_per_token:  # llama-server's timings on every chunk
+                chunk.timings = timings_of(run, time.perf_counter())
+            self.send(run.task, chunk)
+            seq.n_emitted = len(seq.generated)
+        run.out_text.append(text)
+
+    def finish(
+        self, s: Slot, reason: FinishReason, *, stop_word: str = "", error: str = ""
+    ) -> None:
+        """End the slot's run: flush its text, send its result (or error), free its
+        sampler, count it, and make the slot idle."""
+        run = s.run
+        task = run.task
+        now = time.perf_counter()
+        if reason is not FinishReason.STOP or not stop_word:
+            rest = run.stream.flush()
+            if rest and reason is not FinishReason.CANCELLED:
+                self.emit_text(run, rest)
+        result = result_of(s.id, run, reason, stop_word, error, now)
+        if run.sampler is not None:
+            run.sampler.free()
+            run.sampler = None
+        self.stats.on_finish(result, (now - task.t_enqueued) * 1e3)
+        if reason is FinishReason.ERROR:
+            self.send(task, TaskError(500, error or "generation failed"))
+        else:
+            self.send(task, result)
+        _log_finish(s.id, task.id, reason, result.timings)
+        if reason is not FinishReason.ERROR:
+            self.ended.append(s)  # the idle slot's snapshots carry the draft's state too
+        s.release()
+
+
+def _log_finish(slot: int, task: int, reason: FinishReason, t: Timings) -> None:
+    log.info(
+        "slot %d task %d: %s cache_n=%d prompt_n=%d predicted_n=%d prompt_ms=%.1f predicted_ms=%.1f",
+        slot,
+        task,
+        reason.value,
+        t.cache_n,
+        t.prompt_n,
+        t.predicted_n,
+        t.prompt_ms,
+        t.predicted_ms,
+    )
+
+
+def timings_of(run: SlotRun, now: float) -> Timings:
+    """The run's token accounting and times so far (all of them when it ends now)."""
+    t_first = run.t_first or now
+    u = run.seq.usage
+    return Timings(
+        cache_n=u.cache_n,
+        prompt_n=u.prompt_n,
+        prompt_ms=(t_first - run.t_start) * 1e3,
+        predicted_n=u.predicted_n,
+        predicted_ms=(now - t_first) * 1e3 if run.t_first else 0.0,
+        draft_n=run.n_drafted,
+        draft_n_accepted=run.n_draft_accepted,
+    )
+
+
+def result_of(
+    slot_id: int, run: SlotRun, reason: FinishReason, stop_word: str, error: str, now: float
+) -> TaskResult:
+    """The TaskResult of a run ending now: its text, tokens and token accounting."""
+    return TaskResult(
+        id_slot=slot_id,
+        finish=reason,
+        text="".join(run.out_text),
+        tokens=list(run.seq.generated),
+        n_prompt=run.n_prompt,
+        timings=timings_of(run, now),
+        stop_word=stop_word,
+        error=error,
+        t_queue_ms=(run.t_start - run.task.t_enqueued) * 1e3,
+        logprobs=run.logprobs,
+        truncated=run.truncated,
+    )
