@@ -64,9 +64,13 @@ def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
             "bytes": sum(c.nbytes for c in ckpts),
             "n_tokens": [c.n_tokens for c in ckpts],
         },
-        # with a draft model: the tokens its sequence holds (a prefix of n_tokens)
-        **({"draft": {"n_tokens": s.n_dft}} if getattr(st, "draft", None) is not None else {}),
+        # with a draft model: the tokens of the slot its sequence holds
+        **({"draft": {"n_tokens": _draft_tokens(st, s)}} if st.draft is not None else {}),
     }
+
+
+def _draft_tokens(st: Any, s: Slot) -> int:
+    return st.engine.store.draft_shared(s) if st.engine is not None else 0
 
 
 @router.get("/slots")

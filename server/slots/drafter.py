@@ -4,9 +4,10 @@ Per step, for every drafting slot at once: one draft decode catches the draft se
 with the slot's tokens and the token about to be verified (``next_token``), then one decode
 per further draft position. Drafting stops for a slot at its room, or when the draft
 model's top token is less likely than ``p_min``. The drafted tokens are then removed from
-the draft sequence: it holds ``slot.tokens[:n_dft]`` again (what the target accepts is
-re-decoded by the next catch-up, as llama-server does), so every store operation keeps
-both sequences in step. A catch-up longer than the draft batch (a long prompt) is spread
+the draft sequence: it holds a prefix of the slot's tokens again (what the target accepts
+is re-decoded by the next catch-up, as llama-server does). Each catch-up starts by
+reconciling the draft with its slot by common prefix (draft_kv.py), so nothing has to keep
+the two in step meanwhile. A catch-up longer than the draft batch (a long prompt) is spread
 over steps; the slot verifies without a draft meanwhile.
 """
 
@@ -46,10 +47,10 @@ class ModelDrafter:
         try:
             self._extend(rows, drafts)
         finally:
-            for w, _ in rows:  # back to tokens[:n_dft]: the drafted tokens leave
+            for w, _ in rows:  # back to a prefix of the slot: the drafted tokens leave
                 s = w.slot
                 if not self.d.seq_rm(s.id, len(s.tokens), -1):
-                    self.kv.clear(s)
+                    self.kv.clear(s.id)
         return {k: v for k, v in drafts.items() if v}
 
     def sync(self, s: Slot, whole: bool = False) -> None:
@@ -57,18 +58,20 @@ class ModelDrafter:
         the slot next carries the draft state too: a snapshot or slot file of the idle slot
         once a run that drafted has ended (a short lag), or a checkpoint (``whole``: the
         prompt so far, in batches; the draft needs it for its first draft anyway)."""
-        if s.n_dft == 0 and not whole:
+        n = self.kv.reconcile(s)
+        if n == 0 and not whole:
             return
-        while s.n_dft < len(s.tokens):
-            lag = s.tokens[s.n_dft : s.n_dft + self.d.n_batch]
+        while n < len(s.tokens):
+            lag = s.tokens[n : n + self.d.n_batch]
             b = self.d.batch
             b.clear()
-            b.add_span(lag, s.n_dft, s.id, False)
+            b.add_span(lag, n, s.id, False)
             if self.d.decode() != 0:
                 log.warning("draft decode failed; slot %d's draft recomputes later", s.id)
-                self.kv.clear(s)
+                self.kv.clear(s.id)
                 return
-            s.n_dft += len(lag)
+            self.kv.caught_up(s, lag)
+            n += len(lag)
             self.stats.draft_catchup_tokens += len(lag)
 
     def _catch_up(self, wants: list[Want]) -> list[tuple[Want, int]]:
@@ -77,29 +80,30 @@ class ModelDrafter:
         b = self.d.batch
         b.clear()
         rows: list[tuple[Want, int]] = []
-        spans: list[tuple[Slot, int]] = []
+        spans: list[tuple[Slot, list[int]]] = []
         for w in wants:
             s = w.slot
             room = self.d.n_batch - b.n
-            lag = s.tokens[s.n_dft :]
             if room <= 0:
                 break
+            n = self.kv.reconcile(s)
+            lag = s.tokens[n:]
             if len(lag) + 1 <= room:
-                rows.append((w, b.add_span([*lag, s.run.next_token], s.n_dft, s.id, True)))
-                spans.append((s, len(lag)))
+                rows.append((w, b.add_span([*lag, s.run.next_token], n, s.id, True)))
             else:  # the rest next step
-                b.add_span(lag[:room], s.n_dft, s.id, False)
-                spans.append((s, room))
+                lag = lag[:room]
+                b.add_span(lag, n, s.id, False)
+            spans.append((s, lag))
         if b.n == 0:
             return []
         if self.d.decode() != 0:
             log.warning("draft decode failed; the drafting slots recompute their drafts")
             for s, _ in spans:
-                self.kv.clear(s)
+                self.kv.clear(s.id)
             return []
-        for s, n in spans:
-            s.n_dft += n  # the next_token row is beyond the slot's tokens: removed later
-            self.stats.draft_catchup_tokens += n
+        for s, lag in spans:
+            self.kv.caught_up(s, lag)  # the next_token row is beyond them: removed later
+            self.stats.draft_catchup_tokens += len(lag)
         return rows
 
     def _extend(self, rows: list[tuple[Want, int]], drafts: dict[int, list[int]]) -> None:

@@ -360,9 +360,11 @@ class Engine:
             recurrent=self.b.is_recurrent,
         )
         if plan.checkpoint >= 0:
+            c = slot.checkpoints[plan.checkpoint]
             n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
             if n_past > 0:
                 self.stats.checkpoints_restored += 1
+                self.spec.resumed(slot, c)
         else:
             n_past = self.store.cut(slot, plan.n_past)
         wait = None

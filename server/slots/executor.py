@@ -80,6 +80,7 @@ class Executor:
             elif w.checkpoint:
                 self.spec.sync(w.slot, whole=True)  # the checkpoint carries the draft too
                 c = self.store.take_checkpoint(w.slot)
+                c.data_dft = self.spec.checkpoint_data(w.slot)
                 self.stats.checkpoints_created += 1
                 log.debug("slot %d: checkpoint at %d tokens", w.slot.id, c.n_tokens)
         wants = [(w.slot, w.model_room) for w in plan.work if w.model_room > 0]
@@ -92,6 +93,7 @@ class Executor:
         """--context-shift: drop half of what follows n_keep and go on; False: the run
         ends (``length``)."""
         s.run.shift_due = False
+        self.spec.before_shift(s, n_keep, n_discard)
         if not self.store.shift(s, n_keep, n_discard):
             return False
         self.stats.context_shifts += 1

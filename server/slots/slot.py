@@ -91,8 +91,6 @@ class Slot:
     last_used: float = 0.0
     run: SlotRun | None = None  # the current run, or the last one when idle
     tenant: str = ""  # whose prompt ``tokens`` hold (see Task.tenant)
-    # with a draft model: its sequence holds tokens[:n_dft] (SlotStore keeps it so)
-    n_dft: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..types import Checkpoint
 from .drafter import ModelDrafter, Want
 from .slot import Slot, SlotRun
 from .speculative import SpecConfig, draft_room, ngram_draft, request_limits
@@ -84,6 +85,21 @@ class Speculation:
         if self.store.cut(s, n_keep) != n_keep:
             raise DraftDropError("could not drop rejected draft tokens")
         return picked
+
+    def checkpoint_data(self, s: Slot) -> bytes:
+        """The draft's part of a checkpoint being taken of ``s`` (empty without a draft
+        model, or when the draft lags: a resume there then recomputes it)."""
+        return self.store.dft.checkpoint_data(s) if self.store.dft is not None else b""
+
+    def resumed(self, s: Slot, c: Checkpoint) -> None:
+        """``s`` resumed at checkpoint ``c``: its draft follows with the checkpoint's data."""
+        if self.store.dft is not None:
+            self.store.dft.resume(s, c)
+
+    def before_shift(self, s: Slot, n_keep: int, n_discard: int) -> None:
+        """``s`` is about to shift its context: the draft shifts along (or is cut)."""
+        if self.store.dft is not None:
+            self.store.dft.shift(s, n_keep, n_discard)
 
     def sync(self, s: Slot, whole: bool = False) -> None:
         """Catch the slot's draft sequence up (see ModelDrafter.sync); only for a run that

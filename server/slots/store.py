@@ -3,8 +3,11 @@
 Invariant (checked by ``check_integrity``): a slot's ``tokens`` are exactly what the KV cache
 holds for its sequence, at positions 0..len-1, and its checkpoints lie within those tokens.
 Every change to a slot's tokens, checkpoints or KV goes through a method here: the
-scheduler, the RAM-cache glue, prefix sharing and the slot-file route call these methods and
-never touch a sequence themselves. Engine thread only.
+executor, the RAM-cache glue, prefix sharing and the slot commands call these methods and
+never touch a sequence themselves. A draft model's sequences are not mirrored here: the
+proposer reconciles them with their slots when it drafts (draft_kv.py); the store only
+reads and writes their states where a snapshot, slot file or cache entry carries one (SDFT).
+Engine thread only.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..cache import slot_file
-from ..types import Checkpoint, StateBuf
+from ..types import Checkpoint, StateBuf, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
@@ -73,7 +76,7 @@ class SlotStore:
         self.ckpt = ckpt
         self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
         # a draft model's sequences, which follow the slots' (slots/draft_kv.py)
-        self.dft = DraftKV(draft, most_drafted + 1) if draft is not None else None
+        self.dft = DraftKV(draft, most_drafted + 1, backend.n_seq) if draft is not None else None
 
     # ---- reading ------------------------------------------------------------------
 
@@ -85,6 +88,11 @@ class SlotStore:
         """Whether the sequence, cut to ``n`` tokens, still holds the window that the token at
         ``n`` attends to (always true without a sliding window)."""
         return window_intact(self.b.seq_pos_min(slot.id), n, self.b.n_swa)
+
+    def draft_shared(self, slot: Slot) -> int:
+        """How many of the slot's tokens its draft sequence holds (0 without a draft model;
+        a draft not reconciled yet may hold others beyond them)."""
+        return lcp(self.dft.held[slot.id], slot.tokens) if self.dft is not None else 0
 
     # ---- cutting and clearing -----------------------------------------------------
 
@@ -106,8 +114,6 @@ class SlotStore:
                 return 0
         slot.seq.truncate(n_past)
         slot.checkpoints = [c for c in slot.checkpoints if c.n_tokens <= n_past]
-        if self.dft is not None:
-            self.dft.cut(slot, n_past)
         return n_past
 
     def clear(self, slot: Slot) -> int:
@@ -116,8 +122,6 @@ class SlotStore:
         n = len(slot.tokens)
         self.b.seq_clear(slot.id)
         slot.tokens, slot.checkpoints = [], []
-        if self.dft is not None:
-            self.dft.clear(slot)
         return n
 
     def shift(self, slot: Slot, n_keep: int, n_discard: int) -> bool:
@@ -139,8 +143,6 @@ class SlotStore:
             log.warning("slot %d: context shift failed; clearing", slot.id)
             self.clear(slot)
             return False
-        if self.dft is not None:
-            self.dft.shift(slot, n_keep, n_discard)
         return True
 
     # ---- checkpoints --------------------------------------------------------------
@@ -151,8 +153,6 @@ class SlotStore:
         c = Checkpoint(
             len(slot.tokens), self.b.seq_pos_min(slot.id), self.b.seq_pos_max(slot.id), data
         )
-        if self.dft is not None:
-            c.data_dft = self.dft.checkpoint_data(slot)
         self.ckpt.insert(slot.checkpoints, c)
         return c
 
@@ -163,8 +163,6 @@ class SlotStore:
         if self.b.state_set(slot.id, c.data, partial=True) == 0:
             log.warning("slot %d: checkpoint restore failed; reprocessing", slot.id)
             return self.cut(slot, 0)
-        if self.dft is not None:
-            self.dft.resume(slot, c)  # before the cut below, which its window would not survive
         return self.cut(slot, c.n_tokens)
 
     # ---- decoding -----------------------------------------------------------------
@@ -193,8 +191,6 @@ class SlotStore:
         dst.tokens = src.tokens[:n]
         # checkpoints are partial states of the same prefix: valid for the copy too
         dst.checkpoints = [c for c in src.checkpoints if c.n_tokens <= n]
-        if self.dft is not None:
-            self.dft.copy(src, dst, n)
         return n
 
     def snapshot(self, slot: Slot) -> Snapshot:
@@ -205,8 +201,9 @@ class SlotStore:
         snap = Snapshot(
             slot.tokens, size, lambda: self.b.state_get(slot.id, size=size), slot.checkpoints
         )
-        if self.dft is not None and slot.n_dft == len(slot.tokens):
-            snap.size += self.dft.d.state_size(slot.id)
+        n_dft = self.dft.state_size(slot) if self.dft is not None else 0
+        if n_dft:
+            snap.size += n_dft
             snap.read_draft = lambda: self.dft.state(slot)
         return snap
 
@@ -383,5 +380,5 @@ class SlotStore:
             n_tokens: list[int | None] = [len(s.tokens) for s in self.slots]
             problems += kv_problems(caches, n_tokens)
         if self.dft is not None:
-            problems += self.dft.problems(self.slots)
+            problems += self.dft.problems()
         return problems
