@@ -81,33 +81,6 @@ def draft_room(n_tokens: int, n_ctx: int, n_remaining: int, limits: DraftLimits)
     return max(room, 0)
 
 
-class TokenHistory:
-    """A slot's context as an int32 array, kept in step with its token list by appending:
-    the n-gram lookup reads it without converting the list every step."""
-
-    __slots__ = ("buf", "n")
-
-    def __init__(self) -> None:
-        self.buf = np.empty(1024, dtype=np.int32)
-        self.n = 0
-
-    def sync(self, tokens: list[int]) -> np.ndarray:
-        """The array of ``tokens``. Contract: tokens[:self.n] are unchanged since the last
-        call unless ``truncate`` was told of a cut."""
-        n = len(tokens)
-        if n > self.buf.size:
-            grown = np.empty(max(n, 2 * self.buf.size), dtype=np.int32)
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
-        if n > self.n:
-            self.buf[self.n : n] = tokens[self.n : n]
-        self.n = n
-        return self.buf[:n]
-
-    def truncate(self, n: int) -> None:
-        self.n = min(self.n, n)
-
-
 def ngram_draft(hist: np.ndarray, last: int, size_n: int, size_m: int) -> list[int]:
     """llama.cpp's ngram-simple draft: the tokens that followed the latest earlier
     occurrence of ``hist[-(size_n-1):] + [last]``; empty when there is none, or when fewer

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from server.slots.sequence import Sequence
 from server.slots.speculative import (
     SPEC_NGRAM,
     DraftLimits,
     SpecConfig,
-    TokenHistory,
     draft_room,
     ngram_draft,
     request_limits,
@@ -56,14 +56,20 @@ def test_ngram_draft_is_capped_by_size_m_and_the_context_end():
     assert got == list(range(9, PERIOD)) + list(range(0, 8))[: 48 - (PERIOD - 9)]
 
 
-def test_token_history_appends_and_truncates():
-    h = TokenHistory()
+def test_the_sequences_array_view_follows_appends_cuts_shifts_and_assignments():
+    seq = Sequence()
     toks = list(range(1500))
-    assert h.sync(toks[:10]).tolist() == toks[:10]
-    assert h.sync(toks).tolist() == toks  # grows past its first buffer
-    h.truncate(700)
-    toks = toks[:700] + [7] * 5
-    assert h.sync(toks).tolist() == toks
+    seq.extend(toks[:10])
+    assert seq.array().tolist() == toks[:10]
+    seq.extend(toks[10:])
+    assert seq.array().tolist() == toks  # grows past its first buffer
+    seq.truncate(700)
+    seq.extend([7] * 5)
+    assert seq.array().tolist() == toks[:700] + [7] * 5
+    seq.remove(100, 300)  # a context shift
+    assert seq.array().tolist() == toks[:100] + toks[300:700] + [7] * 5
+    seq.assign([3, 2, 1])
+    assert seq.array().tolist() == [3, 2, 1]
 
 
 def test_limits_and_room():
