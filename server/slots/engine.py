@@ -41,6 +41,8 @@ from .update import Updater
 
 log = logging.getLogger("server.slots.engine")
 
+_DECODING = (SlotState.PREFILL, SlotState.GENERATE)
+
 
 @dataclass
 class EngineOptions:
@@ -296,7 +298,7 @@ class Engine:
         if any(t.cancelled for t in self.waiting):
             self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
         for s in self.slots:
-            if s.task is not None and s.task.cancelled:
+            if s.state is not SlotState.IDLE and s.run.task.cancelled:
                 self.updater.finish(s, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
@@ -403,11 +405,7 @@ class Engine:
         Waiters whose shared prefix is ready start first (slots/sharing.py)."""
         self.sharing.resolve_waiters()
         # backpressure: a slot whose reader lags generates nothing until it catches up
-        active = [
-            s
-            for s in self.slots
-            if s.state in (SlotState.PREFILL, SlotState.GENERATE) and not _lagging(s)
-        ]
+        active = [s for s in self.slots if s.state in _DECODING and not _lagging(s)]
         if not active:
             return False
         t0 = time.perf_counter()
@@ -490,10 +488,8 @@ class _Op:
 
 
 def _lagging(s: Slot) -> bool:
-    task = s.task
-    return (
-        s.state is SlotState.GENERATE
-        and task is not None
-        and task.lagging is not None
-        and task.lagging()
-    )
+    """A generating slot whose reader lags (backpressure): it decodes nothing this step."""
+    if s.state is not SlotState.GENERATE:
+        return False
+    lagging = s.run.task.lagging
+    return lagging is not None and lagging()

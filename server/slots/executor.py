@@ -109,9 +109,15 @@ class Executor:
         pos: list[int] = []
         seqs: list[int] = []
         for w in plan.work:
-            if w.generating:
-                n = len(w.slot.tokens)
-                w.row = len(toks)
+            if not w.generating:
+                continue
+            n = len(w.slot.seq.tokens)
+            w.row = len(toks)
+            if len(w.tokens) == 1:  # most rows: a sampled token without a draft
+                toks.append(w.tokens[0])
+                pos.append(n)
+                seqs.append(w.slot.id)
+            else:
                 toks.extend(w.tokens)
                 pos.extend(range(n, n + len(w.tokens)))
                 seqs.extend([w.slot.id] * len(w.tokens))
