@@ -37,7 +37,13 @@ Whitespace between JSON tokens is bounded and so are numbers without bounds of t
 
 from __future__ import annotations
 
-from .matcher import CompiledConstraint, ConstraintCompiler, ConstraintVocab, Matcher
+from .matcher import (
+    CompiledConstraint,
+    ConstraintCompiler,
+    ConstraintVocab,
+    Matcher,
+    llama_compiler,
+)
 from .request import request_constraint
 from .spec import (
     Constraint,
@@ -59,5 +65,6 @@ __all__ = [
     "json_object_constraint",
     "json_schema_constraint",
     "lark_constraint",
+    "llama_compiler",
     "request_constraint",
 ]

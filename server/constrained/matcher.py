@@ -273,3 +273,9 @@ def _allows_text(vocab: ConstraintVocab, m: LLMatcher) -> bool:
     for t in vocab.eog:
         mask[t // 32] &= ~np.uint32(1 << (t % 32))
     return bool(mask.any())
+
+
+def llama_compiler(vocab: Any, eog: Sequence[int]) -> ConstraintCompiler:
+    """The compiler of a llama.cpp vocabulary (``llama_model_get_vocab``): the
+    ``server.types.CompilerFactory`` the app gives ``LlamaBackend``."""
+    return ConstraintCompiler(ConstraintVocab.from_llama(vocab, eog))

@@ -17,9 +17,14 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
-from ..constrained import ConstraintCompiler, ConstraintVocab
-from ..infill import FimTokens
-from ..types import SamplingParams, TokenLogprob, TokenMatcher
+from ..types import (
+    CompilerFactory,
+    FimTokens,
+    SamplingParams,
+    TokenLogprob,
+    TokenMatcher,
+    VocabCompiler,
+)
 from .greedy import GreedyBias
 from .memory import SeqMemory, memory_layout
 from .params import KV_TYPES, load_model
@@ -316,11 +321,15 @@ class LlamaBackend(SeqMemory):
     # constrained decoding, prepared on first use: the token array of sample_constrained,
     # and the vocabulary's compiler (constraint_compiler; the lock guards its lazy build)
     _candidates: _Candidates | None = None
-    _constraints: ConstraintCompiler | None = None
+    _constraints: VocabCompiler | None = None
     _constraints_lock = threading.Lock()
 
-    def __init__(self, opts: ModelOptions) -> None:
+    def __init__(self, opts: ModelOptions, compiler: CompilerFactory | None = None) -> None:
+        """Loads the model and creates the context. ``compiler`` builds the vocabulary's
+        constraint compiler on first use (server.constrained's, passed in by the app);
+        without it, ``constraint_compiler`` raises."""
         _init_backend()
+        self._compiler_factory = compiler
         if not os.path.isfile(opts.path):
             raise FileNotFoundError(f"model file not found: {opts.path}")
         self.opts = opts
@@ -660,13 +669,16 @@ class LlamaBackend(SeqMemory):
         L.llama_sampler_accept(sampler.ptr, tok)
         return tok
 
-    def constraint_compiler(self) -> ConstraintCompiler:
-        """The vocabulary's constraint compiler, built on first use (about 1.3 s for a
-        262k-token vocabulary: only servers that get constrained requests pay). Any thread."""
+    def constraint_compiler(self) -> VocabCompiler:
+        """The vocabulary's constraint compiler, built on first use by the factory given to
+        the constructor (about 1.3 s for a 262k-token vocabulary: only servers that get
+        constrained requests pay). Any thread. RuntimeError without a factory."""
         with self._constraints_lock:
             if self._constraints is None:
+                if self._compiler_factory is None:
+                    raise RuntimeError("this backend was built without a constraint compiler")
                 eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
-                self._constraints = ConstraintCompiler(ConstraintVocab.from_llama(self.vocab, eog))
+                self._constraints = self._compiler_factory(self.vocab, eog)
             return self._constraints
 
     def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:

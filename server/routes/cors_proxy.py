@@ -46,7 +46,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..errors import APIError
+from ..api.errors import APIError
 from .common import state_of
 
 router = APIRouter()

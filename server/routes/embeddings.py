@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..embeddings import (
+from ..api.embeddings import (
     POOLING_NONE,
     POOLING_RANK,
     EmbeddingRequest,
@@ -27,7 +27,7 @@ from ..embeddings import (
     rerank_response,
     run_embeddings,
 )
-from ..errors import APIError
+from ..api.errors import APIError
 from ..service import ServerState
 from .common import state_of
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..errors import APIError
-from ..infill import InfillInputError, InfillLimits, check_infill_body, infill_prompt
-from ..schemas import InfillRequest
+from ..api.errors import APIError
+from ..api.infill import InfillInputError, InfillLimits, check_infill_body, infill_prompt
+from ..api.schemas import InfillRequest
 from ..service import Prompt, ServerState
 from .common import state_of
 from .native import run_native

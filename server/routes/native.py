@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import APIError
-from ..prompts import prompt_echo, prompt_tokens, split_prompts
-from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from ..api.errors import APIError
+from ..api.prompts import prompt_echo, prompt_tokens, split_prompts
+from ..api.schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service import (
     Prompt,
     ServerState,

@@ -15,11 +15,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ROLES, Continuation, Rendered, TemplateError, thinking_forced_open
-from ..config import csv_list
+from ..api.chat import ROLES, Continuation, Rendered, TemplateError, thinking_forced_open
+from ..api.errors import APIError
+from ..api.schemas import ChatRequest, CompletionRequest
+from ..api.tools.parse import Delta, Message, parse_message
+from ..api.tools.plan import ChatPlan, deltas_of, message_of, plan_chat
+from ..api.tools.prompt import prepare
+from ..api.tools.spec import ToolSpecError
+from ..cli.config import csv_list
 from ..constrained import Constraint
-from ..errors import APIError
-from ..schemas import ChatRequest, CompletionRequest
 from ..service import (
     Prompt,
     ServerState,
@@ -32,10 +36,6 @@ from ..service import (
     tenant_of,
     usage_of,
 )
-from ..tools.parse import Delta, Message, parse_message
-from ..tools.plan import ChatPlan, deltas_of, message_of, plan_chat
-from ..tools.prompt import prepare
-from ..tools.spec import ToolSpecError
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,

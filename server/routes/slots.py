@@ -13,9 +13,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from ..api.errors import APIError
+from ..api.schemas import SlotActionBody
 from ..cache import slot_file, tenancy
-from ..errors import APIError
-from ..schemas import SlotActionBody
 from ..service import ServerState, tenant_of
 from ..slots.audit import kv_type_problem, seq_state_problem
 from ..slots.engine import Engine, EngineDead

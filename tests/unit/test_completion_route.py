@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from server.config import Settings
-from server.errors import APIError
-from server.prompts import prompt_echo, prompt_tokens, split_prompts
+from server.api.errors import APIError
+from server.api.prompts import prompt_echo, prompt_tokens, split_prompts
+from server.cli.config import Settings
 from server.routes import native
 from server.service import _logit_bias
 from tests.fake_backend import EOG, FakeBackend

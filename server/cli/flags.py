@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..llama.ggml_types import CACHE_TYPES
+
 
 def n_gpu_layers(text: str) -> int:
     """``-ngl``: a layer count, or llama-server's ``auto`` / ``all`` (-1: every layer)."""
@@ -303,26 +305,6 @@ def logit_bias(text: str) -> str:
 
 def _words(text: str) -> list[str]:
     return text.split()
-
-
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-# their ggml type ids (ggml.h's enum ggml_type; server.llama.params maps them to llama.cpp)
-CACHE_TYPE_IDS = {
-    "f32": 0,
-    "f16": 1,
-    "bf16": 30,
-    "q8_0": 8,
-    "q4_0": 2,
-    "q4_1": 3,
-    "iq4_nl": 20,
-    "q5_0": 6,
-    "q5_1": 7,
-}
-
-
-def cache_type_name(type_id: int) -> str:
-    """A ggml type id as llama-server spells the cache type (``type 12`` for another)."""
-    return next((k for k, v in CACHE_TYPE_IDS.items() if v == type_id), f"type {type_id}")
 
 
 ON_OFF_AUTO = ("on", "off", "auto")

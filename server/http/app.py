@@ -14,25 +14,25 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from . import errors
-from .cache.disk import DiskTier
-from .cache.disk_files import FileCheck
-from .cache.prompt_cache import MiB, PromptCache
-from .chat import pick_template
-from .config import Settings, csv_list, load_api_keys
-from .constrained import worker
-from .constrained.limits import ConstraintLimits
+from ..api import errors
+from ..api.chat import pick_template
+from ..api.embeddings import embeddings_on, pooling_of
+from ..cache.disk import DiskTier
+from ..cache.disk_files import FileCheck
+from ..cache.prompt_cache import MiB, PromptCache
+from ..cli.config import Settings, csv_list, load_api_keys
+from ..constrained import llama_compiler, worker
+from ..constrained.limits import ConstraintLimits
+from ..routes import cache as cache_routes
+from ..routes import cors_proxy, infill, native, openai, responses, slots, template
+from ..routes import embeddings as embedding_routes
+from ..routes import metrics as metrics_routes
+from ..service import ServerState
+from ..slots.engine import Engine, EngineOptions
+from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 from .cors import Cors, CorsPolicy, effective_origins
-from .embeddings import embeddings_on, pooling_of
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
-from .routes import cache as cache_routes
-from .routes import cors_proxy, infill, native, openai, responses, slots, template
-from .routes import embeddings as embedding_routes
-from .routes import metrics as metrics_routes
-from .service import ServerState
-from .slots.engine import Engine, EngineOptions
-from .slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 
 log = logging.getLogger("server")
 
@@ -46,8 +46,8 @@ def default_model_path() -> str:
 
 def model_options(s: Settings, path: str) -> Any:
     """The backend's options from the settings (the one place they are mapped)."""
-    from .llama.backend import ModelOptions
-    from .llama.params import load_mode, tensor_overrides
+    from ..llama.backend import ModelOptions
+    from ..llama.params import load_mode, tensor_overrides
 
     spec = spec_config(s)
     return ModelOptions(
@@ -131,7 +131,7 @@ def spill_to_disk(st: ServerState, timeout: float = SPILL_S) -> None:
     engine = st.engine
     if engine is None or engine.disk is None or not engine.alive:
         return
-    from .slots import disk_glue
+    from ..slots import disk_glue
 
     disk, t0 = engine.disk, time.monotonic()
     try:
@@ -166,8 +166,8 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
 
 def draft_options(s: Settings) -> Any:
     """The draft model's settings (server.llama.draft.DraftOptions) from the flags."""
-    from .llama.draft import DraftOptions
-    from .llama.params import tensor_overrides
+    from ..llama.draft import DraftOptions
+    from ..llama.params import tensor_overrides
 
     return DraftOptions(
         s.spec_draft_model,
@@ -186,7 +186,7 @@ def draft_context(s: Settings, backend: Any) -> Any:
     """The draft model's context for draft-simple (None otherwise)."""
     if spec_config(s).kind != SPEC_DRAFT:
         return None
-    from .llama.draft import DraftContext
+    from ..llama.draft import DraftContext
 
     draft = DraftContext(backend, draft_options(s))
     log.info("draft model %s (n_swa=%d)", draft.path, draft.n_swa)
@@ -227,7 +227,7 @@ def load(st: ServerState) -> None:
     """Load model, template and engine; on failure record the error (health turns 503)."""
     s = st.settings
     try:
-        from .llama.backend import LlamaBackend
+        from ..llama.backend import LlamaBackend
 
         if s.slot_save_path:
             _clean_save_dir(s.slot_save_path)
@@ -236,7 +236,7 @@ def load(st: ServerState) -> None:
         # as llama-server: the aliases form a sorted set, the first one names the model
         st.model_aliases = sorted(set(csv_list(s.alias or "")))
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
-        backend = LlamaBackend(model_options(s, path))
+        backend = LlamaBackend(model_options(s, path), compiler=llama_compiler)
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
         # a compile child started now (beside the rest of the load), not by the first schema
         threading.Thread(target=worker.pool().warm, name="constraint-warm", daemon=True).start()

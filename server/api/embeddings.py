@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from .config import Settings
+from ..cli.config import Settings
+from ..service import until_disconnected
+from ..slots.embed import EmbedEvent, EmbedResult, EmbedTask, too_large
+from ..slots.engine import EngineDead
+from ..types import TaskError
 from .errors import APIError
 from .schemas import _Req
-from .service import until_disconnected
-from .slots.embed import EmbedEvent, EmbedResult, EmbedTask, too_large
-from .slots.engine import EngineDead
-from .types import TaskError
 
 # llama_pooling_type values of --pooling's names
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
