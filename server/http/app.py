@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -35,6 +35,15 @@ from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
 
 log = logging.getLogger("server")
+
+if TYPE_CHECKING:  # the type checker holds the real backend and draft to the engine's protocols
+    from ..llama.backend import LlamaBackend
+    from ..llama.draft import DraftContext
+    from ..slots.backend_api import Backend
+    from ..slots.draft_kv import DraftMemory
+
+    def _conforms(b: LlamaBackend, d: DraftContext) -> tuple[Backend, DraftMemory]:
+        return b, d
 
 
 def default_model_path() -> str:

@@ -222,7 +222,7 @@ def plan_restore(
             f"the slot file's state does not match its {len(parsed.tokens)} tokens: {problem}"
         )
     # another KV cache type (-ctk / -ctv): the state's own per-layer types, then SKVT
-    want = getattr(backend, "kv_type_ids", None)
+    want = backend.kv_type_ids
     app = parse_after_state(parsed, end, max_checkpoints)
     problem = kv_type_problem(caches, want) or slot_file.kv_types_problem(app, want)
     if problem:

@@ -684,7 +684,7 @@ class Engine:
     def shifts(self) -> bool:
         """--context-shift is on and the KV cache can move positions (llama-server turns
         it off otherwise)."""
-        return self.opts.context_shift and bool(getattr(self.b, "can_shift", False))
+        return self.opts.context_shift and self.b.can_shift
 
     def _context_full(self, s: Slot) -> bool:
         """Whether the slot has no room for its next token. With --context-shift a full slot
@@ -697,7 +697,7 @@ class Engine:
         if not self.shifts:
             return True
         gen = run.task.gen
-        add_bos = bool(getattr(self.b, "add_bos", False))
+        add_bos = self.b.add_bos
         n_keep, n_discard = shift_span(
             len(s.tokens), s.n_ctx, run.n_prompt, gen.n_keep, gen.n_discard, add_bos
         )

@@ -226,7 +226,7 @@ class SlotStore:
     @property
     def kv_types(self) -> tuple[int, int] | None:
         """The ggml types of the target's K and V cache (None: not known, a fake)."""
-        return getattr(self.b, "kv_type_ids", None)
+        return self.b.kv_type_ids
 
     def restore(
         self,
