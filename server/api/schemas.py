@@ -54,7 +54,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 
 def _refuse_unsupported(v: Any, info: ValidationInfo) -> Any:
     """The field validator of the UNSUPPORTED fields a request model declares."""
-    ok, why = UNSUPPORTED[info.field_name]
+    ok, why = UNSUPPORTED[info.field_name or ""]  # always set for a field validator
     if not ok(v):
         raise PydanticCustomError("unsupported_field", f"{why} (this server refuses the field)")
     return v

@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
@@ -365,7 +366,7 @@ def _flag_of(field: str) -> str:
     return next(("/".join(o.flags) for o in OPTIONS if o.dest == field), field)
 
 
-def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Settings:
+def parse_settings(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Flags win over environment variables, which win over defaults. A malformed value, on
     the command line or in a variable, exits with status 2 and a message, as argparse does."""
     env = os.environ if env is None else env

@@ -95,7 +95,8 @@ class ConstraintVocab:
                 piece = b"\xff" + piece
             tokens.append(piece)
         fptr = ctypes.cast(L.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
-        tok = LLTokenizer.from_llamacpp(
+        # llguidance's stubs lack from_llamacpp (it is in the extension module)
+        tok = LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
             tokens=tokens, vocab_ptr=vocab, tokenize_fptr=fptr, eos_token=list(eog), slices=None
         )
         return cls(tok, n, eog)

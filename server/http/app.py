@@ -102,7 +102,7 @@ def kv_label(s: Settings) -> str:
     """The KV cache types in a disk entry's model id: another -ctk / -ctv (or -ctkd / -ctvd
     with a draft model) makes another model's entries, never restored here. Empty for the
     defaults, so the entries of servers without these flags stay valid."""
-    types = (s.cache_type_k, s.cache_type_v)
+    types: tuple[str, ...] = (s.cache_type_k, s.cache_type_v)
     if spec_config(s).kind == SPEC_DRAFT:
         types += (s.cache_type_k_draft, s.cache_type_v_draft)
     return "" if set(types) == {"f16"} else ":kv=" + "/".join(types)
@@ -282,7 +282,10 @@ def load(st: ServerState) -> None:
 
 
 def _log_loaded(st: ServerState, path: str) -> None:
-    s, b, engine = st.settings, st.backend, st.engine
+    """One line on what was loaded (after ``load`` set the engine and the template)."""
+    s, b, engine, template = st.settings, st.backend, st.engine, st.template
+    if engine is None or template is None:
+        return
     log.info(
         "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
         "chat template %s, checkpoints %s, RAM cache %s, disk cache %s, backend sampling %s, "
@@ -294,7 +297,7 @@ def _log_loaded(st: ServerState, path: str) -> None:
         b.n_batch,
         b.n_swa,
         b.kv_unified,
-        st.template.name,
+        template.name,
         "on" if engine.ckpt.enabled else "off",
         f"{s.cache_ram} MiB" if engine.cache else "off",
         f"{s.cache_disk_mib} MiB in {s.cache_disk}" if engine.disk else "off",
@@ -357,7 +360,8 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
             st.engine.stop()
             if st.engine.disk is not None:
                 st.engine.disk.close()
-        if st.backend is not None and (st.engine is None or not st.engine._thread.is_alive()):
+        thread = st.engine._thread if st.engine is not None else None
+        if st.backend is not None and (thread is None or not thread.is_alive()):
             if st.draft is not None:
                 st.draft.close()  # before the model it may share
             st.backend.close()

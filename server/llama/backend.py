@@ -198,7 +198,8 @@ class _Candidates:
         assert ctypes.sizeof(L.llama_token_data) == _TOKEN_DATA.itemsize
         self.n = n_vocab
         self.data = (L.llama_token_data * n_vocab)()
-        self.view = np.frombuffer(self.data, dtype=_TOKEN_DATA)
+        # ctypes arrays export the buffer protocol; typeshed's Array does not declare it
+        self.view = np.frombuffer(self.data, dtype=_TOKEN_DATA)  # type: ignore[call-overload]
         self.ids = np.arange(n_vocab, dtype=np.int32)
         self.arr = L.llama_token_data_array(data=self.data, size=n_vocab, selected=-1, sorted=False)
 
@@ -209,7 +210,8 @@ class _Candidates:
         v["logit"] = logits
         v["p"] = 0.0
         a = self.arr
-        a.data = ctypes.cast(self.data, ctypes.POINTER(L.llama_token_data))
+        # the field is a pointer; the bindings annotate it with the array type
+        a.data = ctypes.cast(self.data, ctypes.POINTER(L.llama_token_data))  # type: ignore[assignment]
         a.size, a.selected, a.sorted = self.n, -1, False
         L.llama_sampler_apply(chain, ctypes.byref(a))
         return int(a.data[a.selected].id)
@@ -219,8 +221,10 @@ class _Candidates:
         post_sampling_probs): ``tok``'s log-probability and the ``n`` likeliest candidates',
         those of probability 0 left out as there. numpy over the remaining candidates."""
         a = self.arr
-        rows = (L.llama_token_data * a.size).from_address(ctypes.addressof(a.data.contents))
-        v = np.frombuffer(rows, dtype=_TOKEN_DATA)
+        # a.data is a pointer (annotated as an array), rows a ctypes array (a buffer)
+        first = a.data.contents  # type: ignore[attr-defined]
+        rows = (L.llama_token_data * a.size).from_address(ctypes.addressof(first))
+        v = np.frombuffer(rows, dtype=_TOKEN_DATA)  # type: ignore[call-overload]
         p = v["p"]
         k = min(n, len(p))
         top = np.argpartition(-p, k - 1)[:k] if 0 < k < len(p) else np.arange(k)
@@ -260,7 +264,7 @@ class Sampler:
                 L.llama_set_sampler(self._ctx, self.seq, None)
                 self._ctx, self.seq = None, -1
             L.llama_sampler_free(self.ptr)
-            self.ptr = None
+            self.ptr = None  # type: ignore[assignment]  # freed: the chain is not used again
 
 
 def _context_params(opts: ModelOptions, n_ctx_train: int) -> tuple[Any, int]:
@@ -517,7 +521,7 @@ class LlamaBackend(SeqMemory):
         if p.logit_bias:
             arr = (L.llama_logit_bias * len(p.logit_bias))()
             for i, (tok, bias) in enumerate(p.logit_bias.items()):
-                arr[i].token = tok
+                arr[i].token = tok  # type: ignore[assignment]  # ctypes converts the int
                 arr[i].bias = bias
             add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(p.logit_bias), arr))
         penalties = (
@@ -574,7 +578,7 @@ class LlamaBackend(SeqMemory):
                 self._candidates = _Candidates(self.n_vocab)
             tok = self._candidates.sample(sampler.ptr, logits)
             L.llama_sampler_accept(sampler.ptr, tok)
-        if sampler.argmax_only:  # (a greedy chain always is)
+        if sampler.argmax_only or self._candidates is None:  # (a greedy chain always is)
             sampler.post[idx] = TokenLogprob(tok, 0.0, [(tok, 0.0)])
         else:
             sampler.post[idx] = self._candidates.post_probs(tok, sampler.n_post)

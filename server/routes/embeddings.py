@@ -43,7 +43,11 @@ router = APIRouter()
 
 
 # put in a request's event queue when its client disconnected
-CLIENT_GONE = object()
+class _ClientGone:
+    """The type of CLIENT_GONE (a sentinel the type checker can tell from an event)."""
+
+
+CLIENT_GONE = _ClientGone()
 
 
 def _emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[EmbedEvent], None]:
@@ -70,7 +74,7 @@ async def run_embeddings(
     answer then goes nowhere."""
     engine = st.require_engine()
     loop = asyncio.get_running_loop()
-    q: asyncio.Queue[EmbedEvent] = asyncio.Queue()
+    q: asyncio.Queue[EmbedEvent | _ClientGone] = asyncio.Queue()
     emit = _emitter(loop, q)
     tasks = [EmbedTask(toks, emit, index=i) for i, toks in enumerate(prompts)]
     max_queue = st.settings.max_queue
@@ -93,7 +97,7 @@ async def run_embeddings(
             engine.submit(t)
         for _ in tasks:
             ev = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
-            if ev is CLIENT_GONE:
+            if isinstance(ev, _ClientGone):
                 raise APIError(499, "the client disconnected", "cancelled_error")
             if isinstance(ev, TaskError):
                 raise APIError(ev.status, ev.message, ev.type, **ev.extra)

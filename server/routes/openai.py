@@ -15,7 +15,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..api.chat import ROLES, Continuation, Rendered, TemplateError, thinking_forced_open
+from ..api.chat import (
+    ROLES,
+    ChatTemplate,
+    Continuation,
+    Rendered,
+    TemplateError,
+    thinking_forced_open,
+)
 from ..api.errors import APIError
 from ..api.schemas import ChatRequest, CompletionRequest
 from ..api.tools.parse import Delta, Message, parse_message
@@ -298,6 +305,13 @@ def _continuation(
     return Continuation(content, reasoning, mode == "reasoning_content"), False
 
 
+def _template(st: ServerState) -> ChatTemplate:
+    """The model's chat template; APIError 503 while no model is loaded (it comes with it)."""
+    if st.template is None:
+        raise APIError(503, "Loading model", "unavailable_error")
+    return st.template
+
+
 def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered:
     """The chat template's rendering of ``req``: tools and tool history as ``plan`` says
     (server.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
@@ -305,8 +319,9 @@ def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered
     messages = _messages(req)
     continuation, add_gen = _continuation(st, req, messages)
     try:
-        prepared = prepare(st.template, messages, plan.spec, plan.kwargs)
-        return st.template.render_chat(
+        tpl = _template(st)
+        prepared = prepare(tpl, messages, plan.spec, plan.kwargs)
+        return tpl.render_chat(
             prepared.messages,
             add_generation_prompt=add_gen,
             continuation=continuation,
@@ -420,6 +435,7 @@ def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:
     """The request's tools and reasoning handling; APIError 400 for malformed tool fields
     or a forced call together with another constraint on the output."""
     st.require_engine()  # the template comes with the model
+    template = _template(st)
     # Server defaults (llama-server's --reasoning-format, --chat-template-kwargs, -rea and
     # --reasoning-effort) under the request's own values.
     s = st.settings
@@ -429,7 +445,7 @@ def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:
         server_kwargs.setdefault("enable_thinking", s.reasoning == "on")
     try:
         plan = plan_chat(
-            st.template,
+            template,
             tools=body.tools,
             tool_choice=body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,

@@ -47,8 +47,11 @@ class SeqMemory(Protocol):
         self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
     ) -> int: ...
     def state_cells(
-        self, data: StateBuf, nbytes: int, start: int = 0
-    ) -> tuple[list[CacheCells], int] | None: ...
+        self, data: StateBuf | bytes, nbytes: int, start: int = 0
+    ) -> tuple[list[CacheCells], int] | None:
+        """Reads ``data`` only: any buffer of state bytes (a file's, a cache entry's)."""
+        ...
+
     def kv_cells(self) -> list[CacheCells] | None: ...
 
     @property
@@ -75,7 +78,12 @@ class Backend(SeqMemory, Protocol):
     n_vocab: int
     kv_unified: bool
     is_recurrent: bool
-    batch: Batch
+
+    @property
+    def batch(self) -> Batch:
+        """The one decode batch (read-only: implementations hold their own batch type)."""
+        ...
+
     backend_sampling: bool  # -bs: attach_sampler may put chains in the decode graph
 
     def decode(self, start: int, count: int) -> int: ...

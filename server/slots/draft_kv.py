@@ -113,7 +113,7 @@ class DraftKV:
             return b""
         return bytes(self.d.state_get(slot.id))
 
-    def restore(self, slot: Slot, data: bytes) -> bool:
+    def restore(self, slot: Slot, data: bytes | bytearray) -> bool:
         """Load a draft state for the slot's (restored) tokens; it must hold exactly them,
         proven cell by cell first (it may come from a file). False leaves the draft empty."""
         self.clear(slot)

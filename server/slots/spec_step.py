@@ -44,7 +44,8 @@ class Speculation:
 
     def room(self, s: Slot) -> int:
         run = s.run
-        return draft_room(len(s.tokens), s.n_ctx, self.remaining(run), run.spec)
+        # mypy: Slot.run and run.spec are Optional (the Sequence rewrite fixes it)
+        return draft_room(len(s.tokens), s.n_ctx, self.remaining(run), run.spec)  # type: ignore[arg-type]
 
     def model_drafts(self, gen: list[Slot]) -> dict[int, list[int]]:
         """draft-simple: the draft model's proposals for this step's drafting slots."""
