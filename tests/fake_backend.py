@@ -69,6 +69,12 @@ def next_token(tok: int, pos: int) -> int:
 
 
 class FakeBackend:
+    # class attributes, so that a test's subclass may set them in its body
+    add_bos = False  # the vocabulary does not start texts with BOS
+    # the KV cache's ggml types: None, unknown (states' types are not checked)
+    kv_type_ids: tuple[int, int] | None = None
+    pooling = -1  # embeddings off (EmbedBackend in test_embeddings has them)
+
     def __init__(
         self,
         *,
@@ -109,10 +115,6 @@ class FakeBackend:
         # cells the KV holds that no slot accounts for (seq, pos): a leak, for integrity tests
         self.stray_cells: list[tuple[int, int]] = []
         self.can_shift = True  # llama_memory_can_shift: seq_add may move positions
-        self.add_bos = False  # the vocabulary does not start texts with BOS
-        # the KV cache's ggml types: None, unknown (states' types are not checked)
-        self.kv_type_ids: tuple[int, int] | None = None
-        self.pooling = -1  # embeddings off (EmbedBackend in test_embeddings has them)
         self.embeddings_on = False
 
     # ---- tokenizer ----

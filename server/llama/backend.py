@@ -410,7 +410,7 @@ class LlamaBackend(SeqMemory):
 
     @property
     def fim(self) -> FimTokens:
-        """The fill-in-the-middle tokens /infill builds its prompt with (server.infill)."""
+        """The fill-in-the-middle tokens /infill builds its prompt with (server.api.infill)."""
         return _fim_tokens(self.vocab)
 
     @property
@@ -499,7 +499,7 @@ class LlamaBackend(SeqMemory):
         return rows[start:].copy()
 
     def rerank_parts(self) -> tuple[str | None, int, int, int, bool, bool, bool]:
-        """What a rerank prompt is built from (server.embeddings.RerankParts): the model's
+        """What a rerank prompt is built from (server.api.embeddings.RerankParts): the model's
         "rerank" template (None: none), BOS, EOS (SEP without one), SEP, and whether the
         vocabulary adds BOS, EOS and SEP."""
         ptr = L.llama_model_chat_template(self.model, b"rerank")

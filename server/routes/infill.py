@@ -1,5 +1,5 @@
 """llama-server's /infill: fill in the middle, for models with FIM tokens. The prompt is
-built as llama-server builds it (server.infill); the response is /completion's."""
+built as llama-server builds it (server.api.infill); the response is /completion's."""
 
 from __future__ import annotations
 

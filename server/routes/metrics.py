@@ -1,4 +1,4 @@
-"""GET /metrics (behind --metrics): the Prometheus exposition of ``server.metrics``."""
+"""GET /metrics (behind --metrics): the Prometheus exposition of ``server.http.metrics``."""
 
 from __future__ import annotations
 

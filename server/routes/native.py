@@ -180,7 +180,7 @@ def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> li
 
 
 def _native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
-    """Each of llama-server's prompt forms (server.prompts) as tokens: text is tokenized with
+    """Each of llama-server's prompt forms (server.api.prompts) as tokens: text is tokenized with
     special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
     b = st.backend
 

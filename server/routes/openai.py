@@ -314,7 +314,7 @@ def _template(st: ServerState) -> ChatTemplate:
 
 def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered:
     """The chat template's rendering of ``req``: tools and tool history as ``plan`` says
-    (server.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
+    (server.api.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
     when the template rejects the messages, 500 when the template itself fails."""
     messages = _messages(req)
     continuation, add_gen = _continuation(st, req, messages)
@@ -365,7 +365,7 @@ def _chat_finish(r: TaskResult, has_calls: bool) -> str:
 
 def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan) -> Shape:
     """The chat response's choices: a message each, or role, deltas, finish. The output goes
-    through one parser per choice (reasoning, tool calls: server.tools) unless plain."""
+    through one parser per choice (reasoning, tool calls: server.api.tools) unless plain."""
     want_lp = body.logprobs
     parsers = [plan.parser() for _ in range(n_choices)]
     calls_mode = plan.spec.parse_calls

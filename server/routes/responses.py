@@ -1,5 +1,5 @@
 """OpenAI's Responses API, the stateless subset llama-server serves: the body becomes a chat
-request (server.responses), runs through chat's rendering, tools and ``service.submit``, and
+request (server.api.responses), runs through chat's rendering, tools and ``service.submit``, and
 answers as a ``response`` object or llama-server's stream of Responses events
 (``event: <type>`` lines; no [DONE])."""
 

@@ -49,7 +49,7 @@ log = logging.getLogger("server.slots.engine")
 
 @dataclass
 class EngineOptions:
-    """Scheduler settings (``server.app.engine_options`` builds them from Settings)."""
+    """Scheduler settings (``server.http.app.engine_options`` builds them from Settings)."""
 
     slot_prompt_similarity: float = 0.10
     ctx_checkpoints: int = 32

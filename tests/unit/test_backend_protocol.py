@@ -64,7 +64,7 @@ def _problems(proto: type, cls: type, attrs: set[str]) -> list[str]:
     out = []
     for name, member in _members(proto).items():
         have = getattr(cls, name, None)
-        if have is None and name not in attrs:
+        if not hasattr(cls, name) and name not in attrs:
             out.append(f"{cls.__name__} lacks {name}")
         elif inspect.isfunction(member) and not isinstance(have, property):
             if not callable(have):

@@ -1,5 +1,5 @@
 """/completion's request forms over the engine on the fake backend: llama-server's prompt forms
-(server.prompts), several prompts in one request, logit_bias forms, post_sampling_probs and
+(server.api.prompts), several prompts in one request, logit_bias forms, post_sampling_probs and
 --n-predict as the default limit."""
 
 from __future__ import annotations

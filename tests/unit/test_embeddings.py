@@ -1,5 +1,5 @@
 """Embeddings and reranking: request parsing and checks, normalization, response shapes
-(server.embeddings), and the engine's embedding path on the fake backend
+(server.api.embeddings), and the engine's embedding path on the fake backend
 (server.slots.embed): shared decodes, slots emptied, generation alongside, errors."""
 
 from __future__ import annotations
