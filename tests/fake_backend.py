@@ -69,6 +69,12 @@ def next_token(tok: int, pos: int) -> int:
 
 
 class FakeBackend:
+    # class attributes, so that a test's subclass may set them in its body
+    add_bos = False  # the vocabulary does not start texts with BOS
+    # the KV cache's ggml types: None, unknown (states' types are not checked)
+    kv_type_ids: tuple[int, int] | None = None
+    pooling = -1  # embeddings off (EmbedBackend in test_embeddings has them)
+
     def __init__(
         self,
         *,
@@ -109,6 +115,7 @@ class FakeBackend:
         # cells the KV holds that no slot accounts for (seq, pos): a leak, for integrity tests
         self.stray_cells: list[tuple[int, int]] = []
         self.can_shift = True  # llama_memory_can_shift: seq_add may move positions
+        self.embeddings_on = False
 
     # ---- tokenizer ----
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
@@ -183,6 +190,10 @@ class FakeBackend:
         if pool is None:
             return [self.sample(s, i) for s, i in items]
         return list(pool.map(lambda it: self.sample(*it), items))
+
+    def sample_constrained(self, sampler, idx: int, matcher, full_mask: bool = False) -> int:
+        """Not simulated here: test_constrained_engine's backend implements it."""
+        raise NotImplementedError("constrained sampling on the plain fake backend")
 
     def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:
         return TokenLogprob(token, -0.5, [(token, -0.5)][:n])
@@ -280,6 +291,21 @@ class FakeBackend:
             cells.pos.append(p)
             cells.seqs.append((0,))
         return [cells], start + 5 + 8 * n
+
+    def state_save_file(self, path: str, seq: int, tokens: list[int]) -> int:
+        """The plain fake writes no slot files (0: llama.cpp could not write);
+        test_slot_tenancy's FileBackend writes llama.cpp's format."""
+        return 0
+
+    # ---- embeddings (none here: test_embeddings' EmbedBackend computes them) ----
+    def set_embeddings(self, on: bool) -> None:
+        self.embeddings_on = on
+
+    def embedding_of_seq(self, seq: int):
+        return None
+
+    def embedding_rows(self, start: int, count: int):
+        return None
 
     def kv_cells(self):
         cells = CacheCells("swa" if self.n_swa else "full")

@@ -40,7 +40,8 @@ class SaveOutcome(NamedTuple):
 
 
 class LoadChoice(NamedTuple):
-    index: int
+    # mypy: the field shadows tuple.index (rename it in the prefix index rewrite)
+    index: int  # type: ignore[assignment]
     n_lcp: int
     f_keep: float
     f_sim: float

@@ -34,7 +34,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..flags import cache_type_name
+from ..llama.ggml_types import cache_type_name
 from ..types import Checkpoint, StateBuf
 
 log = logging.getLogger("server.slotfile")

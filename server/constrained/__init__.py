@@ -25,7 +25,7 @@ The engine drives a ``Matcher`` per slot: ``allows(token)`` (one token, cheap),
 ``accept(token)``, ``is_done()`` (the grammar is complete and nothing may follow: finish with
 "stop"), ``can_end()`` (end-of-generation tokens are allowed), ``rollback(n)`` and ``reset()``.
 
-Tool calling (server.tools) forces a call format with ``json_schema_constraint(schema,
+Tool calling (server.api.tools) forces a call format with ``json_schema_constraint(schema,
 prefix=..., suffix=...)`` or, for alternatives/repetitions, ``lark_constraint`` (Lark with
 ``%json {...}`` islands, llguidance's syntax). Literal text (prefix, suffix, Lark strings)
 matches ordinary tokens only: a control token (Mistral's ``[TOOL_CALLS]``, tokens the
@@ -37,7 +37,13 @@ Whitespace between JSON tokens is bounded and so are numbers without bounds of t
 
 from __future__ import annotations
 
-from .matcher import CompiledConstraint, ConstraintCompiler, ConstraintVocab, Matcher
+from .matcher import (
+    CompiledConstraint,
+    ConstraintCompiler,
+    ConstraintVocab,
+    Matcher,
+    llama_compiler,
+)
 from .request import request_constraint
 from .spec import (
     Constraint,
@@ -59,5 +65,6 @@ __all__ = [
     "json_object_constraint",
     "json_schema_constraint",
     "lark_constraint",
+    "llama_compiler",
     "request_constraint",
 ]

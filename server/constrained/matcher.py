@@ -95,7 +95,8 @@ class ConstraintVocab:
                 piece = b"\xff" + piece
             tokens.append(piece)
         fptr = ctypes.cast(L.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
-        tok = LLTokenizer.from_llamacpp(
+        # llguidance's stubs lack from_llamacpp (it is in the extension module)
+        tok = LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
             tokens=tokens, vocab_ptr=vocab, tokenize_fptr=fptr, eos_token=list(eog), slices=None
         )
         return cls(tok, n, eog)
@@ -273,3 +274,9 @@ def _allows_text(vocab: ConstraintVocab, m: LLMatcher) -> bool:
     for t in vocab.eog:
         mask[t // 32] &= ~np.uint32(1 << (t % 32))
     return bool(mask.any())
+
+
+def llama_compiler(vocab: Any, eog: Sequence[int]) -> ConstraintCompiler:
+    """The compiler of a llama.cpp vocabulary (``llama_model_get_vocab``): the
+    ``server.types.CompilerFactory`` the app gives ``LlamaBackend``."""
+    return ConstraintCompiler(ConstraintVocab.from_llama(vocab, eog))

@@ -173,7 +173,7 @@ def _locate(root: dict[str, Any], reason: str) -> str:
     """The JSON pointer of the deepest subschema that fails alone with the same ``reason``
     as the whole schema (``#`` when only the whole fails that way). A subschema is checked
     with the root's ``$defs``/``definitions`` beside it, so its references still resolve."""
-    defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
+    defs: dict[str, Any] = {k: root[k] for k in ("$defs", "definitions") if k in root}
     where, node = "#", root
     while True:
         for suffix, child in _children(node):

@@ -17,9 +17,14 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
-from ..constrained import ConstraintCompiler, ConstraintVocab
-from ..infill import FimTokens
-from ..types import SamplingParams, TokenLogprob, TokenMatcher
+from ..types import (
+    CompilerFactory,
+    FimTokens,
+    SamplingParams,
+    TokenLogprob,
+    TokenMatcher,
+    VocabCompiler,
+)
 from .greedy import GreedyBias
 from .memory import SeqMemory, memory_layout
 from .params import KV_TYPES, load_model
@@ -193,7 +198,8 @@ class _Candidates:
         assert ctypes.sizeof(L.llama_token_data) == _TOKEN_DATA.itemsize
         self.n = n_vocab
         self.data = (L.llama_token_data * n_vocab)()
-        self.view = np.frombuffer(self.data, dtype=_TOKEN_DATA)
+        # ctypes arrays export the buffer protocol; typeshed's Array does not declare it
+        self.view = np.frombuffer(self.data, dtype=_TOKEN_DATA)  # type: ignore[call-overload]
         self.ids = np.arange(n_vocab, dtype=np.int32)
         self.arr = L.llama_token_data_array(data=self.data, size=n_vocab, selected=-1, sorted=False)
 
@@ -204,7 +210,8 @@ class _Candidates:
         v["logit"] = logits
         v["p"] = 0.0
         a = self.arr
-        a.data = ctypes.cast(self.data, ctypes.POINTER(L.llama_token_data))
+        # the field is a pointer; the bindings annotate it with the array type
+        a.data = ctypes.cast(self.data, ctypes.POINTER(L.llama_token_data))  # type: ignore[assignment]
         a.size, a.selected, a.sorted = self.n, -1, False
         L.llama_sampler_apply(chain, ctypes.byref(a))
         return int(a.data[a.selected].id)
@@ -214,8 +221,10 @@ class _Candidates:
         post_sampling_probs): ``tok``'s log-probability and the ``n`` likeliest candidates',
         those of probability 0 left out as there. numpy over the remaining candidates."""
         a = self.arr
-        rows = (L.llama_token_data * a.size).from_address(ctypes.addressof(a.data.contents))
-        v = np.frombuffer(rows, dtype=_TOKEN_DATA)
+        # a.data is a pointer (annotated as an array), rows a ctypes array (a buffer)
+        first = a.data.contents  # type: ignore[attr-defined]
+        rows = (L.llama_token_data * a.size).from_address(ctypes.addressof(first))
+        v = np.frombuffer(rows, dtype=_TOKEN_DATA)  # type: ignore[call-overload]
         p = v["p"]
         k = min(n, len(p))
         top = np.argpartition(-p, k - 1)[:k] if 0 < k < len(p) else np.arange(k)
@@ -255,7 +264,7 @@ class Sampler:
                 L.llama_set_sampler(self._ctx, self.seq, None)
                 self._ctx, self.seq = None, -1
             L.llama_sampler_free(self.ptr)
-            self.ptr = None
+            self.ptr = None  # type: ignore[assignment]  # freed: the chain is not used again
 
 
 def _context_params(opts: ModelOptions, n_ctx_train: int) -> tuple[Any, int]:
@@ -316,11 +325,15 @@ class LlamaBackend(SeqMemory):
     # constrained decoding, prepared on first use: the token array of sample_constrained,
     # and the vocabulary's compiler (constraint_compiler; the lock guards its lazy build)
     _candidates: _Candidates | None = None
-    _constraints: ConstraintCompiler | None = None
+    _constraints: VocabCompiler | None = None
     _constraints_lock = threading.Lock()
 
-    def __init__(self, opts: ModelOptions) -> None:
+    def __init__(self, opts: ModelOptions, compiler: CompilerFactory | None = None) -> None:
+        """Loads the model and creates the context. ``compiler`` builds the vocabulary's
+        constraint compiler on first use (server.constrained's, passed in by the app);
+        without it, ``constraint_compiler`` raises."""
         _init_backend()
+        self._compiler_factory = compiler
         if not os.path.isfile(opts.path):
             raise FileNotFoundError(f"model file not found: {opts.path}")
         self.opts = opts
@@ -397,7 +410,7 @@ class LlamaBackend(SeqMemory):
 
     @property
     def fim(self) -> FimTokens:
-        """The fill-in-the-middle tokens /infill builds its prompt with (server.infill)."""
+        """The fill-in-the-middle tokens /infill builds its prompt with (server.api.infill)."""
         return _fim_tokens(self.vocab)
 
     @property
@@ -486,7 +499,7 @@ class LlamaBackend(SeqMemory):
         return rows[start:].copy()
 
     def rerank_parts(self) -> tuple[str | None, int, int, int, bool, bool, bool]:
-        """What a rerank prompt is built from (server.embeddings.RerankParts): the model's
+        """What a rerank prompt is built from (server.api.embeddings.RerankParts): the model's
         "rerank" template (None: none), BOS, EOS (SEP without one), SEP, and whether the
         vocabulary adds BOS, EOS and SEP."""
         ptr = L.llama_model_chat_template(self.model, b"rerank")
@@ -508,7 +521,7 @@ class LlamaBackend(SeqMemory):
         if p.logit_bias:
             arr = (L.llama_logit_bias * len(p.logit_bias))()
             for i, (tok, bias) in enumerate(p.logit_bias.items()):
-                arr[i].token = tok
+                arr[i].token = tok  # type: ignore[assignment]  # ctypes converts the int
                 arr[i].bias = bias
             add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(p.logit_bias), arr))
         penalties = (
@@ -565,7 +578,7 @@ class LlamaBackend(SeqMemory):
                 self._candidates = _Candidates(self.n_vocab)
             tok = self._candidates.sample(sampler.ptr, logits)
             L.llama_sampler_accept(sampler.ptr, tok)
-        if sampler.argmax_only:  # (a greedy chain always is)
+        if sampler.argmax_only or self._candidates is None:  # (a greedy chain always is)
             sampler.post[idx] = TokenLogprob(tok, 0.0, [(tok, 0.0)])
         else:
             sampler.post[idx] = self._candidates.post_probs(tok, sampler.n_post)
@@ -660,13 +673,16 @@ class LlamaBackend(SeqMemory):
         L.llama_sampler_accept(sampler.ptr, tok)
         return tok
 
-    def constraint_compiler(self) -> ConstraintCompiler:
-        """The vocabulary's constraint compiler, built on first use (about 1.3 s for a
-        262k-token vocabulary: only servers that get constrained requests pay). Any thread."""
+    def constraint_compiler(self) -> VocabCompiler:
+        """The vocabulary's constraint compiler, built on first use by the factory given to
+        the constructor (about 1.3 s for a 262k-token vocabulary: only servers that get
+        constrained requests pay). Any thread. RuntimeError without a factory."""
         with self._constraints_lock:
             if self._constraints is None:
+                if self._compiler_factory is None:
+                    raise RuntimeError("this backend was built without a constraint compiler")
                 eog = [t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t)]
-                self._constraints = ConstraintCompiler(ConstraintVocab.from_llama(self.vocab, eog))
+                self._constraints = self._compiler_factory(self.vocab, eog)
             return self._constraints
 
     def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:

@@ -39,7 +39,7 @@ class DraftOptions:
 
 class DraftContext(SeqMemory):
     def __init__(self, target: LlamaBackend, o: DraftOptions) -> None:
-        path = o.path
+        path = o.path or ""
         own = bool(path) and os.path.realpath(path) != os.path.realpath(target.opts.path)
         self.path = path if own else target.opts.path
         self._own_model = own

@@ -83,7 +83,7 @@ class SeqMemory:
         return int(L.llama_state_seq_set_data_ext(self.ctx, ptr, size, seq, flags))
 
     def state_cells(
-        self, data: StateBuf, nbytes: int, start: int = 0
+        self, data: StateBuf | bytes, nbytes: int, start: int = 0
     ) -> tuple[list[CacheCells], int] | None:
         """The cells a one-sequence state's bytes (from ``start``) describe, read without
         loading them, and the offset where the state ends; None when this memory's format is

@@ -18,12 +18,11 @@ from typing import Any
 
 import llama_cpp as L
 
-from ..flags import CACHE_TYPE_IDS, cache_type_name
+from .ggml_types import CACHE_TYPE_IDS, QUANTIZED, cache_type_name
 
 # ggml type ids of the KV cache types llama-server accepts (ggml.h's enum ggml_type)
 KV_TYPES: dict[str, int] = dict(CACHE_TYPE_IDS)
 kv_type_name = cache_type_name
-QUANTIZED = frozenset(k for k in KV_TYPES if k not in ("f32", "f16", "bf16"))
 
 SPLIT_MODES = {
     "none": L.LLAMA_SPLIT_MODE_NONE,

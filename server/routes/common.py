@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..errors import error_body
+from ..api.errors import error_body
 from ..service import ServerState, default_sampling
 from ..types import Task, TaskError, TokenLogprob
 

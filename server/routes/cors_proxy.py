@@ -46,7 +46,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..errors import APIError
+from ..api.errors import APIError
 from .common import state_of
 
 router = APIRouter()
@@ -253,7 +253,7 @@ def _addresses(target: Target, own_ports: frozenset[int]) -> list[Any]:
     except (OSError, UnicodeError) as e:
         raise APIError(502, f"proxy error: cannot resolve {target.host!r}: {e}") from None
     addrs = [info[4] for info in infos]
-    if target.port in own_ports and any(_is_local(a[0]) for a in addrs):
+    if target.port in own_ports and any(_is_local(str(a[0])) for a in addrs):
         raise APIError(400, "invalid target URL: it is this server (a proxy loop)")
     return addrs
 

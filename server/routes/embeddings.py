@@ -1,15 +1,18 @@
 """Embeddings and reranking: POST /v1/embeddings (OpenAI), /embedding and /embeddings
-(llama-server's native shape), /rerank with its aliases. See server.embeddings."""
+(llama-server's native shape), /rerank with its aliases. The bodies and answers are
+server.api.embeddings'; ``run_embeddings`` puts the prompts on the engine."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..embeddings import (
+from ..api.embeddings import (
     POOLING_NONE,
     POOLING_RANK,
     EmbeddingRequest,
@@ -25,13 +28,92 @@ from ..embeddings import (
     rerank_inputs,
     rerank_prompt,
     rerank_response,
-    run_embeddings,
 )
-from ..errors import APIError
-from ..service import ServerState
+from ..api.errors import APIError
+from ..service import ServerState, until_disconnected
+from ..slots.embed import EmbedEvent, EmbedResult, EmbedTask
+from ..slots.engine import EngineDead
+from ..types import TaskError
 from .common import state_of
 
 router = APIRouter()
+
+
+# ---- running on the engine ---------------------------------------------------------------
+
+
+# put in a request's event queue when its client disconnected
+class _ClientGone:
+    """The type of CLIENT_GONE (a sentinel the type checker can tell from an event)."""
+
+
+CLIENT_GONE = _ClientGone()
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[EmbedEvent], None]:
+    """A task's ``emit``: thread-safe; the engine batches deliveries per loop (``deliver``)."""
+
+    def emit(ev: EmbedEvent) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+        except RuntimeError:  # loop closed: the client is long gone
+            pass
+
+    emit.loop = loop  # type: ignore[attr-defined]
+    emit.deliver = q.put_nowait  # type: ignore[attr-defined]
+    return emit
+
+
+async def run_embeddings(
+    st: Any, prompts: list[list[int]], request: Any = None
+) -> list[EmbedResult]:
+    """Embed ``prompts`` on the engine, one task each (they share decodes with every other
+    request's); results in prompt order. APIError: 503 when the queue is full or the engine
+    stopped, 408 after the server's --timeout, a task's error as it comes. With ``request``,
+    a client that disconnects cancels the prompts not embedded yet (within ~0.25 s); the
+    answer then goes nowhere."""
+    engine = st.require_engine()
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[EmbedEvent | _ClientGone] = asyncio.Queue()
+    emit = _emitter(loop, q)
+    tasks = [EmbedTask(toks, emit, index=i) for i, toks in enumerate(prompts)]
+    max_queue = st.settings.max_queue
+    # a request's prompts count as one request: it is refused only behind a full queue
+    if engine.queue_depth() >= max_queue + engine.n_idle_slots():
+        raise APIError(
+            503,
+            f"the server is busy: more than {max_queue} requests are waiting",
+            "unavailable_error",
+            headers={"Retry-After": "1"},
+        )
+    out: list[EmbedResult | None] = [None] * len(tasks)
+    deadline = time.monotonic() + st.settings.timeout
+    watcher = None
+    if request is not None:  # a disconnect ends the wait below with CLIENT_GONE
+        watcher = asyncio.create_task(until_disconnected(request))
+        watcher.add_done_callback(lambda _: q.put_nowait(CLIENT_GONE))
+    try:
+        for t in tasks:
+            engine.submit(t)
+        for _ in tasks:
+            ev = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
+            if isinstance(ev, _ClientGone):
+                raise APIError(499, "the client disconnected", "cancelled_error")
+            if isinstance(ev, TaskError):
+                raise APIError(ev.status, ev.message, ev.type, **ev.extra)
+            out[ev.index] = ev
+    except EngineDead as e:
+        raise APIError(503, str(e), "unavailable_error") from e
+    except asyncio.TimeoutError:
+        raise APIError(
+            408, f"the request timed out after {st.settings.timeout:g} s", "timeout_error"
+        ) from None
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        for t in tasks:
+            t.cancel()  # those still waiting are dropped; finished ones ignore it
+    return [r for r in out if r is not None]
 
 
 def _tokenizer(st: ServerState) -> Any:

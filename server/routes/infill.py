@@ -1,14 +1,14 @@
 """llama-server's /infill: fill in the middle, for models with FIM tokens. The prompt is
-built as llama-server builds it (server.infill); the response is /completion's."""
+built as llama-server builds it (server.api.infill); the response is /completion's."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..errors import APIError
-from ..infill import InfillInputError, InfillLimits, check_infill_body, infill_prompt
-from ..schemas import InfillRequest
+from ..api.errors import APIError
+from ..api.infill import InfillInputError, InfillLimits, check_infill_body, infill_prompt
+from ..api.schemas import InfillRequest
 from ..service import Prompt, ServerState
 from .common import state_of
 from .native import run_native

@@ -1,4 +1,4 @@
-"""GET /metrics (behind --metrics): the Prometheus exposition of ``server.metrics``."""
+"""GET /metrics (behind --metrics): the Prometheus exposition of ``server.http.metrics``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..errors import APIError
+from ..api.errors import APIError
 from .common import state_of
 
 router = APIRouter()

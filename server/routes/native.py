@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..errors import APIError
-from ..prompts import prompt_echo, prompt_tokens, split_prompts
-from ..schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from ..api.errors import APIError
+from ..api.prompts import prompt_echo, prompt_tokens, split_prompts
+from ..api.schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service import (
     Prompt,
     ServerState,
@@ -180,7 +180,7 @@ def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> li
 
 
 def _native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
-    """Each of llama-server's prompt forms (server.prompts) as tokens: text is tokenized with
+    """Each of llama-server's prompt forms (server.api.prompts) as tokens: text is tokenized with
     special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
     b = st.backend
 

@@ -15,11 +15,22 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ROLES, Continuation, Rendered, TemplateError, thinking_forced_open
-from ..config import csv_list
+from ..api.chat import (
+    ROLES,
+    ChatTemplate,
+    Continuation,
+    Rendered,
+    TemplateError,
+    thinking_forced_open,
+)
+from ..api.errors import APIError
+from ..api.schemas import ChatRequest, CompletionRequest
+from ..api.tools.parse import Delta, Message, parse_message
+from ..api.tools.plan import ChatPlan, deltas_of, message_of, plan_chat
+from ..api.tools.prompt import prepare
+from ..api.tools.spec import ToolSpecError
+from ..cli.config import csv_list
 from ..constrained import Constraint
-from ..errors import APIError
-from ..schemas import ChatRequest, CompletionRequest
 from ..service import (
     Prompt,
     ServerState,
@@ -32,10 +43,6 @@ from ..service import (
     tenant_of,
     usage_of,
 )
-from ..tools.parse import Delta, Message, parse_message
-from ..tools.plan import ChatPlan, deltas_of, message_of, plan_chat
-from ..tools.prompt import prepare
-from ..tools.spec import ToolSpecError
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,
@@ -298,15 +305,23 @@ def _continuation(
     return Continuation(content, reasoning, mode == "reasoning_content"), False
 
 
+def _template(st: ServerState) -> ChatTemplate:
+    """The model's chat template; APIError 503 while no model is loaded (it comes with it)."""
+    if st.template is None:
+        raise APIError(503, "Loading model", "unavailable_error")
+    return st.template
+
+
 def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered:
     """The chat template's rendering of ``req``: tools and tool history as ``plan`` says
-    (server.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
+    (server.api.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
     when the template rejects the messages, 500 when the template itself fails."""
     messages = _messages(req)
     continuation, add_gen = _continuation(st, req, messages)
     try:
-        prepared = prepare(st.template, messages, plan.spec, plan.kwargs)
-        return st.template.render_chat(
+        tpl = _template(st)
+        prepared = prepare(tpl, messages, plan.spec, plan.kwargs)
+        return tpl.render_chat(
             prepared.messages,
             add_generation_prompt=add_gen,
             continuation=continuation,
@@ -350,7 +365,7 @@ def _chat_finish(r: TaskResult, has_calls: bool) -> str:
 
 def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan) -> Shape:
     """The chat response's choices: a message each, or role, deltas, finish. The output goes
-    through one parser per choice (reasoning, tool calls: server.tools) unless plain."""
+    through one parser per choice (reasoning, tool calls: server.api.tools) unless plain."""
     want_lp = body.logprobs
     parsers = [plan.parser() for _ in range(n_choices)]
     calls_mode = plan.spec.parse_calls
@@ -420,6 +435,7 @@ def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:
     """The request's tools and reasoning handling; APIError 400 for malformed tool fields
     or a forced call together with another constraint on the output."""
     st.require_engine()  # the template comes with the model
+    template = _template(st)
     # Server defaults (llama-server's --reasoning-format, --chat-template-kwargs, -rea and
     # --reasoning-effort) under the request's own values.
     s = st.settings
@@ -429,7 +445,7 @@ def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:
         server_kwargs.setdefault("enable_thinking", s.reasoning == "on")
     try:
         plan = plan_chat(
-            st.template,
+            template,
             tools=body.tools,
             tool_choice=body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,

@@ -1,5 +1,5 @@
 """OpenAI's Responses API, the stateless subset llama-server serves: the body becomes a chat
-request (server.responses), runs through chat's rendering, tools and ``service.submit``, and
+request (server.api.responses), runs through chat's rendering, tools and ``service.submit``, and
 answers as a ``response`` object or llama-server's stream of Responses events
 (``event: <type>`` lines; no [DONE])."""
 
@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..errors import APIError
-from ..responses import (
+from ..api.errors import APIError
+from ..api.responses import (
     ResponsesInputError,
     call_item,
     message_item,
@@ -28,10 +28,10 @@ from ..responses import (
     to_chat_body,
     usage,
 )
-from ..schemas import ChatRequest, ResponsesRequest
+from ..api.schemas import ChatRequest, ResponsesRequest
+from ..api.tools.parse import Delta, Message, ToolCall, parse_message
+from ..api.tools.plan import ChatPlan
 from ..service import Submission, TaskGroup, submit, tenant_of
-from ..tools.parse import Delta, Message, ToolCall, parse_message
-from ..tools.plan import ChatPlan
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk
 from .common import SSE_HEADERS, sse_error, state_of
 from .openai import _max_tokens, _plan, chat_constraint, render_chat

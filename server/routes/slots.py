@@ -13,9 +13,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from ..api.errors import APIError
+from ..api.schemas import SlotActionBody
 from ..cache import slot_file, tenancy
-from ..errors import APIError
-from ..schemas import SlotActionBody
 from ..service import ServerState, tenant_of
 from ..slots.audit import kv_type_problem, seq_state_problem
 from ..slots.engine import Engine, EngineDead
@@ -226,7 +226,7 @@ def plan_restore(
             f"the slot file's state does not match its {len(parsed.tokens)} tokens: {problem}"
         )
     # another KV cache type (-ctk / -ctv): the state's own per-layer types, then SKVT
-    want = getattr(backend, "kv_type_ids", None)
+    want = backend.kv_type_ids
     app = parse_after_state(parsed, end, max_checkpoints)
     problem = kv_type_problem(caches, want) or slot_file.kv_types_problem(app, want)
     if problem:

@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..schemas import ChatRequest
+from ..api.schemas import ChatRequest
+from ..api.tools.plan import ChatPlan
 from ..service import ServerState
-from ..tools.plan import ChatPlan
 from .common import state_of
 from .openai import _plan, render_chat, render_prompt
 

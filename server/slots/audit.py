@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..flags import cache_type_name
+from ..llama.ggml_types import cache_type_name
 from ..types import CacheCells
 from .policy import window_intact
 

@@ -1,16 +1,29 @@
 """What the engine needs from llama.cpp: ``server.llama.backend.LlamaBackend``, or a fake in
-the unit tests. Implementations are called from the engine thread only."""
+the unit tests (``tests.fake_backend.FakeBackend``). Implementations are called from the
+engine thread only.
+
+The protocol is complete: the engine and its helpers (slots/, cache/) use no member that
+is not declared here, and never probe with ``getattr``. Both implementations are checked
+against it, statically (``server.http.app``'s ``_conforms``, the type checker of
+``./test.sh``) and at run time (``tests/unit/test_backend_protocol.py``)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..types import CacheCells, SamplingParams, StateBuf, TokenLogprob, TokenMatcher
 
 
 class Batch(Protocol):
-    n: int
+    """The decode batch the engine fills (server.llama.backend.LlamaBatch)."""
+
+    @property
+    def n(self) -> int:
+        """Tokens in the batch."""
+        ...
 
     def clear(self) -> None: ...
     def add_span(self, tokens: list[int], pos0: int, seq: int, logits_last: bool) -> int: ...
@@ -34,9 +47,23 @@ class SeqMemory(Protocol):
         self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
     ) -> int: ...
     def state_cells(
-        self, data: StateBuf, nbytes: int, start: int = 0
-    ) -> tuple[list[CacheCells], int] | None: ...
+        self, data: StateBuf | bytes, nbytes: int, start: int = 0
+    ) -> tuple[list[CacheCells], int] | None:
+        """Reads ``data`` only: any buffer of state bytes (a file's, a cache entry's)."""
+        ...
+
     def kv_cells(self) -> list[CacheCells] | None: ...
+
+    @property
+    def can_shift(self) -> bool:
+        """llama_memory_can_shift: whether ``seq_add`` may move positions (else it aborts)."""
+        ...
+
+    @property
+    def kv_type_ids(self) -> tuple[int, int] | None:
+        """The ggml types of the K and V caches (server.llama.ggml_types); None: unknown,
+        and a state's types are not checked."""
+        ...
 
 
 class Backend(SeqMemory, Protocol):
@@ -51,7 +78,12 @@ class Backend(SeqMemory, Protocol):
     n_vocab: int
     kv_unified: bool
     is_recurrent: bool
-    batch: Batch
+
+    @property
+    def batch(self) -> Batch:
+        """The one decode batch (read-only: implementations hold their own batch type)."""
+        ...
+
     backend_sampling: bool  # -bs: attach_sampler may put chains in the decode graph
 
     def decode(self, start: int, count: int) -> int: ...
@@ -66,3 +98,20 @@ class Backend(SeqMemory, Protocol):
     def sampled_logprobs(self, sampler: Any, idx: int, token: int, n: int) -> TokenLogprob: ...
     def token_to_piece(self, token: int, special: bool = False) -> bytes: ...
     def is_eog(self, token: int) -> bool: ...
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the vocabulary starts a text with BOS (a context shift keeps it)."""
+        ...
+
+    def state_save_file(self, path: str, seq: int, tokens: list[int]) -> int:
+        """llama_state_seq_save_file of ``seq`` holding ``tokens``; bytes written, 0 on
+        failure."""
+        ...
+
+    # embeddings (--embedding; server.slots.embed)
+    pooling: int  # the context's llama_pooling_type (0: none, a row per token); -1: off
+
+    def set_embeddings(self, on: bool) -> None: ...
+    def embedding_of_seq(self, seq: int) -> np.ndarray | None: ...
+    def embedding_rows(self, start: int, count: int) -> np.ndarray | None: ...

@@ -82,7 +82,7 @@ class DraftKV:
         the same way when it holds moved tokens and its memory can shift, else keeps at
         most its first ``n_keep`` tokens (it catches up when it next drafts)."""
         n, end = self.reconcile(slot), n_keep + n_discard
-        if n <= end or not getattr(self.d, "can_shift", False):
+        if n <= end or not self.d.can_shift:
             self._cut(slot.id, min(n, n_keep))
             return
         if self.d.seq_rm(slot.id, n_keep, end):
@@ -155,7 +155,7 @@ class DraftKV:
         if problem is None and read is not None and read[1] != len(data):
             problem = "bytes after the state"
         if problem is None and read is not None:
-            problem = kv_type_problem(read[0], getattr(self.d, "kv_type_ids", None))
+            problem = kv_type_problem(read[0], self.d.kv_type_ids)
         return problem
 
     # ---- integrity -------------------------------------------------------------------

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..types import TaskError
 from . import ram
+from .backend_api import Backend
 from .slot import Slot, SlotState
 from .store import SlotStore
 
@@ -82,7 +83,7 @@ class EmbedQueue:
 
     def __init__(
         self,
-        backend: Any,
+        backend: Backend,
         store: SlotStore,
         cache: Any,
         send: Callable[[EmbedTask, EmbedEvent], None],

@@ -46,7 +46,7 @@ _DECODING = (SlotState.PREFILL, SlotState.GENERATE)
 
 @dataclass
 class EngineOptions:
-    """Scheduler settings (``server.app.engine_options`` builds them from Settings)."""
+    """Scheduler settings (``server.http.app.engine_options`` builds them from Settings)."""
 
     slot_prompt_similarity: float = 0.10
     ctx_checkpoints: int = 32
@@ -114,7 +114,7 @@ class Engine:
             backend.n_batch,
             backend.n_swa,
             backend.is_recurrent,
-            add_bos=bool(getattr(backend, "add_bos", False)),
+            add_bos=backend.add_bos,
         )
         self.executor = Executor(
             backend, self.store, self.spec, self.stats, self.par, self._free_idle_kv
@@ -123,9 +123,9 @@ class Engine:
             backend, self.stats, self._send, lambda: self.shifts, self.executor.settle
         )
         # --embedding: prompt-only tasks run on idle slots within a step (slots/embed.py)
-        self.embed = EmbedQueue(
-            backend, self.store, cache, self._send, self._flush, self._free_idle_kv
-        )
+        # Any: the outbox is typed for Task/Event, embeddings share it (one type in the rewrite)
+        send: Any = self._send
+        self.embed = EmbedQueue(backend, self.store, cache, send, self._flush, self._free_idle_kv)
 
     @property
     def slots(self) -> list[Slot]:
@@ -285,7 +285,8 @@ class Engine:
             if loop is None:
                 emit(ev)
             else:
-                by_loop.setdefault(loop, []).append((emit.deliver, ev))
+                # a loop-bound emitter carries .deliver (set by service._emitter)
+                by_loop.setdefault(loop, []).append((emit.deliver, ev))  # type: ignore[attr-defined]
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver_all, items)
@@ -423,7 +424,7 @@ class Engine:
     def shifts(self) -> bool:
         """--context-shift is on and the KV cache can move positions (llama-server turns
         it off otherwise)."""
-        return self.opts.context_shift and bool(getattr(self.b, "can_shift", False))
+        return self.opts.context_shift and self.b.can_shift
 
     def _remaining(self, run: SlotRun) -> int:
         """Tokens the run may still generate (-1: no limit but the context)."""

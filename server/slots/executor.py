@@ -199,6 +199,7 @@ class Executor:
     def _sample(self, o: SlotOutput, tok: int) -> None:
         w = o.work
         run = w.slot.run
+        assert run is not None  # a slot in the plan holds a run
         draft = w.draft
         if draft:
             toks = self.spec.verify(w.slot, w.row, draft, lambda i: self.pick(run, i))

@@ -55,6 +55,7 @@ class Speculation:
         """Most draft tokens the slot tries this step, within ``room`` batch rows: 0 when
         that is below the run's n_min."""
         run = s.run
+        assert run is not None and run.spec is not None  # a speculating run
         n = min(room, draft_room(len(s.tokens), s.n_ctx, self.remaining(run), run.spec))
         return n if n >= max(1, run.spec.n_min) else 0
 

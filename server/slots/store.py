@@ -201,10 +201,11 @@ class SlotStore:
         snap = Snapshot(
             slot.tokens, size, lambda: self.b.state_get(slot.id, size=size), slot.checkpoints
         )
-        n_dft = self.dft.state_size(slot) if self.dft is not None else 0
-        if n_dft:
+        dft = self.dft
+        n_dft = dft.state_size(slot) if dft is not None else 0
+        if dft is not None and n_dft:
             snap.size += n_dft
-            snap.read_draft = lambda: self.dft.state(slot)
+            snap.read_draft = lambda: dft.state(slot)
         return snap
 
     def save_file(self, slot: Slot, path: str) -> FileAppendix | None:
@@ -218,7 +219,7 @@ class SlotStore:
     @property
     def kv_types(self) -> tuple[int, int] | None:
         """The ggml types of the target's K and V cache (None: not known, a fake)."""
-        return getattr(self.b, "kv_type_ids", None)
+        return self.b.kv_type_ids
 
     def restore(
         self,

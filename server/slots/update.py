@@ -83,6 +83,7 @@ class Updater:
     def take(self, s: Slot, smp: Sampled) -> bool:
         """Account for the sampled token and emit its text; False when this ended the run."""
         run = s.run
+        assert run is not None  # a slot being updated holds a run
         seq = run.seq
         gen = run.task.gen
         tok = smp.token
@@ -151,6 +152,7 @@ class Updater:
         """End the slot's run: flush its text, send its result (or error), free its
         sampler, count it, and make the slot idle."""
         run = s.run
+        assert run is not None  # only a slot holding a run finishes one
         task = run.task
         now = time.perf_counter()
         if reason is not FinishReason.STOP or not stop_word:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.config import OPTIONS
+from server.cli.config import OPTIONS
 from tests.e2e.conftest import ServerProc, free_port, long_text, terminate
 
 ROOT = Path(__file__).resolve().parents[2]

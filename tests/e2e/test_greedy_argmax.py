@@ -7,7 +7,7 @@ from __future__ import annotations
 import llama_cpp as L
 import pytest
 
-from server.app import default_model_path
+from server.http.app import default_model_path
 from server.llama.backend import LlamaBackend, ModelOptions
 from server.types import SamplingParams
 

@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from server.tools.parse import OutputParser, ToolFormat, parse_message
-from server.tools.plan import message_of
+from server.api.tools.parse import OutputParser, ToolFormat, parse_message
+from server.api.tools.plan import message_of
 from tests.tool_cases import PYTHON, TEST_TOOL
 
 from .conftest import ServerProc

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from server import errors
-from server.config import Settings
+from server.api import errors
+from server.cli.config import Settings
 from server.service import ServerState
 from server.slots.engine import Engine, EngineOptions
 from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.chat import ChatTemplate
-from server.config import Settings
+from server.api.chat import ChatTemplate
+from server.cli.config import Settings
 from server.routes.openai import _plan
 from server.routes.template import ApplyTemplateRequest, render_text
 from server.service import ServerState

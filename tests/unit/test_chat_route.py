@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from server.chat import BUILTIN_TEMPLATES, ChatTemplate, Continuation, TemplateError
-from server.config import Settings
+from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, Continuation, TemplateError
+from server.cli.config import Settings
 from server.routes import openai, template
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client

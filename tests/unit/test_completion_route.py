@@ -1,5 +1,5 @@
 """/completion's request forms over the engine on the fake backend: llama-server's prompt forms
-(server.prompts), several prompts in one request, logit_bias forms, post_sampling_probs and
+(server.api.prompts), several prompts in one request, logit_bias forms, post_sampling_probs and
 --n-predict as the default limit."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from server.config import Settings
-from server.errors import APIError
-from server.prompts import prompt_echo, prompt_tokens, split_prompts
+from server.api.errors import APIError
+from server.api.prompts import prompt_echo, prompt_tokens, split_prompts
+from server.cli.config import Settings
 from server.routes import native
 from server.service import _logit_bias
 from tests.fake_backend import EOG, FakeBackend

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.chat import BUILTIN_TEMPLATES, ChatTemplate, TemplateError, pick_template
-from server.config import load_api_keys, parse_settings
+from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, TemplateError, pick_template
+from server.cli.config import load_api_keys, parse_settings
 
 
 def test_defaults_are_llama_servers():

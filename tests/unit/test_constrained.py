@@ -307,7 +307,7 @@ def real():
     """The default model's vocabulary (vocabulary-only load) and its tokenizer."""
     import llama_cpp as L
 
-    from server.app import default_model_path
+    from server.http.app import default_model_path
 
     L.llama_backend_init()
     mp = L.llama_model_default_params()

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.app import draft_options
-from server.config import ignored_flags, parse_settings
+from server.cli.config import ignored_flags, parse_settings
+from server.http.app import draft_options
 from server.llama.draft import DraftContext, DraftOptions
 from server.llama.params import MOE_REGEX
 

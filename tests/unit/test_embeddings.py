@@ -1,5 +1,5 @@
 """Embeddings and reranking: request parsing and checks, normalization, response shapes
-(server.embeddings), and the engine's embedding path on the fake backend
+(server.api.embeddings), and the engine's embedding path on the fake backend
 (server.slots.embed): shared decodes, slots emptied, generation alongside, errors."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import base64
 import numpy as np
 import pytest
 
-from server.config import parse_settings
-from server.embeddings import (
+from server.api.embeddings import (
     EmbeddingRequest,
     RerankParts,
     RerankRequest,
@@ -26,7 +25,8 @@ from server.embeddings import (
     rerank_prompt,
     rerank_response,
 )
-from server.errors import APIError
+from server.api.errors import APIError
+from server.cli.config import parse_settings
 from server.slots.embed import EmbedResult, EmbedTask
 from server.slots.engine import Engine, EngineOptions
 from server.types import TaskError
@@ -398,7 +398,7 @@ def test_routes_refuse_without_the_flags() -> None:
     lifespan, which loads it, does not run without the client's context manager)."""
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
+    from server.http.app import create_app
 
     client = TestClient(create_app(parse_settings([], env={})))
     for path in ("/v1/embeddings", "/embedding", "/embeddings"):
@@ -440,7 +440,7 @@ def test_a_disconnected_client_cancels_its_prompts_not_embedded_yet() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from server.embeddings import run_embeddings
+    from server.routes.embeddings import run_embeddings
 
     class StuckEngine:  # takes the tasks and never runs them
         def __init__(self) -> None:

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import server.__main__ as cli
-from server.chat import BUILTIN_TEMPLATES, pick_template
-from server.config import (
+import server.cli.main as cli
+from server.api.chat import BUILTIN_TEMPLATES, pick_template
+from server.api.schemas import ChatRequest, CompletionRequest
+from server.cli.config import (
     COMPAT,
     OPTIONS,
     Settings,
@@ -27,7 +28,6 @@ from server.config import (
     warn_ignored,
 )
 from server.routes.common import generation_settings
-from server.schemas import ChatRequest, CompletionRequest
 from server.service import ServerState, sampling_from
 from tests.llama_sdist import vendored
 
@@ -399,7 +399,7 @@ def test_post_props_needs_the_flag():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from server import errors
+    from server.api import errors
     from server.routes import native
 
     for argv, status in (([], 501), (["--props"], 200)):

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from server.middleware import RequestGuard
+from server.http.middleware import RequestGuard
 
 
 async def _echo(request: Request) -> JSONResponse:

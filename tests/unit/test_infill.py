@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.infill import (
+from server.api.infill import (
     CHUNK_PREFIX,
     FimTokens,
     InfillInputError,

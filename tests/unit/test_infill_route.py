@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from server.config import Settings
-from server.infill import FimTokens
+from server.api.infill import FimTokens
+from server.cli.config import Settings
 from server.routes import infill
 from server.slots.engine import Engine
 from tests.fake_backend import FakeBackend

@@ -10,11 +10,11 @@ import struct
 import llama_cpp as L
 import pytest
 
-from server.app import kv_label, model_options
 from server.cache import slot_file
-from server.config import parse_settings
-from server.flags import CACHE_TYPE_IDS, CACHE_TYPES
+from server.cli.config import parse_settings
+from server.http.app import kv_label, model_options
 from server.llama import params
+from server.llama.ggml_types import CACHE_TYPE_IDS, CACHE_TYPES
 from server.llama.kv_state import read_caches
 from server.slots.audit import kv_type_problem
 from server.types import CacheCells, Checkpoint

@@ -1,5 +1,11 @@
-"""The package's shape: no import circles, no lower layer importing a higher one, and no
-function longer than 60 lines. Imports under TYPE_CHECKING count too."""
+"""The package's shape: no import circles, no lower layer importing a higher one, only
+``server.llama`` loading llama.cpp, and no function longer than 60 lines. Imports under
+TYPE_CHECKING and inside functions count too.
+
+Layers, bottom to top (``LAYERS``): a module may import modules of its own package and of
+lower layers, never of a higher layer or of a sibling on its own level; ``KEPT_APART``
+names the lower packages a layer still must not import. Every module of the package must
+fall in a layer, so a new package has to be placed here before its first commit passes."""
 
 from __future__ import annotations
 
@@ -11,26 +17,54 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "server"
 
-# module prefix -> prefixes it must never import (higher layers, or siblings kept apart)
-FORBIDDEN = {
-    "server.types": ("server.",),
-    "server.llama": (
-        "server.slots",
-        "server.cache",
-        "server.routes",
-        "server.app",
-        "server.service",
-    ),
-    "server.cache": (
-        "server.slots",
-        "server.routes",
-        "server.app",
-        "server.service",
-        "server.llama",
-    ),
-    "server.slots": ("server.routes", "server.app", "server.service", "server.llama"),
-    "server.middleware": ("server.routes", "server.app"),
-    "server.metrics": ("server.routes", "server.app"),
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # leaves: typed values and protocols; the ggml type table (pure data, no llama.cpp), which
+    # the caches and slot files read without loading llama.cpp
+    ("server.types", "server.llama.ggml_types"),
+    # the flag table, and the Settings it fills: plain data every layer above may read
+    ("server.cli.flags",),
+    ("server.cli.config",),
+    # siblings: llama.cpp itself (the only user of llama_cpp), grammar/schema compiling,
+    # and the RAM cache, disk tier and slot-file formats
+    ("server.llama", "server.constrained", "server.cache"),
+    # the engine: slots, scheduling, sharing, speculation (llama.cpp behind Backend)
+    ("server.slots",),
+    # the API's language: bodies, errors, prompts, chat templates, tools, infill,
+    # responses, embeddings
+    ("server.api",),
+    # server state, tenancy, submission of tasks
+    ("server.service",),
+    # the FastAPI routers
+    ("server.routes",),
+    # the app (the one place that builds the llama backend and wires everything),
+    # middleware, CORS, metrics
+    ("server.http",),
+    # the CLI's entry point, then ``python -m server`` and the package root
+    ("server.cli.main", "server.cli"),
+    ("server.__main__", "server"),
+)
+
+# lower packages a layer still must not import: the engine reaches llama.cpp through its
+# Backend protocol (server.slots.backend_api) and constraints through server.types'
+# protocols; above it, only server.http.app builds llama objects
+KEPT_APART: dict[str, tuple[str, ...]] = {
+    "server.slots": ("server.llama", "server.constrained"),
+    "server.api": ("server.llama",),
+    "server.service": ("server.llama",),
+    "server.routes": ("server.llama",),
+    # the HTTP plumbing beside the app serves it; it never reaches for the app's parts
+    "server.http.middleware": ("server.routes", "server.service", "server.http.app"),
+    "server.http.cors": ("server.routes", "server.service", "server.http.app"),
+    "server.http.metrics": ("server.routes", "server.service", "server.http.app"),
+}
+
+# modules outside server.llama that import llama_cpp, each inside one function, and why
+LLAMA_CPP_OUTSIDE_LLAMA = {
+    # llguidance's llama.cpp tokenizer wants the vocabulary pointer and llama_tokenize's
+    # address (ConstraintVocab.from_llama; the app passes it to the backend as a factory)
+    "server.constrained.matcher",
+    # --list-devices asks whether the build offloads to a GPU, without loading a model
+    "server.cli.config",
 }
 
 
@@ -72,10 +106,79 @@ def _graph() -> dict[str, set[str]]:
     return {m: {i for i in _imports(p) if i in mods and i != m} for m, p in mods.items()}
 
 
+def _part(module: str) -> tuple[int, str] | None:
+    """(level, entry) of the most specific LAYERS entry holding ``module``; the package
+    root ``server`` holds only itself."""
+    best: tuple[int, str] | None = None
+    for level, entries in enumerate(LAYERS):
+        for e in entries:
+            inside = module == e or (e != "server" and module.startswith(e + "."))
+            if inside and (best is None or len(e) > len(best[1])):
+                best = (level, e)
+    return best
+
+
+def _banned(module: str, dep: str) -> bool:
+    """Whether ``module`` may not import ``dep``: a higher layer, a sibling on its own level,
+    or a package its layer keeps apart."""
+    (lm, em), (ld, ed) = _part(module), _part(dep)  # type: ignore[misc]
+    if em == ed:
+        return False
+    if ld >= lm:  # higher, or a sibling on the same level
+        return True
+    # a ban covers what lies under its name in the same entry (server.llama bans
+    # server.llama.backend, not the leaf server.llama.ggml_types)
+    return any(
+        _inside(module, k) and _inside(dep, b) and _part(b)[1] == ed  # type: ignore[index]
+        for k, bans in KEPT_APART.items()
+        for b in bans
+    )
+
+
+def _inside(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _upward(g: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} imports {d}" for m, deps in g.items() for d in deps if _banned(m, d))
+
+
 def test_graph_sees_the_packages_imports():
     g = _graph()
     assert "server.types" in g["server.slots.engine"]
-    assert "server.slots.ram" in g["server.slots.engine"]
+    assert "server.slots.ram" in g["server.slots.engine"]  # from . import ram
+    assert "server.api.tools.parse" in g["server.api.responses"]
+    assert "server.api.errors" in g["server.http.app"]  # from ..api import errors
+    assert "server.http.app" in g["server.cli.main"]
+    assert "server.cli.main" in g["server.__main__"]
+    assert "server.llama.ggml_types" in g["server.cache.slot_file"]
+    assert "server.llama.backend" in g["server.http.app"]  # inside a function
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in _graph() if _part(m) is None] == []
+
+
+def test_the_rules_catch_upward_and_sideways_imports():
+    """The checker itself: each kind of bad edge is reported, the allowed ones are not."""
+    bad = {
+        "server.types": {"server.slots.engine"},  # a leaf importing the engine
+        "server.slots.store": {"server.llama.backend"},  # kept apart
+        "server.cache.disk": {"server.llama.params"},  # a sibling
+        "server.api.chat": {"server.service"},  # upward
+        "server.llama.ggml_types": {"server.types"},  # sideways among the leaves
+        "server.cli.config": {"server.http.app"},  # settings importing the app
+        "server.http.metrics": {"server.routes.metrics"},  # kept apart
+    }
+    assert len(_upward(bad)) == sum(len(v) for v in bad.values())
+    good = {
+        "server.cache.slot_file": {"server.llama.ggml_types", "server.types"},
+        "server.slots.engine": {"server.cache.disk", "server.slots.ram"},
+        "server.http.app": {"server.llama.backend", "server.routes.openai"},
+        "server.routes.openai": {"server.service", "server.api.chat", "server.cli.config"},
+        "server.__main__": {"server.cli.main"},
+    }
+    assert _upward(good) == []
 
 
 def test_no_import_circles():
@@ -102,12 +205,29 @@ def test_no_import_circles():
 
 
 def test_no_lower_layer_imports_a_higher_one():
-    bad = []
-    for m, deps in _graph().items():
-        for low, banned in FORBIDDEN.items():
-            if m == low or m.startswith(low + "."):
-                bad += [f"{m} imports {d}" for d in deps if d.startswith(banned)]
-    assert bad == []
+    assert _upward(_graph()) == []
+
+
+def _imports_llama_cpp(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "llama_cpp" for a in node.names
+        ):
+            return True
+        module = node.module if isinstance(node, ast.ImportFrom) and not node.level else None
+        if module and module.split(".")[0] == "llama_cpp":
+            return True
+    return False
+
+
+def test_only_the_llama_package_loads_llama_cpp():
+    users = {_module_name(p) for p in PKG.rglob("*.py") if _imports_llama_cpp(p)}
+    assert "server.llama.backend" in users  # the check sees them
+    outside = {m for m in users if not m.startswith("server.llama.")}
+    assert outside == LLAMA_CPP_OUTSIDE_LLAMA
+    # the ggml table and the package's __init__ stay pure: cache/ and slots/ import them
+    assert "server.llama.ggml_types" not in users
+    assert not _graph()["server.llama"] and "server.llama" not in users
 
 
 def test_functions_are_at_most_60_lines():

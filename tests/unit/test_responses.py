@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from server.chat import BUILTIN_TEMPLATES, ChatTemplate
-from server.responses import ResponsesInputError, output_items, to_chat_body
+from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
+from server.api.responses import ResponsesInputError, output_items, to_chat_body
+from server.api.schemas import ChatRequest
+from server.api.tools.parse import Message, ToolCall
+from server.api.tools.plan import plan_chat
 from server.routes.responses import _ResponseStream
-from server.schemas import ChatRequest
-from server.tools.parse import Message, ToolCall
-from server.tools.plan import plan_chat
 from server.types import FinishReason, PromptProgress, TaskResult, TextChunk, Timings
 
 

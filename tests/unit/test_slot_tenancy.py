@@ -15,7 +15,7 @@ import pytest
 from server.cache import slot_file as sf
 from server.cache import tenancy
 from server.cache.disk import DiskTier
-from server.config import Settings
+from server.cli.config import Settings
 from server.routes import slots as slots_route
 from server.service import tenant_of
 from server.types import Checkpoint

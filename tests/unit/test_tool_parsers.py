@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from server.tools.parse import (
+from server.api.tools.parse import (
     Message,
     OutputParser,
     ToolCall,

@@ -10,15 +10,15 @@ import re
 import jsonschema
 import pytest
 
-from server.chat import BUILTIN_TEMPLATES, ChatTemplate, thinking_forced_open
-from server.tools.parse import OutputParser, ToolCall, ToolFormat, parse_message
-from server.tools.plan import ChatPlan, plan_chat
-from server.tools.prompt import (
+from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, thinking_forced_open
+from server.api.tools.parse import OutputParser, ToolCall, ToolFormat, parse_message
+from server.api.tools.plan import ChatPlan, plan_chat
+from server.api.tools.prompt import (
     _call_text,
     prepare,
     template_tools,
 )
-from server.tools.spec import ToolSpecError, forced_call, tool_spec
+from server.api.tools.spec import ToolSpecError, forced_call, tool_spec
 from tests.llama_sdist import vendored
 
 WEATHER = {

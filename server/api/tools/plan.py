@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...constrained import Constraint, ConstraintError, json_schema_constraint
 from ..chat import ChatTemplate
-from ..constrained import Constraint, ConstraintError, json_schema_constraint
 from .parse import Delta, Message, OutputParser, ToolFormat, new_call_id, new_mistral_id
 from .prompt import template_tools
 from .spec import ToolSpec, ToolSpecError, forced_call, tool_spec

@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..constrained.limits import ShapeError, check_schema_shape
-from ..constrained.worker import limits
+from ...constrained.limits import ShapeError, check_schema_shape
+from ...constrained.worker import limits
 from .parse import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

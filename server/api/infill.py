@@ -15,34 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TOKEN_NULL = -1  # llama.cpp's LLAMA_TOKEN_NULL
+from ..types import TOKEN_NULL, FimTokens
 
 Tokenize = Callable[[str, bool, bool], list[int]]  # (text, add_special, parse_special)
 
 # llama-server's separator of extra chunks where the model has no FIM_SEP token
 CHUNK_PREFIX = "\n\n--- snippet ---\n\n"
-
-
-@dataclass(frozen=True)
-class FimTokens:
-    """The vocabulary's FIM tokens (TOKEN_NULL where it has none)."""
-
-    pre: int = TOKEN_NULL
-    suf: int = TOKEN_NULL
-    mid: int = TOKEN_NULL
-    rep: int = TOKEN_NULL
-    sep: int = TOKEN_NULL
-
-    def missing(self) -> str:
-        """llama-server's list of the missing required tokens ("" when infill works)."""
-        out = ""
-        if self.pre == TOKEN_NULL:
-            out += "prefix token is missing. "
-        if self.suf == TOKEN_NULL:
-            out += "suffix token is missing. "
-        if self.mid == TOKEN_NULL:
-            out += "middle token is missing. "
-        return out
 
 
 class InfillInputError(ValueError):

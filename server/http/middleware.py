@@ -11,8 +11,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..api.errors import error_body
 from .cors import LOCAL_HOSTS, CorsPolicy, hostname, normalize_origin, origin_host
-from .errors import error_body
 from .metrics import ServerMetrics, endpoint_label
 
 # Load balancers probe these without credentials.

@@ -1,28 +1,23 @@
 """Embedding and reranking requests (--embedding, --reranking): their inputs, checks and
-response shapes, as llama-server's ``handle_embeddings_impl`` and ``post_rerank`` make them;
-and ``run_embeddings``, which hands the prompts to the engine (server.slots.embed) and waits.
+response shapes, as llama-server's ``handle_embeddings_impl`` and ``post_rerank`` make them.
+``server.routes.embeddings.run_embeddings`` hands the prompts to the engine and waits.
 
 Nothing here talks to llama.cpp: prompts are tokenized through a ``tokenize(text,
 add_special)`` callable and the rerank prompt's special tokens come in ``RerankParts``."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .config import Settings
+from ..cli.config import Settings
+from ..slots.embed import EmbedResult, too_large
 from .errors import APIError
 from .schemas import _Req
-from .service import until_disconnected
-from .slots.embed import EmbedEvent, EmbedResult, EmbedTask, too_large
-from .slots.engine import EngineDead
-from .types import TaskError
 
 # llama_pooling_type values of --pooling's names
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
@@ -294,76 +289,3 @@ def rerank_response(
         "usage": {"prompt_tokens": n, "total_tokens": n},
         "results": items,
     }
-
-
-# ---- running ------------------------------------------------------------------------------
-
-
-# put in a request's event queue when its client disconnected
-CLIENT_GONE = object()
-
-
-def _emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[EmbedEvent], None]:
-    """A task's ``emit``: thread-safe; the engine batches deliveries per loop (``deliver``)."""
-
-    def emit(ev: EmbedEvent) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-        except RuntimeError:  # loop closed: the client is long gone
-            pass
-
-    emit.loop = loop  # type: ignore[attr-defined]
-    emit.deliver = q.put_nowait  # type: ignore[attr-defined]
-    return emit
-
-
-async def run_embeddings(
-    st: Any, prompts: list[list[int]], request: Any = None
-) -> list[EmbedResult]:
-    """Embed ``prompts`` on the engine, one task each (they share decodes with every other
-    request's); results in prompt order. APIError: 503 when the queue is full or the engine
-    stopped, 408 after the server's --timeout, a task's error as it comes. With ``request``,
-    a client that disconnects cancels the prompts not embedded yet (within ~0.25 s); the
-    answer then goes nowhere."""
-    engine = st.require_engine()
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue[EmbedEvent] = asyncio.Queue()
-    emit = _emitter(loop, q)
-    tasks = [EmbedTask(toks, emit, index=i) for i, toks in enumerate(prompts)]
-    max_queue = st.settings.max_queue
-    # a request's prompts count as one request: it is refused only behind a full queue
-    if engine.queue_depth() >= max_queue + engine.n_idle_slots():
-        raise APIError(
-            503,
-            f"the server is busy: more than {max_queue} requests are waiting",
-            "unavailable_error",
-            headers={"Retry-After": "1"},
-        )
-    out: list[EmbedResult | None] = [None] * len(tasks)
-    deadline = time.monotonic() + st.settings.timeout
-    watcher = None
-    if request is not None:  # a disconnect ends the wait below with CLIENT_GONE
-        watcher = asyncio.create_task(until_disconnected(request))
-        watcher.add_done_callback(lambda _: q.put_nowait(CLIENT_GONE))
-    try:
-        for t in tasks:
-            engine.submit(t)
-        for _ in tasks:
-            ev = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
-            if ev is CLIENT_GONE:
-                raise APIError(499, "the client disconnected", "cancelled_error")
-            if isinstance(ev, TaskError):
-                raise APIError(ev.status, ev.message, ev.type, **ev.extra)
-            out[ev.index] = ev
-    except EngineDead as e:
-        raise APIError(503, str(e), "unavailable_error") from e
-    except asyncio.TimeoutError:
-        raise APIError(
-            408, f"the request timed out after {st.settings.timeout:g} s", "timeout_error"
-        ) from None
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-        for t in tasks:
-            t.cancel()  # those still waiting are dropped; finished ones ignore it
-    return [r for r in out if r is not None]

@@ -54,7 +54,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 
 def _refuse_unsupported(v: Any, info: ValidationInfo) -> Any:
     """The field validator of the UNSUPPORTED fields a request model declares."""
-    ok, why = UNSUPPORTED[info.field_name]
+    ok, why = UNSUPPORTED[info.field_name or ""]  # always set for a field validator
     if not ok(v):
         raise PydanticCustomError("unsupported_field", f"{why} (this server refuses the field)")
     return v
@@ -196,7 +196,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None
     response_format: Any = None  # server.constrained.request_constraint reads it
-    # tool calling and reasoning (server.tools checks them: 400 for malformed tools)
+    # tool calling and reasoning (server.api.tools checks them: 400 for malformed tools)
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -233,7 +233,7 @@ class ChatRequest(SamplingFields):
 
 class NativeCompletionRequest(SamplingFields):
     """llama-server's /completion. ``max_tokens`` wins over ``n_predict``. ``prompt`` takes
-    every form of llama-server's (server.prompts checks it)."""
+    every form of llama-server's (server.api.prompts checks it)."""
 
     prompt: Any
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
@@ -271,7 +271,7 @@ Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
 
 class InfillRequest(SamplingFields):
-    """llama-server's /infill. The FIM fields are checked by ``server.infill`` (in llama-server's
+    """llama-server's /infill. The FIM fields are checked by ``server.api.infill`` (in llama-server's
     order and words, after the model's FIM tokens), so they are untyped here."""
 
     input_prefix: Any = None
@@ -287,7 +287,7 @@ class InfillRequest(SamplingFields):
 
 
 class ResponsesRequest(SamplingFields):
-    """/v1/responses: server.responses maps it onto a chat body, which ChatRequest then
+    """/v1/responses: server.api.responses maps it onto a chat body, which ChatRequest then
     checks. Fields not named here pass through to that chat body (hence extra="allow");
     those that need stored state are refused (UNSUPPORTED)."""
 

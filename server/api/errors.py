@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("server.errors")
+log = logging.getLogger("server.api.errors")
 
 # OpenAI's error type for a status, where the raiser names none.
 TYPES = {

@@ -56,7 +56,7 @@ _PROBE_TOOL = {
         "parameters": {"type": "object", "properties": {"probe_arg": {"type": "integer"}}},
     },
 }
-_PROBE = [
+_PROBE: list[dict[str, Any]] = [
     {"role": "system", "content": "probe system"},
     {"role": "user", "content": "probe user"},
     {

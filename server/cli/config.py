@@ -1,5 +1,5 @@
 """Settings: one field per implemented llama-server flag, with its default; also read from
-LLAMA_ARG_* variables. The flag tables are in ``server.flags``; the rest of llama-server's
+LLAMA_ARG_* variables. The flag tables are in ``server.cli.flags``; the rest of llama-server's
 flags are accepted, checked and ignored (``Settings.compat``, one warning: ``warn_ignored``)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
@@ -79,7 +80,7 @@ class Settings(BaseModel):
     reasoning: str = "auto"
     reasoning_effort: str | None = None
     # Default sampling: a request gets these for the fields it leaves out (the ranges are the
-    # request fields' own, server.schemas.SamplingFields).
+    # request fields' own, server.api.schemas.SamplingFields).
     seed: int = -1
     temperature: float = Field(0.8, ge=0.0, le=100.0)
     top_k: int = Field(40, ge=0, le=1_000_000)
@@ -90,10 +91,10 @@ class Settings(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     keep: int = Field(0, ge=-1)  # a request's n_keep default (context shift)
-    # embeddings and reranking (server.embeddings): --reranking implies --embedding with
+    # embeddings and reranking (server.api.embeddings): --reranking implies --embedding with
     # pooling rank, as in llama-server; pooling None is the model's own
     embedding: bool = False
-    spm_infill: bool = False  # /infill builds suffix/prefix/middle (server.infill)
+    spm_infill: bool = False  # /infill builds suffix/prefix/middle (server.api.infill)
     reranking: bool = False
     pooling: str | None = None
     embd_normalize: int = 2
@@ -365,7 +366,7 @@ def _flag_of(field: str) -> str:
     return next(("/".join(o.flags) for o in OPTIONS if o.dest == field), field)
 
 
-def parse_settings(argv: list[str] | None = None, env: dict[str, str] | None = None) -> Settings:
+def parse_settings(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Flags win over environment variables, which win over defaults. A malformed value, on
     the command line or in a variable, exits with status 2 and a message, as argparse does."""
     env = os.environ if env is None else env

@@ -4,7 +4,7 @@ variables (those of llama-cpp-python 0.3.36's vendored ``tools/server/README.md`
 ``OPTIONS`` are the flags this server implements: each is a ``Settings`` field.
 ``COMPAT`` are the rest of llama-server's flags, accepted so that a llama-server command line
 starts this server unchanged, and ignored: their values are still checked (a malformed one is an
-error), and ``server.config.ignored_flags`` names the given ones that would change what
+error), and ``server.cli.config.ignored_flags`` names the given ones that would change what
 llama-server does, for one warning at start-up. A flag moves from ``COMPAT`` to ``OPTIONS``
 when it is implemented."""
 
@@ -15,6 +15,8 @@ import json
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from ..llama.ggml_types import CACHE_TYPES
 
 
 def n_gpu_layers(text: str) -> int:
@@ -70,7 +72,7 @@ SPEC_TYPES = [
 
 def spec_types(text: str) -> list[str]:
     """``--spec-type``: comma-separated speculative decoding types (llama-server's names;
-    ``server.app`` refuses those this server does not implement)."""
+    ``server.http.app`` refuses those this server does not implement)."""
     items = _items(text, "speculative decoding types")
     if any(x not in SPEC_TYPES for x in items):
         raise _err("types among " + ",".join(SPEC_TYPES), text)
@@ -135,7 +137,7 @@ OPTIONS: list[Opt] = [
     _o("--repeat-penalty", "repeat_penalty", "LLAMA_ARG_REPEAT_PENALTY", "default repeat penalty (default: 1.00, 1.0 = off)", float),
     _o("--presence-penalty", "presence_penalty", "LLAMA_ARG_PRESENCE_PENALTY", "default presence penalty (default: 0.00)", float),
     _o("--frequency-penalty", "frequency_penalty", "LLAMA_ARG_FREQUENCY_PENALTY", "default frequency penalty (default: 0.00)", float),
-    # --- embeddings and reranking (server.embeddings) ---
+    # --- embeddings and reranking (server.api.embeddings) ---
     _o("--spm-infill", "spm_infill", "", "POST /infill: suffix/prefix/middle order instead of prefix/suffix/middle, for models trained so (default: off)", "bool"),
     _o("--embedding --embeddings", "embedding", "LLAMA_ARG_EMBEDDINGS", "serve POST /embedding(s) and /v1/embeddings (generation keeps working) (default: off)", "bool"),
     _o("--rerank --reranking", "reranking", "LLAMA_ARG_RERANKING", "serve POST /rerank (/v1/rerank): --embedding with --pooling rank, for reranker models (default: off)", "bool"),
@@ -303,26 +305,6 @@ def logit_bias(text: str) -> str:
 
 def _words(text: str) -> list[str]:
     return text.split()
-
-
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-# their ggml type ids (ggml.h's enum ggml_type; server.llama.params maps them to llama.cpp)
-CACHE_TYPE_IDS = {
-    "f32": 0,
-    "f16": 1,
-    "bf16": 30,
-    "q8_0": 8,
-    "q4_0": 2,
-    "q4_1": 3,
-    "iq4_nl": 20,
-    "q5_0": 6,
-    "q5_1": 7,
-}
-
-
-def cache_type_name(type_id: int) -> str:
-    """A ggml type id as llama-server spells the cache type (``type 12`` for another)."""
-    return next((k for k, v in CACHE_TYPE_IDS.items() if v == type_id), f"type {type_id}")
 
 
 ON_OFF_AUTO = ("on", "off", "auto")

@@ -2,7 +2,7 @@
 becomes a chat body (``to_chat_body``, after llama-server's
 server_chat_convert_responses_to_chatcmpl), and a parsed chat answer becomes Responses
 output items (``output_items``) and the ``response`` object. Stateless: nothing is stored,
-so ``previous_response_id`` and friends are refused (server.schemas.UNSUPPORTED)."""
+so ``previous_response_id`` and friends are refused (server.api.schemas.UNSUPPORTED)."""
 
 from __future__ import annotations
 

@@ -10,31 +10,40 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from . import errors
-from .cache.disk import DiskTier
-from .cache.disk_files import FileCheck
-from .cache.prompt_cache import MiB, PromptCache
-from .chat import pick_template
-from .config import Settings, csv_list, load_api_keys
-from .constrained import worker
-from .constrained.limits import ConstraintLimits
+from ..api import errors
+from ..api.chat import pick_template
+from ..api.embeddings import embeddings_on, pooling_of
+from ..cache.disk import DiskTier
+from ..cache.disk_files import FileCheck
+from ..cache.prompt_cache import MiB, PromptCache
+from ..cli.config import Settings, csv_list, load_api_keys
+from ..constrained import llama_compiler, worker
+from ..constrained.limits import ConstraintLimits
+from ..routes import cache as cache_routes
+from ..routes import cors_proxy, infill, native, openai, responses, slots, template
+from ..routes import embeddings as embedding_routes
+from ..routes import metrics as metrics_routes
+from ..service import ServerState
+from ..slots.engine import Engine, EngineOptions
+from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 from .cors import Cors, CorsPolicy, effective_origins
-from .embeddings import embeddings_on, pooling_of
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
-from .routes import cache as cache_routes
-from .routes import cors_proxy, infill, native, openai, responses, slots, template
-from .routes import embeddings as embedding_routes
-from .routes import metrics as metrics_routes
-from .service import ServerState
-from .slots.engine import Engine, EngineOptions
-from .slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 
 log = logging.getLogger("server")
+
+if TYPE_CHECKING:  # the type checker holds the real backend and draft to the engine's protocols
+    from ..llama.backend import LlamaBackend
+    from ..llama.draft import DraftContext
+    from ..slots.backend_api import Backend
+    from ..slots.draft_kv import DraftMemory
+
+    def _conforms(b: LlamaBackend, d: DraftContext) -> tuple[Backend, DraftMemory]:
+        return b, d
 
 
 def default_model_path() -> str:
@@ -46,8 +55,8 @@ def default_model_path() -> str:
 
 def model_options(s: Settings, path: str) -> Any:
     """The backend's options from the settings (the one place they are mapped)."""
-    from .llama.backend import ModelOptions
-    from .llama.params import load_mode, tensor_overrides
+    from ..llama.backend import ModelOptions
+    from ..llama.params import load_mode, tensor_overrides
 
     spec = spec_config(s)
     return ModelOptions(
@@ -93,7 +102,7 @@ def kv_label(s: Settings) -> str:
     """The KV cache types in a disk entry's model id: another -ctk / -ctv (or -ctkd / -ctvd
     with a draft model) makes another model's entries, never restored here. Empty for the
     defaults, so the entries of servers without these flags stay valid."""
-    types = (s.cache_type_k, s.cache_type_v)
+    types: tuple[str, ...] = (s.cache_type_k, s.cache_type_v)
     if spec_config(s).kind == SPEC_DRAFT:
         types += (s.cache_type_k_draft, s.cache_type_v_draft)
     return "" if set(types) == {"f16"} else ":kv=" + "/".join(types)
@@ -131,7 +140,7 @@ def spill_to_disk(st: ServerState, timeout: float = SPILL_S) -> None:
     engine = st.engine
     if engine is None or engine.disk is None or not engine.alive:
         return
-    from .slots import disk_glue
+    from ..slots import disk_glue
 
     disk, t0 = engine.disk, time.monotonic()
     try:
@@ -166,8 +175,8 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
 
 def draft_options(s: Settings) -> Any:
     """The draft model's settings (server.llama.draft.DraftOptions) from the flags."""
-    from .llama.draft import DraftOptions
-    from .llama.params import tensor_overrides
+    from ..llama.draft import DraftOptions
+    from ..llama.params import tensor_overrides
 
     return DraftOptions(
         s.spec_draft_model,
@@ -186,7 +195,7 @@ def draft_context(s: Settings, backend: Any) -> Any:
     """The draft model's context for draft-simple (None otherwise)."""
     if spec_config(s).kind != SPEC_DRAFT:
         return None
-    from .llama.draft import DraftContext
+    from ..llama.draft import DraftContext
 
     draft = DraftContext(backend, draft_options(s))
     log.info("draft model %s (n_swa=%d)", draft.path, draft.n_swa)
@@ -227,7 +236,7 @@ def load(st: ServerState) -> None:
     """Load model, template and engine; on failure record the error (health turns 503)."""
     s = st.settings
     try:
-        from .llama.backend import LlamaBackend
+        from ..llama.backend import LlamaBackend
 
         if s.slot_save_path:
             _clean_save_dir(s.slot_save_path)
@@ -236,7 +245,7 @@ def load(st: ServerState) -> None:
         # as llama-server: the aliases form a sorted set, the first one names the model
         st.model_aliases = sorted(set(csv_list(s.alias or "")))
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
-        backend = LlamaBackend(model_options(s, path))
+        backend = LlamaBackend(model_options(s, path), compiler=llama_compiler)
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
         # a compile child started now (beside the rest of the load), not by the first schema
         threading.Thread(target=worker.pool().warm, name="constraint-warm", daemon=True).start()
@@ -273,7 +282,10 @@ def load(st: ServerState) -> None:
 
 
 def _log_loaded(st: ServerState, path: str) -> None:
-    s, b, engine = st.settings, st.backend, st.engine
+    """One line on what was loaded (after ``load`` set the engine and the template)."""
+    s, b, engine, template = st.settings, st.backend, st.engine, st.template
+    if engine is None or template is None:
+        return
     log.info(
         "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
         "chat template %s, checkpoints %s, RAM cache %s, disk cache %s, backend sampling %s, "
@@ -285,7 +297,7 @@ def _log_loaded(st: ServerState, path: str) -> None:
         b.n_batch,
         b.n_swa,
         b.kv_unified,
-        st.template.name,
+        template.name,
         "on" if engine.ckpt.enabled else "off",
         f"{s.cache_ram} MiB" if engine.cache else "off",
         f"{s.cache_disk_mib} MiB in {s.cache_disk}" if engine.disk else "off",
@@ -348,7 +360,8 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
             st.engine.stop()
             if st.engine.disk is not None:
                 st.engine.disk.close()
-        if st.backend is not None and (st.engine is None or not st.engine._thread.is_alive()):
+        thread = st.engine._thread if st.engine is not None else None
+        if st.backend is not None and (thread is None or not thread.is_alive()):
             if st.draft is not None:
                 st.draft.close()  # before the model it may share
             st.backend.close()

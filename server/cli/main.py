@@ -1,0 +1,101 @@
+"""CLI: llama-server-compatible flags -> Settings -> app -> uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from ..http.app import create_app
+from .config import Settings, csv_list, parse_settings, warn_ignored
+
+# llama-server's -lv thresholds: 0 generic output, 1 error, 2 warning, 3 info, 4+ debug.
+_LEVELS = {0: logging.ERROR, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}
+
+
+def setup_logging(s: Settings) -> None:
+    """-v / -lv set the level, --log-file adds a file, --log-disable silences everything."""
+    level = logging.DEBUG if s.verbose or s.log_verbosity > 3 else _LEVELS.get(s.log_verbosity)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if s.log_file:
+        handlers.append(logging.FileHandler(s.log_file, encoding="utf-8"))
+    logging.basicConfig(
+        level=level or logging.ERROR,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        handlers=handlers,
+    )
+    if s.log_disable:
+        logging.disable(logging.CRITICAL)
+
+
+# SIGTERM: uvicorn stops accepting and waits up to GRACE_S for connections to close. Running
+# requests may finish for DRAIN_S; then the rest end with an error event (or a 503), so
+# every stream still ends properly before uvicorn cuts what is left.
+GRACE_S = 10
+DRAIN_S = 8
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the routes when a shutdown began (see service.TaskGroup)."""
+
+    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.drain_deadline is None:
+            self.state.drain_deadline = time.monotonic() + DRAIN_S
+            logging.getLogger("server").info("shutting down: draining for %d s", DRAIN_S)
+        super().handle_exit(sig, frame)
+
+
+def bind(hosts: list[str], port: int) -> list[socket.socket]:
+    """Listening sockets for ``--host a,b`` (llama-server listens on each address)."""
+    socks = []
+    for host in hosts:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+        socks.append(sock)
+    return socks
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    setup_logging(settings)
+    warn_ignored(settings)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="critical" if settings.log_disable else "info" if settings.verbose else "warning",
+        timeout_graceful_shutdown=GRACE_S,
+        ssl_keyfile=settings.ssl_key_file,
+        ssl_certfile=settings.ssl_cert_file,
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; with this no-op as the
+    # handler it restores, the process then exits with 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    hosts = csv_list(settings.host)
+    sockets = bind(hosts, settings.port) if len(hosts) > 1 else None
+    state = app.state.server
+    server = DrainingServer(config, state)
+    state.on_load_failed = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=sockets)
+    if state.load_error:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
