@@ -31,6 +31,7 @@ from .routes import cors_proxy, infill, native, openai, responses, slots, templa
 from .routes import embeddings as embedding_routes
 from .routes import metrics as metrics_routes
 from .service import ServerState
+from .slots.commands import SpillToDisk
 from .slots.engine import Engine, EngineOptions
 from .slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 
@@ -131,12 +132,9 @@ def spill_to_disk(st: ServerState, timeout: float = SPILL_S) -> None:
     engine = st.engine
     if engine is None or engine.disk is None or not engine.alive:
         return
-    from .slots import disk_glue
-
     disk, t0 = engine.disk, time.monotonic()
     try:
-        fut = engine.call(lambda e: disk_glue.spill(e.store, e.cache, disk))
-        n = fut.result(timeout)
+        n = engine.submit_command(SpillToDisk()).result(timeout).n_queued
     except Exception as e:  # a dead or stuck engine: nothing more to save
         log.warning("disk cache: could not spill at shutdown: %s", e)
         return

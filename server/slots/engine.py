@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
@@ -33,6 +33,7 @@ from ..types import (
 from . import disk_glue, ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
+from .commands import Command
 from .draft_kv import DraftMemory
 from .embed import EmbedQueue, EmbedTask
 from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
@@ -45,6 +46,7 @@ from .stats import EngineStats
 from .store import SlotStore, shift_span
 
 log = logging.getLogger("server.slots.engine")
+R = TypeVar("R")
 
 
 @dataclass
@@ -144,8 +146,18 @@ class Engine:
         self._inbox.put(task)
         self._wake.set()
 
+    def submit_command(self, cmd: Command[R]) -> Future[R]:
+        """Run ``cmd.run(engine)`` on the engine thread between two steps, once ``cmd.slot``
+        (when >= 0) is idle; commands and ops run in the order they came, except that one
+        waiting for its slot lets later ones pass. The Future holds the command's typed
+        result (its failures are results too: slots/commands.py), or what it raised;
+        EngineDead in it when the engine stops first. EngineDead when it is not running."""
+        return self.call(cmd.run, slot=cmd.slot)
+
     def call(self, fn: Callable[[Engine], Any], slot: int = -1) -> Future:
-        """Run ``fn(engine)`` on the engine thread between steps, once ``slot`` (if given) is idle."""
+        """Run ``fn(engine)`` on the engine thread between steps, once ``slot`` (if given) is
+        idle. The untyped form of ``submit_command``, for tests and diagnostics: what the
+        HTTP side asks of the engine is a command."""
         if not self.alive:
             raise EngineDead("the engine is not running")
         op = _Op(fn, slot, Future())
