@@ -30,7 +30,7 @@ from .routes import cache as cache_routes
 from .routes import cors_proxy, infill, native, openai, responses, slots, template
 from .routes import embeddings as embedding_routes
 from .routes import metrics as metrics_routes
-from .service import ServerState
+from .service.state import ServerState
 from .slots.commands import SpillToDisk
 from .slots.engine import Engine, EngineOptions
 from .slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig

@@ -19,7 +19,7 @@ import numpy as np
 from .config import Settings
 from .errors import APIError
 from .schemas import _Req
-from .service import until_disconnected
+from .service.tasks import until_disconnected
 from .slots.embed import EmbedEvent, EmbedResult, EmbedTask, too_large
 from .slots.engine import EngineDead
 from .types import TaskError

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
-from ..service import tenant_of
+from ..service.state import tenant_of
 from ..slots.commands import CheckIntegrity
 from .common import state_of
 

@@ -28,7 +28,7 @@ from ..embeddings import (
     run_embeddings,
 )
 from ..errors import APIError
-from ..service import ServerState
+from ..service.state import ServerState
 from .common import state_of
 
 router = APIRouter()

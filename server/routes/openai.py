@@ -20,18 +20,11 @@ from ..config import csv_list
 from ..constrained import Constraint
 from ..errors import APIError
 from ..schemas import ChatRequest, CompletionRequest
-from ..service import (
-    Prompt,
-    ServerState,
-    Submission,
-    TaskGroup,
-    constraint_of,
-    finish_reason,
-    merged_timings,
-    submit,
-    tenant_of,
-    usage_of,
-)
+from ..service.state import ServerState, tenant_of
+from ..service.submit import Prompt, Submission, submit
+from ..service.tasks import TaskGroup
+from ..service.usage import finish_reason, merged_timings, usage_of
+from ..service.validation import constraint_of
 from ..tools.parse import Delta, Message, parse_message
 from ..tools.plan import ChatPlan, deltas_of, message_of, plan_chat
 from ..tools.prompt import prepare

@@ -29,7 +29,9 @@ from ..responses import (
     usage,
 )
 from ..schemas import ChatRequest, ResponsesRequest
-from ..service import Submission, TaskGroup, submit, tenant_of
+from ..service.state import tenant_of
+from ..service.submit import Submission, submit
+from ..service.tasks import TaskGroup
 from ..tools.parse import Delta, Message, ToolCall, parse_message
 from ..tools.plan import ChatPlan
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from ..cache import slot_file
 from ..errors import APIError
 from ..schemas import SlotActionBody
-from ..service import ServerState, tenant_of
+from ..service.state import ServerState, tenant_of
 from ..slots.commands import (
     AttachAppendices,
     Caller,

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ..schemas import ChatRequest
-from ..service import ServerState
+from ..service.state import ServerState
 from ..tools.plan import ChatPlan
 from .common import state_of
 from .openai import _plan, render_chat, render_prompt
