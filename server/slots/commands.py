@@ -108,13 +108,6 @@ class Caller:
         return None
 
 
-def _slot(host: Host, slot_id: int) -> Slot | Failed:
-    slots = host.store.slots
-    if not 0 <= slot_id < len(slots):
-        return Failed(f"invalid slot id {slot_id}: this server has {len(slots)} slots")
-    return slots[slot_id]
-
-
 # ---- save, restore, erase -------------------------------------------------------------
 
 
@@ -139,9 +132,7 @@ class SaveSlot:
     caller: Caller
 
     def run(self, host: Host) -> SlotSaved | Refused | Failed:
-        s = _slot(host, self.slot)
-        if isinstance(s, Failed):
-            return s
+        s = host.store.slots[self.slot]
         refusal = self.caller.slot_refusal(s, "save")
         if refusal is not None:
             return refusal
@@ -184,9 +175,7 @@ class RestoreSlot:
     caller: Caller
 
     def run(self, host: Host) -> SlotRestored | StateLoaded | Refused | Failed:
-        s = _slot(host, self.slot)
-        if isinstance(s, Failed):
-            return s
+        s = host.store.slots[self.slot]
         refusal = self.caller.slot_refusal(s, "restore into")
         if refusal is not None:
             return refusal
@@ -223,9 +212,7 @@ class AttachAppendices:
     caller: Caller
 
     def run(self, host: Host) -> SlotRestored | Failed:
-        s = _slot(host, self.slot)
-        if isinstance(s, Failed):
-            return s
+        s = host.store.slots[self.slot]
         app = self.appendices
         if s.tenant != self.caller.tenant or s.tokens != self.tokens:
             app.warnings.append(DROPPED_APPENDICES)
@@ -247,10 +234,8 @@ class EraseSlot:
     slot: int
     caller: Caller
 
-    def run(self, host: Host) -> SlotErased | Refused | Failed:
-        s = _slot(host, self.slot)
-        if isinstance(s, Failed):
-            return s
+    def run(self, host: Host) -> SlotErased | Refused:
+        s = host.store.slots[self.slot]
         refusal = self.caller.slot_refusal(s, "erase")
         if refusal is not None:
             return refusal

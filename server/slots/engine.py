@@ -151,7 +151,10 @@ class Engine:
         (when >= 0) is idle; commands and ops run in the order they came, except that one
         waiting for its slot lets later ones pass. The Future holds the command's typed
         result (its failures are results too: slots/commands.py), or what it raised;
-        EngineDead in it when the engine stops first. EngineDead when it is not running."""
+        EngineDead in it when the engine stops first. EngineDead when it is not running;
+        ValueError when ``cmd.slot`` names no slot (checked here, never on the engine thread)."""
+        if not -1 <= cmd.slot < len(self.slots):
+            raise ValueError(f"no slot {cmd.slot}: this engine has {len(self.slots)} slots")
         return self.call(cmd.run, slot=cmd.slot)
 
     def call(self, fn: Callable[[Engine], Any], slot: int = -1) -> Future:
