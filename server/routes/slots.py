@@ -215,12 +215,12 @@ async def _restore(
         raise APIError(refusal.status, refusal.message)
     keep = engine.store.ckpt.max_per_slot
     plan = await asyncio.to_thread(plan_restore, b, parsed, keep)
-    got = _unwrap(engine, await _run(engine, RestoreSlot(sid, parsed, plan, who)))
-    if isinstance(got, StateLoaded):  # the state alone: its appendices start where it ended
-        pos = parsed.state_off + got.consumed
+    loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
+    if isinstance(loaded, StateLoaded):  # the state alone: its appendices start where it ended
+        pos = parsed.state_off + loaded.consumed
         app = await asyncio.to_thread(parse_after_state, parsed, pos, keep)
-        attach = AttachAppendices(sid, list(parsed.tokens), app, who)
-        got = _unwrap(engine, await _run(engine, attach))
+        loaded = await _run(engine, AttachAppendices(sid, list(parsed.tokens), app, who))
+    got = _unwrap(engine, loaded)
     for w in got.warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)
     _record(engine, restores=1, bytes_read=parsed.n_read)
