@@ -6,8 +6,8 @@ named by ``cmd.slot`` (when >= 0) is idle, and the returned Future holds its typ
 A command that cannot be done returns a typed failure instead of raising: ``Refused``
 (another tenant's slot or file under --cache-isolation: a 403, never counted as a failed
 slot-file operation) or ``Failed`` (the state was refused, llama.cpp could not write:
-counted, answered with ``status``). Only what is unexpected (an OSError from llama.cpp's
-own file writing, a MemoryError) is raised, into the Future.
+counted, answered with ``status``). Only what is unexpected (an OSError, a MemoryError)
+is raised, into the Future.
 
 ``run`` is engine-thread only and does no slow work: reading, checking and parsing slot
 files happen on worker threads before a command is built (``file_plan``), and writing a
