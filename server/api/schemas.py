@@ -79,7 +79,7 @@ class SamplingFields(_Req):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     repeat_last_n: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
-    logit_bias: dict[str, Any] | list[list[Any]] | None = None  # service._logit_bias
+    logit_bias: dict[str, Any] | list[list[Any]] | None = None  # service.sampling._logit_bias
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     id_slot: Annotated[int, Field(ge=-1, le=1023)] = -1

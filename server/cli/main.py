@@ -42,7 +42,7 @@ DRAIN_S = 8
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the routes when a shutdown began (see service.TaskGroup)."""
+    """uvicorn's server, telling the routes when a shutdown began (see service.tasks.TaskGroup)."""
 
     def __init__(self, config: uvicorn.Config, state: Any) -> None:
         super().__init__(config)

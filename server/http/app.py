@@ -27,7 +27,8 @@ from ..routes import cache as cache_routes
 from ..routes import cors_proxy, infill, native, openai, responses, slots, template
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
-from ..service import ServerState
+from ..service.state import ServerState
+from ..slots.commands import SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 from .cors import Cors, CorsPolicy, effective_origins
@@ -140,12 +141,9 @@ def spill_to_disk(st: ServerState, timeout: float = SPILL_S) -> None:
     engine = st.engine
     if engine is None or engine.disk is None or not engine.alive:
         return
-    from ..slots import disk_glue
-
     disk, t0 = engine.disk, time.monotonic()
     try:
-        fut = engine.call(lambda e: disk_glue.spill(e.store, e.cache, disk))
-        n = fut.result(timeout)
+        n = engine.submit_command(SpillToDisk()).result(timeout).n_queued
     except Exception as e:  # a dead or stuck engine: nothing more to save
         log.warning("disk cache: could not spill at shutdown: %s", e)
         return

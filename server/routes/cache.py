@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
-from ..service import tenant_of
+from ..service.state import tenant_of
+from ..slots.commands import CheckIntegrity
 from .common import state_of
 
 if TYPE_CHECKING:
@@ -85,10 +86,5 @@ async def integrity(request: Request) -> dict[str, Any]:
     every slot's tokens match its KV positions, checkpoints lie within them, cache bytes equal
     the sum of its entries, no entry is a prefix of another."""
     engine = state_of(request).require_engine()
-
-    def check(e: Engine) -> list[str]:
-        return e.check_integrity() + (e.cache.check_integrity() if e.cache is not None else [])
-
-    # engine.call runs check on the engine thread between steps: nothing moves meanwhile
-    problems = await asyncio.wrap_future(engine.call(check))
-    return {"ok": not problems, "problems": problems}
+    report = await asyncio.wrap_future(engine.submit_command(CheckIntegrity()))
+    return {"ok": report.ok, "problems": report.problems}

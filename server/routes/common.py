@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import Request
 
 from ..api.errors import error_body
-from ..service import ServerState, default_sampling
+from ..service.sampling import default_sampling
+from ..service.state import ServerState
 from ..types import Task, TaskError, TokenLogprob
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.

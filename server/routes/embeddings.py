@@ -30,7 +30,8 @@ from ..api.embeddings import (
     rerank_response,
 )
 from ..api.errors import APIError
-from ..service import ServerState, until_disconnected
+from ..service.state import ServerState
+from ..service.tasks import until_disconnected
 from ..slots.embed import EmbedEvent, EmbedResult, EmbedTask
 from ..slots.engine import EngineDead
 from ..types import TaskError

@@ -9,7 +9,8 @@ from fastapi.responses import Response
 from ..api.errors import APIError
 from ..api.infill import InfillInputError, InfillLimits, check_infill_body, infill_prompt
 from ..api.schemas import InfillRequest
-from ..service import Prompt, ServerState
+from ..service.state import ServerState
+from ..service.submit import Prompt
 from .common import state_of
 from .native import run_native
 

@@ -13,16 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..api.errors import APIError
 from ..api.prompts import prompt_echo, prompt_tokens, split_prompts
 from ..api.schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
-from ..service import (
-    Prompt,
-    ServerState,
-    Submission,
-    TaskGroup,
-    check_tokens,
-    constraint_of,
-    submit,
-    tenant_of,
-)
+from ..service.state import ServerState, tenant_of
+from ..service.submit import Prompt, Submission, submit
+from ..service.tasks import TaskGroup
+from ..service.validation import check_tokens, constraint_of
 from ..types import (
     FinishReason,
     PromptProgress,

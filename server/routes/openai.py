@@ -31,18 +31,11 @@ from ..api.tools.prompt import prepare
 from ..api.tools.spec import ToolSpecError
 from ..cli.config import csv_list
 from ..constrained import Constraint
-from ..service import (
-    Prompt,
-    ServerState,
-    Submission,
-    TaskGroup,
-    constraint_of,
-    finish_reason,
-    merged_timings,
-    submit,
-    tenant_of,
-    usage_of,
-)
+from ..service.state import ServerState, tenant_of
+from ..service.submit import Prompt, Submission, submit
+from ..service.tasks import TaskGroup
+from ..service.usage import finish_reason, merged_timings, usage_of
+from ..service.validation import constraint_of
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,

@@ -31,7 +31,9 @@ from ..api.responses import (
 from ..api.schemas import ChatRequest, ResponsesRequest
 from ..api.tools.parse import Delta, Message, ToolCall, parse_message
 from ..api.tools.plan import ChatPlan
-from ..service import Submission, TaskGroup, submit, tenant_of
+from ..service.state import tenant_of
+from ..service.submit import Submission, submit
+from ..service.tasks import TaskGroup
 from ..types import PromptProgress, TaskError, TaskResult, TextChunk
 from .common import SSE_HEADERS, sse_error, state_of
 from .openai import _max_tokens, _plan, chat_constraint, render_chat

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 
 from ..api.schemas import ChatRequest
 from ..api.tools.plan import ChatPlan
-from ..service import ServerState
+from ..service.state import ServerState
 from .common import state_of
 from .openai import _plan, render_chat, render_prompt
 

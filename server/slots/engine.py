@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
@@ -25,6 +25,7 @@ from ..types import Event, FinishReason, Task, TaskError
 from . import disk_glue, ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
+from .commands import Command
 from .draft_kv import DraftMemory
 from .embed import EmbedQueue, EmbedTask
 from .executor import Executor
@@ -40,6 +41,7 @@ from .store import SlotStore
 from .update import Updater
 
 log = logging.getLogger("server.slots.engine")
+R = TypeVar("R")
 
 _DECODING = (SlotState.PREFILL, SlotState.GENERATE)
 
@@ -156,8 +158,21 @@ class Engine:
         self._inbox.put(task)
         self._wake.set()
 
+    def submit_command(self, cmd: Command[R]) -> Future[R]:
+        """Run ``cmd.run(engine)`` on the engine thread between two steps, once ``cmd.slot``
+        (when >= 0) is idle; commands and ops run in the order they came, except that one
+        waiting for its slot lets later ones pass. The Future holds the command's typed
+        result (its failures are results too: slots/commands.py), or what it raised;
+        EngineDead in it when the engine stops first. EngineDead when it is not running;
+        ValueError when ``cmd.slot`` names no slot (checked here, never on the engine thread)."""
+        if not -1 <= cmd.slot < len(self.slots):
+            raise ValueError(f"no slot {cmd.slot}: this engine has {len(self.slots)} slots")
+        return self.call(cmd.run, slot=cmd.slot)
+
     def call(self, fn: Callable[[Engine], Any], slot: int = -1) -> Future:
-        """Run ``fn(engine)`` on the engine thread between steps, once ``slot`` (if given) is idle."""
+        """Run ``fn(engine)`` on the engine thread between steps, once ``slot`` (if given) is
+        idle. The untyped form of ``submit_command``, for tests and diagnostics: what the
+        HTTP side asks of the engine is a command."""
         if not self.alive:
             raise EngineDead("the engine is not running")
         op = _Op(fn, slot, Future())
@@ -285,7 +300,7 @@ class Engine:
             if loop is None:
                 emit(ev)
             else:
-                # a loop-bound emitter carries .deliver (set by service._emitter)
+                # a loop-bound emitter carries .deliver (set by service.tasks.TaskGroup._emitter)
                 by_loop.setdefault(loop, []).append((emit.deliver, ev))  # type: ignore[attr-defined]
         for loop, items in by_loop.items():
             try:

@@ -9,7 +9,7 @@ from starlette.testclient import TestClient
 
 from server.api import errors
 from server.cli.config import Settings
-from server.service import ServerState
+from server.service.state import ServerState
 from server.slots.engine import Engine, EngineOptions
 from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
 from tests.fake_backend import FakeBackend

@@ -12,7 +12,7 @@ from server.api.chat import ChatTemplate
 from server.cli.config import Settings
 from server.routes.openai import _plan
 from server.routes.template import ApplyTemplateRequest, render_text
-from server.service import ServerState
+from server.service.state import ServerState
 from tests.llama_sdist import vendored
 from tests.tool_cases import TEST_TOOL
 

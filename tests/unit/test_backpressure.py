@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from server.service import MAX_BACKLOG, TaskGroup
+from server.service.tasks import MAX_BACKLOG, TaskGroup
 from server.types import GenParams, SamplingParams, TaskResult
 
 from .helpers import make_engine

@@ -15,7 +15,7 @@ from server.api.errors import APIError
 from server.api.prompts import prompt_echo, prompt_tokens, split_prompts
 from server.cli.config import Settings
 from server.routes import native
-from server.service import _logit_bias
+from server.service.sampling import _logit_bias
 from tests.fake_backend import EOG, FakeBackend
 from tests.unit.helpers import route_client
 

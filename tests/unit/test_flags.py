@@ -28,7 +28,8 @@ from server.cli.config import (
     warn_ignored,
 )
 from server.routes.common import generation_settings
-from server.service import ServerState, sampling_from
+from server.service.sampling import sampling_from
+from server.service.state import ServerState
 from tests.llama_sdist import vendored
 
 # Flags that print something and exit 0.

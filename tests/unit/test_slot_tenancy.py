@@ -17,7 +17,7 @@ from server.cache import tenancy
 from server.cache.disk import DiskTier
 from server.cli.config import Settings
 from server.routes import slots as slots_route
-from server.service import tenant_of
+from server.service.state import tenant_of
 from server.types import Checkpoint
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client, task

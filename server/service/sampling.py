@@ -1,0 +1,111 @@
+"""A request's sampler settings over the server's defaults: the sampling fields, logit bias
+(llama-server's forms, checked), and stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api.errors import APIError
+from ..api.schemas import SamplingFields
+from ..cli.config import Settings
+from ..types import SamplingParams
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def default_sampling(s: Settings | None) -> SamplingParams:
+    """The server's default sampler settings: llama-server's, or those of the flags
+    (--temp, --top-k, ..., -s) when ``s`` is given."""
+    if s is None:
+        return SamplingParams()
+    return SamplingParams(**{name: getattr(s, name) for name in SAMPLING_FIELDS})
+
+
+def sampling_from(
+    req: SamplingFields, backend: Any, settings: Settings | None = None
+) -> SamplingParams:
+    """The request's sampler settings over the server defaults (``default_sampling``): a field
+    the request leaves out (or sets to null) gets the default. APIError 400 for a top_k above
+    the vocabulary or a bad logit_bias."""
+    p = default_sampling(settings)
+    for name in SAMPLING_FIELDS:
+        v = getattr(req, name)
+        if v is not None:
+            setattr(p, name, v)
+    if p.top_k > backend.n_vocab:
+        raise APIError(400, f"top_k must be at most the vocabulary size ({backend.n_vocab})")
+    if req.logit_bias:
+        p.logit_bias = _logit_bias(req.logit_bias, backend)
+    return p
+
+
+def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Any) -> dict[int, float]:
+    """llama-server's logit_bias forms as token -> bias: ``[[tok, bias], ...]`` or
+    ``{"tok": bias}``, where ``tok`` is a token id or a text whose every token (tokenized
+    without BOS) gets the bias, and ``false`` as the bias bans the token. Unlike there, an
+    entry that is not a pair, a bias that is neither a number nor false, an id outside the
+    vocabulary or a bias outside [-100, 100] is a 400, never silently skipped."""
+    if isinstance(raw, dict):
+        items: list[tuple[Any, Any]] = list(raw.items())
+    else:
+        if not all(isinstance(x, list) and len(x) == 2 for x in raw):
+            raise APIError(400, "logit_bias entries must be [token, bias] pairs")
+        items = [(x[0], x[1]) for x in raw]
+    out: dict[int, float] = {}
+    for k, v in items:
+        bias = _bias_value(v)
+        if bias is None:
+            raise APIError(400, f"logit_bias value for {k!r} must be a number or false")
+        if bias != bias or (abs(bias) > 100 and bias != float("-inf")):
+            raise APIError(400, f"logit_bias value for {k!r} must be within [-100, 100]")
+        for tok in _bias_tokens(k, backend, isinstance(raw, dict)):
+            out[tok] = bias
+    return out
+
+
+def _bias_value(v: Any) -> float | None:
+    """A logit_bias value as a float (``false``: -inf), None when it is neither."""
+    if v is False:
+        return float("-inf")
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+def _bias_tokens(key: Any, backend: Any, from_dict: bool) -> list[int]:
+    """The tokens one logit_bias key names: an id (a whole decimal string in the object
+    form), or the tokens of a text. APIError 400 for an id outside the vocabulary."""
+    tok: int | None = None
+    if isinstance(key, int) and not isinstance(key, bool):
+        tok = key
+    elif isinstance(key, str) and from_dict:
+        try:
+            tok = int(key)
+        except ValueError:
+            tok = None
+    if tok is None:
+        if not isinstance(key, str):
+            return []
+        return backend.tokenize(key, False, False)
+    if not 0 <= tok < backend.n_vocab:
+        raise APIError(
+            400, f"logit_bias token {tok} is outside the vocabulary (0..{backend.n_vocab - 1})"
+        )
+    return [tok]
+
+
+def stops_from(req: SamplingFields) -> list[str]:
+    """``stop`` as a list (a single string is one stop string)."""
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)

@@ -1,0 +1,73 @@
+"""What the routes share (ServerState) and whose cached prefixes a request may reuse
+(``tenant_of``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api.chat import ChatTemplate
+from ..api.errors import APIError
+from ..cache import tenancy
+from ..cli.config import Settings
+from ..slots.engine import Engine
+
+
+@dataclass
+class ServerState:
+    """What the routes share: settings, and once loaded the model, engine and chat template.
+
+    ``loading`` is true until the loader thread finished, successfully or not; on failure
+    ``load_error`` says why and ``engine`` stays None."""
+
+    settings: Settings
+    backend: Any = None
+    draft: Any = None  # the draft model's context (draft-simple), owned like ``backend``
+    engine: Engine | None = None
+    template: ChatTemplate | None = None
+    model_name: str = ""
+    model_aliases: list[str] = field(default_factory=list)  # --alias a,b,c (sorted)
+    model_path: str = ""
+    loading: bool = True
+    load_error: str = ""
+    on_load_failed: Callable[[], None] | None = None  # set by the CLI: stop serving
+    metrics: Any = None
+    started: float = field(default_factory=time.time)
+    # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
+    # with an error event (streams) or a 503.
+    drain_deadline: float | None = None
+
+    def require_engine(self) -> Engine:
+        """The running engine, or an APIError 503 saying why there is none."""
+        if self.loading:
+            raise APIError(503, "Loading model", "unavailable_error")
+        if self.engine is None or not self.engine.alive:
+            raise APIError(
+                503,
+                "the engine is not running: " + (self.load_error or "it stopped"),
+                "unavailable_error",
+            )
+        return self.engine
+
+
+def tenant_of(st: ServerState, request: Any, cache_salt: str | None = None) -> str:
+    """Whose cached prefixes a request may reuse (--cache-isolation; names: cache/tenancy.py):
+
+    - ``none``: everyone's, except that a ``cache_salt`` keeps a request to its salt's;
+    - ``key``: its API key's (and, within it, its salt's);
+    - ``salt``: its salt's; a request without one shares with nobody, ever: it gets a fresh
+      random tenant that no other request, process or replica can hold, and that is never
+      written to disk.
+
+    Key and salt tenants are digests, the same in every process (restarts, replicas).
+    """
+    mode = st.settings.cache_isolation
+    salt = tenancy.salt_tenant(cache_salt) if cache_salt else ""
+    if mode == "key":
+        key = getattr(getattr(request, "state", None), "api_key_id", "")
+        return f"key:{key}" + (f"/{salt}" if salt else "")
+    if mode == "salt" and not salt:
+        return tenancy.private_tenant()
+    return salt

@@ -1,0 +1,131 @@
+"""The one path from a generating request to running tasks (``submit``): an endpoint
+describes only what is its own in a ``Submission``."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ..api.schemas import SamplingFields
+from ..constrained import Constraint
+from ..types import GenParams
+from .sampling import sampling_from, stops_from
+from .state import ServerState
+from .tasks import TaskGroup
+from .validation import bind_constraint, check_fits, check_tokens
+
+
+class Prompt(NamedTuple):
+    """One prompt's tokens; for chat, also where its last user turn starts."""
+
+    tokens: list[int]
+    user_start: int = -1  # token index of the last user turn (-1: unknown, or not chat)
+
+
+def _no_constraint() -> Constraint | None:
+    return None
+
+
+def _no_check() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What one endpoint asks of the engine, beyond the SamplingFields of its body.
+
+    ``prompts`` does the tokenizer work (it may render a chat template first) and runs in a
+    worker thread; it may raise APIError. ``check`` holds the endpoint's own body checks; it
+    runs after the shared prompt and sampler checks and before submitting, which is where
+    each endpoint made them before they shared this path (a request with several faults
+    still reports the same one). Each prompt runs ``n`` times (``n`` choices)."""
+
+    prompts: Callable[[], list[Prompt]]
+    max_tokens: int
+    stream: bool
+    n_probs: int = 0
+    logprobs: bool = False
+    n: int = 1
+    check: Callable[[], None] = _no_check
+    # structured output / forced format (server.constrained): checking it compiles the
+    # client's schema (in a compile child), so it is called from a worker thread
+    constraint: Callable[[], Constraint | None] = _no_constraint
+    return_progress: bool = False  # PromptProgress events while the prompt is processed
+    timings_per_token: bool = False  # streamed text chunks carry timings
+    # llama-server's post_sampling_probs: the n_probs reported are the sampler chain's
+    # final distribution (SamplingParams.post_probs), not the model's
+    post_sampling: bool = False
+
+
+def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
+    """``job.prompts()`` with every token id and every prompt's length checked."""
+    prompts = job.prompts()
+    for p in prompts:
+        check_tokens(p.tokens, backend)
+        check_fits(p.tokens, backend)
+    return prompts
+
+
+async def submit(
+    st: ServerState, body: SamplingFields, job: Submission, tenant: str = ""
+) -> TaskGroup:
+    """The one path from a generating request to running tasks.
+
+    Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
+    settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
+    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
+    # Checking a schema or grammar may take a compile child --constraint-timeout seconds:
+    # off the event loop. First: a request with several faults reports the same one.
+    constraint = await asyncio.to_thread(job.constraint)
+    engine = st.require_engine()
+    b = st.backend
+    # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
+    # streams of other requests keep flowing meanwhile.
+    prompts = await asyncio.to_thread(_checked_prompts, job, b)
+    sampling = sampling_from(body, b, st.settings)
+    if body.ignore_eos:  # as llama-server: every end-of-generation token banned
+        sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
+    if job.post_sampling:
+        sampling.post_probs = job.n_probs
+    job.check()
+    if constraint is not None:
+        sampling.constraint = await bind_constraint(b, constraint)
+    gen = GenParams(
+        # llama-server: a request without a limit (-1) gets --n-predict's; one with a limit
+        # keeps it, above --n-predict too
+        max_tokens=job.max_tokens if job.max_tokens >= 0 else st.settings.n_predict,
+        stop=stops_from(body),
+        ignore_eos=body.ignore_eos,
+        n_probs=job.n_probs,
+        logprobs=job.logprobs,
+        spec_n_max=-1 if body.spec_n_max is None else body.spec_n_max,
+        spec_n_min=-1 if body.spec_n_min is None else body.spec_n_min,
+        spec_p_min=-1.0 if body.spec_p_min is None else body.spec_p_min,
+        n_keep=st.settings.keep if body.n_keep is None else body.n_keep,
+        n_discard=body.n_discard,
+    )
+    group = TaskGroup(
+        engine,
+        timeout=body.timeout or st.settings.timeout,
+        max_queue=st.settings.max_queue,
+        drain_deadline=lambda: st.drain_deadline,
+    )
+    for p in prompts:
+        for _ in range(job.n):
+            group.add(
+                p.tokens,
+                sampling,
+                gen,
+                id_slot=body.id_slot,
+                cache_prompt=body.cache_prompt,
+                stream=job.stream,
+                user_start=p.user_start,
+                tenant=tenant,
+                return_progress=job.return_progress,
+                timings_per_token=job.timings_per_token,
+            )
+    group.submit()
+    return group

@@ -1,0 +1,207 @@
+"""TaskGroup: a request's tasks on the engine, their events as they come, and the ways
+they end early (client gone, timeout, shutdown, dead engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..api.errors import APIError
+from ..slots.engine import Engine, EngineDead
+from ..types import Event, GenParams, SamplingParams, Task, TaskError, TaskResult
+
+log = logging.getLogger("server.service")
+
+# Events a streaming reader may lag behind before its tasks stop generating (each is about
+# one token's text): a client that reads nothing holds its slot, not unbounded memory.
+MAX_BACKLOG = 256
+
+
+class TaskGroup:
+    """Runs tasks on the engine and yields ``(index, event)`` as they come.
+
+    Leaving the iteration early (client gone) cancels every task still running.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        timeout: float = 600.0,
+        max_queue: int = 256,
+        drain_deadline: Callable[[], float | None] = lambda: None,
+    ) -> None:
+        self.engine = engine
+        self.drain_deadline = drain_deadline
+        self.timeout = timeout
+        self.max_queue = max_queue
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.tasks: list[Task] = []
+        self.n_read: list[int] = []  # events of each task read so far (by ``events``)
+
+    def _lagging(self, index: int) -> Callable[[], bool]:
+        """Whether the reader is more than MAX_BACKLOG of task ``index``'s events behind
+        (called on the engine thread; each counter has one writer)."""
+
+        def lagging() -> bool:
+            return self.tasks[index].n_sent - self.n_read[index] > MAX_BACKLOG
+
+        return lagging
+
+    def _emitter(self, index: int) -> Callable[[Event], None]:
+        """The ``emit`` of the task at ``index``: thread-safe, never blocks."""
+        loop, q = self.loop, self.queue
+
+        def emit(ev: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, (index, ev))
+            except RuntimeError:  # loop closed: the client is long gone
+                pass
+
+        # The engine batches a step's events per loop: one wake-up, then deliver() on the loop.
+        emit.loop = loop  # type: ignore[attr-defined]
+        emit.deliver = lambda ev: q.put_nowait((index, ev))  # type: ignore[attr-defined]
+        return emit
+
+    def add(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        gen: GenParams,
+        *,
+        id_slot: int = -1,
+        cache_prompt: bool = True,
+        stream: bool = True,
+        user_start: int = -1,
+        tenant: str = "",
+        return_progress: bool = False,
+        timings_per_token: bool = False,
+    ) -> Task:
+        """Add a task (not yet running: ``submit`` starts them all)."""
+        task = Task(
+            prompt=prompt,
+            sampling=sampling,
+            gen=gen,
+            emit=self._emitter(len(self.tasks)),
+            id_slot=id_slot,
+            cache_prompt=cache_prompt,
+            stream=stream,
+            user_start=user_start,
+            tenant=tenant,
+            return_progress=return_progress and stream,
+            timings_per_token=timings_per_token and stream,
+            lagging=self._lagging(len(self.tasks)) if stream else None,
+        )
+        self.tasks.append(task)
+        self.n_read.append(0)
+        return task
+
+    def submit(self) -> None:
+        """Hand every task to the engine, or none: APIError 400 for an id_slot out of range,
+        503 when the queue is full or the engine stopped."""
+        if any(t.id_slot >= len(self.engine.slots) for t in self.tasks):
+            raise APIError(
+                400, f"id_slot must be below the number of slots ({len(self.engine.slots)})"
+            )
+        if (
+            self.engine.queue_depth() + len(self.tasks)
+            > self.max_queue + self.engine.n_idle_slots()
+        ):
+            raise APIError(
+                503,
+                f"the server is busy: more than {self.max_queue} requests are waiting",
+                "unavailable_error",
+                headers={"Retry-After": "1"},
+            )
+        try:
+            for t in self.tasks:
+                self.engine.submit(t)
+        except EngineDead as e:
+            self.cancel()
+            raise APIError(503, str(e), "unavailable_error") from e
+
+    def cancel(self) -> None:
+        """Cancel every task (finished ones ignore it); safe to call more than once."""
+        for t in self.tasks:
+            t.cancel()
+
+    def _ended(self, deadline: float) -> TaskError | None:
+        """Why the unfinished tasks must end now, if they must: the server drains for a
+        shutdown and its grace time is over, or the request ran out of time."""
+        drain = self.drain_deadline()
+        now = time.monotonic()
+        if drain is not None and now >= drain:
+            return TaskError(503, "the server is shutting down", "unavailable_error")
+        if now >= deadline:
+            return TaskError(
+                408, f"the request timed out after {self.timeout:g} s", "timeout_error"
+            )
+        return None
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """Events until every task ended. A timeout, a shutdown's end of grace or a dead
+        engine ends the unfinished tasks with a TaskError each (so streams can report it)."""
+        open_ = set(range(len(self.tasks)))
+        deadline = time.monotonic() + self.timeout
+        try:
+            while open_:
+                failure = self._ended(deadline)
+                if failure is None:
+                    try:
+                        wait = max(0.0, min(1.0, deadline - time.monotonic()))
+                        index, ev = await asyncio.wait_for(self.queue.get(), timeout=wait)
+                    except asyncio.TimeoutError:
+                        failure = self._ended(deadline)
+                        if failure is None and not self.engine.alive:
+                            failure = TaskError(500, "the engine stopped", "server_error")
+                        if failure is None:
+                            continue
+                if failure is not None:
+                    self.cancel()
+                    for i in sorted(open_):
+                        yield i, failure
+                    open_.clear()
+                    return
+                if isinstance(ev, TaskResult | TaskError):
+                    open_.discard(index)
+                self.n_read[index] += 1
+                yield index, ev
+        finally:
+            if open_:
+                self.cancel()
+
+    async def results(self, request: Any = None) -> list[TaskResult]:
+        """Wait for every task; the first error becomes an APIError.
+
+        With ``request``, a client that disconnects cancels the tasks (within ~0.25 s).
+        """
+        watcher = asyncio.create_task(self._watch(request)) if request is not None else None
+        out: list[TaskResult | None] = [None] * len(self.tasks)
+        try:
+            async for index, ev in self.events():
+                if isinstance(ev, TaskError):
+                    raise APIError(ev.status, ev.message, ev.type, **ev.extra)
+                if isinstance(ev, TaskResult):
+                    out[index] = ev
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        return [r for r in out if r is not None]
+
+    async def _watch(self, request: Any) -> None:
+        await until_disconnected(request)
+        log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
+        self.cancel()
+
+
+async def until_disconnected(request: Any, period: float = 0.25) -> None:
+    """Returns once the client of ``request`` has gone. Polled: Starlette tells a
+    non-streaming handler of a disconnect only when asked."""
+    while True:
+        await asyncio.sleep(period)
+        if await request.is_disconnected():
+            return

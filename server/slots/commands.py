@@ -1,0 +1,309 @@
+"""Engine commands: the slot and cache operations the HTTP side asks of the engine thread.
+
+A command is a small frozen dataclass. ``Engine.submit_command(cmd)`` queues it with the
+engine's ops; the engine thread runs ``cmd.run(engine)`` between two steps, once the slot
+named by ``cmd.slot`` (when >= 0) is idle, and the returned Future holds its typed result.
+A command that cannot be done returns a typed failure instead of raising: ``Refused``
+(another tenant's slot or file under --cache-isolation: a 403, never counted as a failed
+slot-file operation) or ``Failed`` (the state was refused, llama.cpp could not write:
+counted, answered with ``status``). Only what is unexpected (an OSError, a MemoryError)
+is raised, into the Future.
+
+``run`` is engine-thread only and does no slow work: reading, checking and parsing slot
+files happen on worker threads before a command is built (``file_plan``), and writing a
+saved file's appendices, fsync and rename after its result came back. The commands touch
+slots only through ``SlotStore``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from ..cache import slot_file, tenancy
+from . import disk_glue
+from .file_plan import RestorePlan
+from .slot import Slot
+from .stats import EngineStats
+from .store import FileAppendix, SlotStore
+
+if TYPE_CHECKING:
+    from ..cache.disk import DiskTier
+    from ..cache.prompt_cache import PromptCache
+
+R_co = TypeVar("R_co", covariant=True)
+
+REFUSED_STATE = (
+    "the slot file's state does not fit this model or context (another model, a "
+    "truncated or corrupt file, or a token list that does not match the state)"
+)
+DROPPED_APPENDICES = "the slot was used before its appendices were read; dropped"
+
+
+class Host(Protocol):
+    """What a command may use of the engine (the Engine is one): engine thread only."""
+
+    @property
+    def store(self) -> SlotStore: ...
+    @property
+    def stats(self) -> EngineStats: ...
+    @property
+    def cache(self) -> PromptCache | None: ...
+    @property
+    def disk(self) -> DiskTier | None: ...
+    def check_integrity(self) -> list[str]: ...
+
+
+class Command(Protocol[R_co]):
+    """A typed operation run on the engine thread; ``slot`` >= 0: it waits until that slot
+    is idle (never touches a running task), -1: it runs between any two steps."""
+
+    @property
+    def slot(self) -> int: ...
+    def run(self, host: Host) -> R_co: ...
+
+
+# ---- failures -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Under --cache-isolation the slot or file is another tenant's (HTTP 403)."""
+
+    message: str
+    status: int = 403
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The operation could not be done; ``status`` is the HTTP status to answer."""
+
+    message: str
+    status: int = 400
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks for a slot action: its tenant, and whether tenants are kept apart."""
+
+    tenant: str
+    isolated: bool
+
+    def slot_refusal(self, s: Slot, what: str) -> Refused | None:
+        """Under isolation, a slot holding another tenant's prompt is not the caller's to
+        ``what`` (save, erase, restore into). Checked on the engine thread, in the command
+        that acts, so the check and the action see the same slot."""
+        if self.isolated and s.tokens and s.tenant != self.tenant:
+            return Refused(f"slot {s.id} holds another tenant's prompt: cannot {what} it")
+        return None
+
+    def file_refusal(self, parsed: slot_file.ParsedFile, name: str) -> Refused | None:
+        """Under isolation, only the tenant that saved a file may restore it; a file that
+        names no tenant (llama-server's, or saved before tenants were recorded) is nobody's
+        to restore. Any thread."""
+        if self.isolated and parsed.tenant != self.tenant:
+            whose = "another tenant" if parsed.tenant is not None else "no recorded tenant"
+            return Refused(f"slot file {name!r} was saved by {whose}: cannot restore it")
+        return None
+
+
+# ---- save, restore, erase -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotSaved:
+    """The body is written to the temporary file; ``appendix`` and ``owner`` (the tenant
+    the file records: None for a private tenant, never persisted) are for
+    ``slot_file.finish_file`` to append, off the engine thread."""
+
+    n_saved: int
+    appendix: FileAppendix
+    owner: str | None
+
+
+@dataclass(frozen=True)
+class SaveSlot:
+    """llama.cpp writes the slot's state file body to ``tmp`` (its own
+    llama_state_seq_save_file, straight from the KV cache, no copy in Python)."""
+
+    slot: int
+    tmp: str
+    caller: Caller
+
+    def run(self, host: Host) -> SlotSaved | Refused | Failed:
+        s = host.store.slots[self.slot]
+        refusal = self.caller.slot_refusal(s, "save")
+        if refusal is not None:
+            return refusal
+        owner = s.tenant if s.tokens else self.caller.tenant
+        app = host.store.save_file(s, self.tmp)
+        if app is None:
+            return Failed("llama.cpp could not write the slot state", 500)
+        return SlotSaved(len(s.tokens), app, owner if tenancy.persistable(owner) else None)
+
+
+@dataclass(frozen=True)
+class SlotRestored:
+    """The slot holds the file's ``n_restored`` tokens, its state and its appendices;
+    ``warnings``: what was dropped or ignored on the way (the state is kept)."""
+
+    n_restored: int
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StateLoaded:
+    """The slot holds the file's tokens and state, without checkpoints or draft state: the
+    state's end was not known before loading, so its appendices start at
+    ``state_off + consumed`` and are to be parsed off the engine thread and given to the
+    slot with ``AttachAppendices``."""
+
+    consumed: int
+
+
+@dataclass(frozen=True)
+class RestoreSlot:
+    """Load a slot file (read and proven by ``plan``, off the engine thread) into the slot,
+    which the caller then holds (its tenant, most recently used). With a known layout the
+    appendices come with the plan and everything is done here (SlotRestored); else only
+    the state is loaded (StateLoaded)."""
+
+    slot: int
+    parsed: slot_file.ParsedFile
+    plan: RestorePlan
+    caller: Caller
+
+    def run(self, host: Host) -> SlotRestored | StateLoaded | Refused | Failed:
+        s = host.store.slots[self.slot]
+        refusal = self.caller.slot_refusal(s, "restore into")
+        if refusal is not None:
+            return refusal
+        # the plan proved these bytes off this thread; the store proves them again here,
+        # where they are loaded: the buffer is private, but the file was another's to change
+        p, store = self.parsed, host.store
+        args = (s, p.buf, p.state_off, self.plan.state_end, list(p.tokens))
+        if self.plan.appendices is None:
+            consumed = store.load_file_state(*args, exact=False)
+            if consumed == 0:
+                return Failed(REFUSED_STATE)
+            self._claim(s)
+            return StateLoaded(consumed)
+        app = store.restore_file(*args, exact=self.plan.known, appendices=self.plan.appendices)
+        if app is None:
+            return Failed(REFUSED_STATE)
+        self._claim(s)
+        return SlotRestored(len(p.tokens), app.warnings)
+
+    def _claim(self, s: Slot) -> None:
+        s.tenant = self.caller.tenant  # the restoring request's (under isolation: the file's)
+        s.last_used = time.perf_counter()  # most recently used: kept by the LRU choice
+
+
+@dataclass(frozen=True)
+class AttachAppendices:
+    """Give a slot loaded by ``RestoreSlot`` (StateLoaded) its file's appendices, parsed off
+    the engine thread, if it still holds just that state: a request may have used it
+    meanwhile, and then they are dropped, with a warning (SlotRestored either way)."""
+
+    slot: int
+    tokens: list[int]
+    appendices: slot_file.Appendices
+    caller: Caller
+
+    def run(self, host: Host) -> SlotRestored | Failed:
+        s = host.store.slots[self.slot]
+        app = self.appendices
+        if s.tenant != self.caller.tenant or s.tokens != self.tokens:
+            app.warnings.append(DROPPED_APPENDICES)
+            return SlotRestored(len(self.tokens), app.warnings)
+        if not host.store.apply_appendices(s, app):
+            return Failed(REFUSED_STATE)
+        return SlotRestored(len(self.tokens), app.warnings)
+
+
+@dataclass(frozen=True)
+class SlotErased:
+    n_erased: int
+
+
+@dataclass(frozen=True)
+class EraseSlot:
+    """Clear the slot: its tokens, KV sequence and checkpoints."""
+
+    slot: int
+    caller: Caller
+
+    def run(self, host: Host) -> SlotErased | Refused:
+        s = host.store.slots[self.slot]
+        refusal = self.caller.slot_refusal(s, "erase")
+        if refusal is not None:
+            return refusal
+        return SlotErased(host.store.clear(s))
+
+
+@dataclass(frozen=True)
+class CountSlotFile:
+    """Count a slot-file operation in the engine statistics (written on the engine thread
+    only)."""
+
+    saves: int = 0
+    restores: int = 0
+    failures: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    slot: int = field(default=-1, init=False)
+
+    def run(self, host: Host) -> None:
+        host.stats.on_slot_file(
+            saves=self.saves,
+            restores=self.restores,
+            failures=self.failures,
+            bytes_written=self.bytes_written,
+            bytes_read=self.bytes_read,
+        )
+
+
+# ---- cache operations -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IntegrityReport:
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class CheckIntegrity:
+    """The engine's and the RAM cache's integrity checks, between two steps (nothing moves
+    meanwhile): every slot's tokens match its KV positions, checkpoints lie within them,
+    cache bytes equal the sum of its entries, no entry is a prefix of another."""
+
+    slot: int = field(default=-1, init=False)
+
+    def run(self, host: Host) -> IntegrityReport:
+        cache = host.cache
+        problems = host.check_integrity()
+        return IntegrityReport(problems + (cache.check_integrity() if cache is not None else []))
+
+
+@dataclass(frozen=True)
+class Spilled:
+    n_queued: int
+
+
+@dataclass(frozen=True)
+class SpillToDisk:
+    """Queue the RAM cache's entries and every idle slot's state for the disk tier (a warm
+    restart, before the engine stops); nothing without a disk tier. The writes themselves
+    happen on the tier's writer thread (``DiskTier.flush`` waits for them)."""
+
+    slot: int = field(default=-1, init=False)
+
+    def run(self, host: Host) -> Spilled:
+        if host.disk is None:
+            return Spilled(0)
+        return Spilled(disk_glue.spill(host.store, host.cache, host.disk))
