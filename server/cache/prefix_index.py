@@ -45,6 +45,15 @@ from typing import Any, ClassVar
 from ..types import lcp
 
 
+def shared_prefix(
+    key: Hashable, tokens: Sequence[int], prompt_key: Hashable, prompt: Sequence[int]
+) -> int:
+    """What ``tokens`` held under ``key`` share of ``prompt`` asked under ``prompt_key``:
+    their LCP within one key, nothing across keys. The index's matching rule, for the
+    holders it does not index: the slots, which are scanned (server.slots.policy)."""
+    return lcp(tokens, prompt) if key == prompt_key else 0
+
+
 @dataclass(eq=False)
 class Held:
     """Where one state lives. Subclasses name the tier (``TIER``) and carry the state's

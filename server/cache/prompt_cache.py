@@ -1,7 +1,10 @@
 """RAM prompt cache of per-sequence states (DESIGN §7; llama-server's server_prompt_cache).
 
 The cache only stores and chooses; the engine moves bytes in and out of llama.cpp. Entries are
-kept in insertion order: eviction always takes the oldest first.
+kept in insertion order: eviction always takes the oldest first. Every entry is registered in
+the prefix index (server.cache.prefix_index) under its tenant and tokens, and leaves it with
+the entry (taken, replaced, evicted): ``find`` and ``save``'s covered and prefix rules walk
+the prompt down that tree instead of scanning the entries.
 """
 
 from __future__ import annotations
