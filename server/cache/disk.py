@@ -150,6 +150,9 @@ class DiskIndex:
         held = self.tree.holders(DiskHeld.TIER)
         if sorted(h.entry.name for h in held) != sorted(self.by_name):
             problems.append("the prefix index does not hold exactly the indexed files")
+        for name, h in self._held.items():
+            if h.entry is not self.by_name.get(name) or self.tree.path_of(h) != h.entry.tokens:
+                problems.append(f"{name}: not indexed under its tokens")
         if [e.key for e in self.entries] != self._keys or self._keys != sorted(self._keys):
             problems.append("entries out of (mtime, name) order")
         if sum(e.nbytes for e in self.entries) != self.nbytes:

@@ -27,7 +27,10 @@ e is never taken when an earlier entry f shares at least as much (m_f >= m_e) an
 longer (len_f <= len_e): f is either taken first, and then e's f_sim cannot beat it, or it
 is refused by a best that refuses e too. The entries sharing at least m_e tokens are one
 subtree of the prompt's path, so only that subtree's records can be taken; running the rule
-in order over the records on the path gives exactly the linear scan's choice.
+in order over the records on the path gives exactly the linear scan's choice. Records are
+few for lengths in no particular order (about the logarithm of the entries); at worst, when
+every entry is shorter than all before it, all of them are, and the rule is then a pass
+over them with no LCP computed.
 
 Threading: one lock guards the tree; every public method takes it, none calls out while
 holding it. A ``Match`` is a snapshot: it stays valid after the lock is released (the disk
@@ -360,6 +363,19 @@ class PrefixIndex:
                 h for r in self._roots.values() if tier in r.aggs for h, _ in r.aggs[tier].items
             ]
 
+    def path_of(self, h: Held) -> list[int] | None:
+        """The tokens ``h`` is registered under (None when it is not): for integrity
+        checks, which compare them with their entries' tokens."""
+        with self._lock:
+            got = self._where.get(id(h))
+            if got is None:
+                return None
+            parts, x = [], got[1]
+            while x is not None:
+                parts.append(x.edge)
+                x = x.parent
+        return [t for e in reversed(parts) for t in e]
+
     def edges(self, key: Hashable) -> list[tuple[int, list[int], int]]:
         """``key``'s tree, depth first in token order: (depth, edge, holders here) per
         node below the root (for tests and debugging)."""
@@ -384,16 +400,20 @@ class PrefixIndex:
             for key, root in self._roots.items():
                 if not root.children and not root.held:
                     problems.append(f"key {key!r}: empty root kept")
-                seen += _check_node(root, [], problems, self._where)
+                todo = [root]  # iterative: a path may pass thousands of branches
+                while todo:
+                    node = todo.pop()
+                    seen += _check_node(node, problems, self._where)
+                    todo.extend(node.children.values())
             if seen != len(self._where):
                 problems.append(f"{len(self._where)} holders registered, {seen} in the tree")
         return problems
 
 
-def _check_node(
-    node: _Node, path: list[int], problems: list[str], where: dict[int, tuple[Held, _Node]]
-) -> int:
-    """Check ``node``'s subtree (``path``: the tokens to it); returns its holder count."""
+def _check_node(node: _Node, problems: list[str], where: dict[int, tuple[Held, _Node]]) -> int:
+    """Check ``node`` against its parent and children (its per-tier lists against its own
+    holders and its children's lists: by induction, its whole subtree's); returns how many
+    holders sit on it."""
     here = f"node at depth {node.depth}"
     if node.parent is not None:
         if not node.edge:
@@ -406,21 +426,18 @@ def _check_node(
             problems.append(f"{here}: empty node kept")
         if not node.held and len(node.children) == 1:
             problems.append(f"{here}: unmerged edge (no holder, one child)")
-    path = path + node.edge
     subtree: dict[str, list[tuple[Held, int]]] = {}
     for h in node.held:
         if where.get(id(h), (None, None))[1] is not node:
             problems.append(f"{here}: holder not registered here")
         subtree.setdefault(h.TIER, []).append((h, node.depth))
-    n = len(node.held)
     for first, c in node.children.items():
         if c.parent is not node or (c.edge and c.edge[0] != first):
             problems.append(f"{here}: child {first} misfiled")
-        n += _check_node(c, path, problems, where)
         for t, a in c.aggs.items():
             subtree.setdefault(t, []).extend(a.items)
     _check_aggs(node, subtree, problems)
-    return n
+    return len(node.held)
 
 
 def _check_aggs(

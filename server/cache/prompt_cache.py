@@ -180,7 +180,7 @@ class PromptCache:
         for i, (e, h) in enumerate(zip(self.entries, self._held, strict=False)):
             if h.entry is not e or h.key != e.tenant:
                 problems.append(f"entry {i} is not the one indexed")
-            elif not any(x is h for x in self.index.prefixes_of(h.TIER, h.key, e.tokens)):
+            elif self.index.path_of(h) != list(e.tokens):
                 problems.append(f"entry {i} is not indexed under its tokens")
         return problems
 

@@ -4,7 +4,9 @@ scan, and concurrent changes."""
 
 from __future__ import annotations
 
+import inspect
 import random
+import sys
 import threading
 from dataclasses import dataclass
 from typing import ClassVar
@@ -243,3 +245,19 @@ def test_ram_and_disk_share_one_index_without_seeing_each_other(tmp_path):
     assert ram.check_integrity() == [] and disk.check_integrity() == []
     assert disk.index.remove("f") is not None and ram.check_integrity() == []
     assert disk.check_integrity() == []
+
+
+def test_a_path_through_hundreds_of_branches_is_checked_without_recursion():
+    ix = PrefixIndex()
+    hs = [held(ix, [0] * k + [1], k) for k in range(1, 301)]  # each branches off deeper
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)  # a recursive walk of 300 would fail
+    try:
+        assert ix.check_integrity() == []
+    finally:
+        sys.setrecursionlimit(limit)
+    assert best(ix, [0] * 200 + [1]) == (tuple([0] * 200 + [1]), 201)
+    assert ix.path_of(hs[9]) == [0] * 10 + [1]
+    for h in hs:
+        ix.discard(h)
+    assert ix.edges("") == [] and ix.check_integrity() == []
