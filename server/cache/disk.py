@@ -72,7 +72,7 @@ class DiskHeld(Held):
     index's order, before every queued entry."""
 
     TIER: ClassVar[str] = "disk"
-    entry: DiskEntry | None = None
+    entry: DiskEntry
 
 
 @dataclass(eq=False)
@@ -81,7 +81,7 @@ class QueuedHeld(Held):
     after every file (queued entries are newer than any file of theirs), in queue order."""
 
     TIER: ClassVar[str] = "disk-queue"
-    entry: CacheEntry | None = None
+    entry: CacheEntry
 
 
 class DiskIndex:
@@ -369,9 +369,9 @@ class DiskTier:
             name, size, mtime = write_entry(
                 self.dir, entry, self.check.version, self.check.model, self.write_delay_s
             )
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError) as err:
             self.counters.write_failures += 1
-            log.warning("disk cache: writing %d tokens failed: %s", len(entry.tokens), e)
+            log.warning("disk cache: writing %d tokens failed: %s", len(entry.tokens), err)
             return
         e = DiskEntry(
             name, list(entry.tokens), entry.tenant, size, size - self._trailer_len(entry), mtime
@@ -438,8 +438,8 @@ class DiskTier:
         try:
             self._dir_mtime = os.stat(self.dir).st_mtime_ns  # before listing: no gap
             names = set(os.listdir(self.dir))
-        except OSError as e:
-            log.warning("disk cache: cannot list %s: %s", self.dir, e)
+        except OSError as err:
+            log.warning("disk cache: cannot list %s: %s", self.dir, err)
             return 0
         self._junk &= names  # set operations: 20,000 junk names cost milliseconds
         with self._lock:

@@ -370,7 +370,8 @@ class PrefixIndex:
             got = self._where.get(id(h))
             if got is None:
                 return None
-            parts, x = [], got[1]
+            parts: list[list[int]] = []
+            x: _Node | None = got[1]
             while x is not None:
                 parts.append(x.edge)
                 x = x.parent

@@ -43,7 +43,7 @@ class RamHeld(Held):
     """A RAM cache entry in the prefix index; ``order`` is ``(seq,)``, its insertion."""
 
     TIER: ClassVar[str] = "ram"
-    entry: CacheEntry | None = None
+    entry: CacheEntry
 
 
 class SaveOutcome(NamedTuple):
