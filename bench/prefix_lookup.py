@@ -10,7 +10,10 @@ hundred tokens (agent conversations). The bench fills each tier with N entries, 
 - ``disk find``: DiskTier.find, the same two prompts, entries registered in the tier's
   in-memory index without files (its directory exists and is empty);
 - ``disk add``: what the writer does with a written file (covers, add, prefixes_of),
-  undone again.
+  undone again;
+- ``ram find worst``: RAM find for a new conversation when the entries were saved longest
+  first (tails of N+100 down to 101 tokens), so that every one is shorter than all before
+  it: the prefix index's worst case (every entry is a record, see cache/prefix_index.py).
 
     python -m bench.prefix_lookup              # 10, 100, 1,000 and 5,000 entries
     python -m bench.prefix_lookup 10 20000     # other entry counts
@@ -86,6 +89,18 @@ def ram_row(n: int) -> tuple[float, float, float]:
     )
 
 
+def worst_row(n: int) -> float:
+    rng = random.Random(11)
+    system = [rng.randrange(VOCAB) for _ in range(SYSTEM)]
+    c = PromptCache(-1, 0)
+    for i in range(n):
+        tail = [VOCAB + i] + [rng.randrange(VOCAB) for _ in range(n + 100 - i)]
+        c.save(system + tail, 16, lambda: bytearray(16))
+    fresh = system + [VOCAB * 3 + j for j in range(300)]
+    assert c.find([], fresh).index == 0
+    return timed(lambda: c.find([], fresh))
+
+
 def disk_row(n: int, directory: str) -> tuple[float, float, float]:
     system, convs = conversations(n)
     t = DiskTier(directory, 1 << 50, CHECK, rescan_s=1e9)  # not started: nothing scans
@@ -119,11 +134,11 @@ def main(argv: list[str]) -> None:
     print(f"entries: {SYSTEM}-token system prompt + a {TAIL[0]}-{TAIL[1]}-token tail each")
     print("us per call (median)")
     head = ("entries", "ram find new", "ram find cont", "ram save", "disk find new")
-    head += ("disk find cont", "disk add")
+    head += ("disk find cont", "disk add", "ram find worst")
     print("".join(f"{h:>15}" for h in head))
     with tempfile.TemporaryDirectory() as d:
         for n in counts:
-            row = (*ram_row(n), *disk_row(n, d))
+            row = (*ram_row(n), *disk_row(n, d), worst_row(n))
             print(f"{n:>15}" + "".join(f"{v:>15.1f}" for v in row))
 
 

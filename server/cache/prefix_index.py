@@ -84,20 +84,22 @@ class Hit:
 
 class _Agg:
     """One tier's holders in a node's subtree: sorted by order, and the records among them
-    (each shorter than every earlier holder; so their lengths strictly decrease)."""
+    (each shorter than every earlier holder; so their lengths strictly decrease). Records
+    are tuples, replaced whole when they change (rarely: a new shortest holder, or a record
+    leaving), so a Match takes them without copying."""
 
     __slots__ = ("keys", "items", "rec_keys", "rec")
 
     def __init__(self) -> None:
         self.keys: list[tuple] = []
         self.items: list[tuple[Held, int]] = []  # (holder, length), parallel to keys
-        self.rec_keys: list[tuple] = []
-        self.rec: list[tuple[Held, int]] = []
+        self.rec_keys: tuple[tuple, ...] = ()
+        self.rec: tuple[tuple[Held, int], ...] = ()
 
     def copy(self) -> _Agg:
         a = _Agg()
         a.keys, a.items = list(self.keys), list(self.items)
-        a.rec_keys, a.rec = list(self.rec_keys), list(self.rec)
+        a.rec_keys, a.rec = self.rec_keys, self.rec
         return a
 
     def add(self, h: Held, n: int) -> None:
@@ -110,8 +112,8 @@ class _Agg:
         end = r
         while end < len(self.rec) and self.rec[end][1] >= n:
             end += 1  # later records no shorter than h are records no more
-        self.rec_keys[r:end] = [h.order]
-        self.rec[r:end] = [(h, n)]
+        self.rec_keys = (*self.rec_keys[:r], h.order, *self.rec_keys[end:])
+        self.rec = (*self.rec[:r], (h, n), *self.rec[end:])
 
     def remove(self, h: Held) -> None:
         i = bisect.bisect_left(self.keys, h.order)
@@ -121,10 +123,9 @@ class _Agg:
         r = bisect.bisect_left(self.rec_keys, h.order)
         if r >= len(self.rec) or self.rec[r][0] is not h:
             return
-        del self.rec_keys[r], self.rec[r]
         # holders between h and the next record may be records now
         bound = self.rec[r - 1][1] if r > 0 else None
-        stop = self.rec_keys[r] if r < len(self.rec) else None
+        stop = self.rec_keys[r + 1] if r + 1 < len(self.rec) else None
         fresh: list[tuple[Held, int]] = []
         for j in range(i, len(self.items)):
             item = self.items[j]
@@ -133,8 +134,8 @@ class _Agg:
             if bound is None or item[1] < bound:
                 fresh.append(item)
                 bound = item[1]
-        self.rec_keys[r:r] = [x[0].order for x in fresh]
-        self.rec[r:r] = fresh
+        self.rec_keys = (*self.rec_keys[:r], *(x[0].order for x in fresh), *self.rec_keys[r + 1 :])
+        self.rec = (*self.rec[:r], *fresh, *self.rec[r + 1 :])
 
 
 class _Node:
@@ -149,44 +150,70 @@ class _Node:
         self.aggs: dict[str, _Agg] = {}
 
 
+# One tier's records of one subtree, snapshot: their orders, and (holder, length) pairs
+Records = tuple[tuple[tuple, ...], tuple[tuple[Held, int], ...]]
+
+
 @dataclass
 class Match:
     """A prompt walked down one key's tree: for each point of its path that tokens hang
-    off, how many prompt tokens the holders below it share (``m``) and each tier's records
-    of that subtree. A snapshot: the tree may change after it was taken."""
+    off, how many prompt tokens the holders below it share at least (``m``: exactly, for
+    those not below the next point) and each tier's records of that subtree. A snapshot:
+    the tree may change after it was taken."""
 
     index: PrefixIndex
     n_prompt: int
-    points: list[tuple[int, dict[str, list[tuple[Held, int]]]]]
+    points: list[tuple[int, dict[str, Records]]]
 
     def best(self, tiers: Iterable[str], best_keep: float, best_sim: float) -> Hit | None:
         """DESIGN §7's load rule over ``tiers`` (scanned together, in their holders'
         order): in order, take every holder that beats the best so far on both f_keep and
         f_sim, starting from the slot's own (``best_keep``, ``best_sim``); never one
         sharing less than a quarter of itself with the prompt ("don't trash large
-        prompts"). The last one taken, or None."""
-        if self.n_prompt == 0:
+        prompts"). The last one taken, or None.
+
+        Each step finds the next holder taken: in every records list (m fixed, lengths
+        decreasing, so f_keep increasing along it) the first after the last taken that
+        passes, by two bisections; the earliest of those is next. A holder also sits in
+        the records of the points above its own, with a smaller m there; at the same place
+        its own (larger) m goes first, and whenever the smaller passes the larger does, so
+        those copies never change the choice. Steps: at most one per distinct m."""
+        n_prompt = self.n_prompt
+        if n_prompt == 0:
             return None
-        tiers = tuple(tiers)
-        seen: set[int] = set()
-        cands: list[tuple[tuple, int, Held, int]] = []
-        for m, recs in reversed(self.points):  # deepest first: a holder's own m
-            for tier in tiers:
-                for h, n in recs.get(tier, ()):
-                    if id(h) not in seen:
-                        seen.add(id(h))
-                        if m > 0:
-                            cands.append((h.order, m, h, n))
-        cands.sort(key=lambda c: c[0])
+        lists = [(m, per[t]) for m, per in self.points if m > 0 for t in tiers if t in per]
         best: Hit | None = None
-        for _, m, h, n in cands:
-            f_keep, f_sim = m / n, m / self.n_prompt
-            if f_keep < 0.25:
-                continue
-            if f_keep > best_keep and f_sim > best_sim:
-                best_keep, best_sim = f_keep, f_sim
-                best = Hit(h, m, n)
-        return best
+        pos: tuple | None = None
+        while True:
+            pick: tuple[tuple, int, int, Held, int] | None = None  # (order, -m, m, h, n)
+            for m, (keys, recs) in lists:
+                if not m / n_prompt > best_sim:
+                    continue
+                j = _first_taken(recs, m, best_keep)
+                if pos is not None:
+                    j = max(j, bisect.bisect_right(keys, pos))
+                if j < len(recs) and (pick is None or (keys[j], -m) < pick[:2]):
+                    pick = (keys[j], -m, m, *recs[j])
+            if pick is None:
+                return best
+            pos, _, m, h, n = pick
+            best_keep, best_sim = m / n, m / n_prompt
+            best = Hit(h, m, n)
+
+
+def _first_taken(recs: list[tuple[Held, int]], m: int, best_keep: float) -> int:
+    """The first index in ``recs`` (lengths strictly decreasing) whose f_keep = m / length
+    is at least a quarter and beats ``best_keep``; len(recs) when none (bisection: the
+    test is false, then true, along the list)."""
+    lo, hi = 0, len(recs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        f_keep = m / recs[mid][1]
+        if f_keep >= 0.25 and f_keep > best_keep:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class PrefixIndex:
@@ -297,12 +324,12 @@ class PrefixIndex:
 
     def match(self, key: Hashable, prompt: Sequence[int]) -> Match:
         """Walk ``prompt`` down ``key``'s tree once (see ``Match``)."""
-        points: list[tuple[int, dict[str, list[tuple[Held, int]]]]] = []
+        points: list[tuple[int, dict[str, Records]]] = []
         with self._lock:
             node = self._roots.get(key)
             d = 0
             while node is not None:
-                points.append((d, {t: list(a.rec) for t, a in node.aggs.items()}))
+                points.append((d, _records(node)))
                 if d >= len(prompt):
                     break
                 c = node.children.get(prompt[d])
@@ -310,7 +337,7 @@ class PrefixIndex:
                     break
                 k = lcp(c.edge, prompt[d : d + len(c.edge)])
                 if k < len(c.edge):  # the prompt leaves (or ends) inside c's edge
-                    points.append((d + k, {t: list(a.rec) for t, a in c.aggs.items()}))
+                    points.append((d + k, _records(c)))
                     break
                 node, d = c, d + k
         return Match(self, len(prompt), points)
@@ -411,6 +438,12 @@ class PrefixIndex:
         return problems
 
 
+def _records(node: _Node) -> dict[str, Records]:
+    """A snapshot of ``node``'s records, per tier (immutable: the tree may change under a
+    Match, never these tuples)."""
+    return {t: (a.rec_keys, a.rec) for t, a in node.aggs.items()}
+
+
 def _check_node(node: _Node, problems: list[str], where: dict[int, tuple[Held, _Node]]) -> int:
     """Check ``node`` against its parent and children (its per-tier lists against its own
     holders and its children's lists: by induction, its whole subtree's); returns how many
@@ -461,7 +494,7 @@ def _check_aggs(
             if bound is None or n < bound:
                 rec.append(h)
                 bound = n
-        if [id(h) for h in rec] != [id(h) for h, _ in a.rec] or a.rec_keys != [
+        if [id(h) for h in rec] != [id(h) for h, _ in a.rec] or list(a.rec_keys) != [
             h.order for h in rec
         ]:
             problems.append(f"{here}: tier {t}: records are not the subtree's")

@@ -261,3 +261,28 @@ def test_a_path_through_hundreds_of_branches_is_checked_without_recursion():
     for h in hs:
         ix.discard(h)
     assert ix.edges("") == [] and ix.check_integrity() == []
+
+
+def test_two_tiers_scanned_together_equal_a_scan_of_both_in_order():
+    rng = random.Random(99)
+    stems = [[rng.randrange(3) for _ in range(20)] for _ in range(2)]
+    ix = PrefixIndex()
+    live: list[Held] = []
+    taken_later = 0  # choices that are not the first holder passing: the rule's order matters
+    for step in range(2000):
+        if live and rng.random() < 0.35:
+            ix.discard(live.pop(rng.randrange(len(live))))
+        else:  # "t" before "q" in the common order, as files come before the queue
+            cls = rng.choice([H, Q])
+            order = (0 if cls is H else 1, rng.randrange(10**6), step)
+            h = cls("", order, tuple(_random_tokens(rng, stems)))
+            ix.add(h, list(h.tokens))
+            live.append(h)
+        prompt = _random_tokens(rng, stems)
+        base = rng.choice([(-1.0, 0.0), (0.3, 0.1), (0.6, 0.3), (0.95, 0.0)])
+        got = best(ix, prompt, "", *base, tiers=("t", "q"))
+        ordered = [h.tokens for h in sorted(live, key=lambda h: h.order)]
+        assert got == scan(ordered, prompt, *base)
+        first = next((t for t in ordered if scan([t], prompt, *base)), None)
+        taken_later += got is not None and got[0] != first
+    assert taken_later > 50 and ix.check_integrity() == []
