@@ -378,6 +378,14 @@ class PrefixIndex:
             out = [h for x in passed for h in x.held if tier == h.TIER]
         return sorted(out, key=lambda h: h.order)
 
+    def below(self, h: Held) -> list[Any]:
+        """The other holders of ``h``'s tier whose tokens start with ``h``'s (its node's
+        subtree, ``h`` left out), in order; [] when ``h`` is not indexed."""
+        with self._lock:
+            got = self._where.get(id(h))
+            agg = None if got is None else got[1].aggs.get(h.TIER)
+            return [] if agg is None else [x for x, _ in agg.items if x is not h]
+
     def count(self, tier: str) -> int:
         """Holders of ``tier`` under every key."""
         with self._lock:

@@ -152,14 +152,8 @@ class PromptCache:
                 problems.append(f"entry {i} is empty")
             if any(c.n_tokens > len(e.tokens) for c in e.checkpoints):
                 problems.append(f"entry {i} has a checkpoint beyond its tokens")
-            for j, f in enumerate(self.entries):
-                if (
-                    i != j
-                    and len(e.tokens) <= len(f.tokens)
-                    and f.tokens[: len(e.tokens)] == e.tokens
-                ):
-                    problems.append(f"entry {i} is a prefix of entry {j}")
-        problems += self._check_index()
+        index_problems = self._check_index()
+        problems += index_problems + self._check_prefixes(trust_index=not index_problems)
         if total != self.nbytes:
             problems.append(f"bytes {self.nbytes} != sum of entries {total}")
         n_tokens = sum(len(e.tokens) for e in self.entries)
@@ -167,6 +161,27 @@ class PromptCache:
             problems.append(f"tokens {self.n_tokens} != sum of entries {n_tokens}")
         if self.limit_bytes >= 0 and self.nbytes > self.limit_bytes:
             problems.append(f"bytes {self.nbytes} over the limit {self.limit_bytes}")
+        return problems
+
+    def _check_prefixes(self, trust_index: bool) -> list[str]:
+        """No entry is a prefix of another of its tenant's (save drops those). Through the
+        index when it holds exactly the entries (each entry's subtree holds it alone), else
+        by comparing every pair."""
+        problems = []
+        if trust_index:
+            for i, h in enumerate(self._held):
+                for other in self.index.below(h):
+                    problems.append(f"entry {i} is a prefix of entry {self._position(other)}")
+            return problems
+        for i, e in enumerate(self.entries):
+            for j, f in enumerate(self.entries):
+                if (
+                    i != j
+                    and e.tenant == f.tenant
+                    and len(e.tokens) <= len(f.tokens)
+                    and f.tokens[: len(e.tokens)] == e.tokens
+                ):
+                    problems.append(f"entry {i} is a prefix of entry {j}")
         return problems
 
     def _check_index(self) -> list[str]:

@@ -286,3 +286,19 @@ def test_two_tiers_scanned_together_equal_a_scan_of_both_in_order():
         first = next((t for t in ordered if scan([t], prompt, *base)), None)
         taken_later += got is not None and got[0] != first
     assert taken_later > 50 and ix.check_integrity() == []
+
+
+def test_cache_integrity_finds_prefixes_through_the_index_within_a_tenant():
+    from server.cache.prompt_cache import PromptCache
+
+    c = PromptCache(-1, 0)
+    c.save([1, 2, 3], 8, lambda: bytearray(8), tenant="a")
+    c.save([1, 2, 3, 4], 8, lambda: bytearray(8), tenant="b")  # another tenant's: no problem
+    assert c.check_integrity() == []
+    c._append(c.entries[0].__class__([1, 2], bytearray(8), tenant="a"))  # behind save's back
+    assert "entry 2 is a prefix of entry 0" in c.check_integrity()
+    ix = PrefixIndex()
+    a = held(ix, [1, 2], 1)
+    b = held(ix, [1, 2, 3], 2)
+    held(ix, [1, 2, 3], 3, key="other")
+    assert ix.below(a) == [b] and ix.below(b) == []
