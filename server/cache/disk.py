@@ -12,7 +12,9 @@ bytes). Files and queued entries are registered in the prefix index
 (server.cache.prefix_index, shared with the RAM cache): lookups, the writer's covered check
 and its replaced prefixes walk the prompt down that tree, never scan the entries. The
 scanner and writer threads change it under this tier's lock (and the tree's own); the
-engine thread's lookups take a snapshot of the prompt's path. A scanner thread rescans the directory (never the engine thread): when a lookup
+engine thread's lookups take a snapshot of the prompt's path.
+
+A scanner thread rescans the directory (never the engine thread): when a lookup
 misses and the directory changed (its mtime moved, one stat) or ``rescan_s`` passed, and
 every ``poll_s`` on its own, so entries another replica wrote are found and files another
 replica evicted are forgotten. A scan is incremental: one listing, set differences against
