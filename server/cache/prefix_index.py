@@ -201,7 +201,7 @@ class Match:
             best = Hit(h, m, n)
 
 
-def _first_taken(recs: list[tuple[Held, int]], m: int, best_keep: float) -> int:
+def _first_taken(recs: Sequence[tuple[Held, int]], m: int, best_keep: float) -> int:
     """The first index in ``recs`` (lengths strictly decreasing) whose f_keep = m / length
     is at least a quarter and beats ``best_keep``; len(recs) when none (bisection: the
     test is false, then true, along the list)."""
