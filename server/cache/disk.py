@@ -8,7 +8,13 @@ model, written whole (temporary name, then rename); see server.cache.disk_files.
 
 Index. Kept in memory from the files' headers (tokens) and trailers (tenant), never from
 their states; oldest first by (mtime, name), which is also the eviction order (FIFO by
-bytes). A scanner thread rescans the directory (never the engine thread): when a lookup
+bytes). Files and queued entries are registered in the prefix index
+(server.cache.prefix_index, shared with the RAM cache): lookups, the writer's covered check
+and its replaced prefixes walk the prompt down that tree, never scan the entries. The
+scanner and writer threads change it under this tier's lock (and the tree's own); the
+engine thread's lookups take a snapshot of the prompt's path.
+
+A scanner thread rescans the directory (never the engine thread): when a lookup
 misses and the directory changed (its mtime moved, one stat) or ``rescan_s`` passed, and
 every ``poll_s`` on its own, so entries another replica wrote are found and files another
 replica evicted are forgotten. A scan is incremental: one listing, set differences against
@@ -34,6 +40,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from ..types import lcp
 from .disk_files import (
@@ -49,30 +56,58 @@ from .disk_files import (
     read_header,
     write_entry,
 )
+from .prefix_index import Held, Match, PrefixIndex
 from .prompt_cache import CacheEntry
 from .tenancy import persistable
 
 log = logging.getLogger("server.cache.disk")
 
 MiB = 1024 * 1024
+# A scan indexes new files this many at a time, so that the engine thread's lookups never
+# wait on the lock for a whole directory's worth of tree inserts (tens of microseconds each).
+_ADD_CHUNK = 64
+
+
+@dataclass(eq=False)
+class DiskHeld(Held):
+    """A file of the tier in the prefix index; ``order`` is ``(0, mtime_ns, name)``: the
+    index's order, before every queued entry."""
+
+    TIER: ClassVar[str] = "disk"
+    entry: DiskEntry
+
+
+@dataclass(eq=False)
+class QueuedHeld(Held):
+    """An entry waiting for the writer, in the prefix index; ``order`` is ``(1, seq)``:
+    after every file (queued entries are newer than any file of theirs), in queue order."""
+
+    TIER: ClassVar[str] = "disk-queue"
+    entry: CacheEntry
 
 
 class DiskIndex:
-    """The tier's entries in memory, oldest first by (mtime, name). No I/O, no locking."""
+    """The tier's entries in memory, oldest first by (mtime, name), and registered in the
+    prefix index (``tree``; shared with the RAM cache, or its own). No I/O; the tier's
+    lock guards it (the tree has its own as well)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tree: PrefixIndex | None = None) -> None:
+        self.tree = PrefixIndex() if tree is None else tree
         self.entries: list[DiskEntry] = []
         self._keys: list[tuple[int, str]] = []
         self.by_name: dict[str, DiskEntry] = {}
+        self._held: dict[str, DiskHeld] = {}
         self.nbytes = 0
 
     def add(self, e: DiskEntry) -> None:
-        if e.name in self.by_name:
+        if e.name in self.by_name or not e.tokens:
             return
         i = bisect.bisect(self._keys, e.key)
         self._keys.insert(i, e.key)
         self.entries.insert(i, e)
         self.by_name[e.name] = e
+        h = self._held[e.name] = DiskHeld(e.tenant, (0, *e.key), e)
+        self.tree.add(h, e.tokens)
         self.nbytes += e.nbytes
 
     def remove(self, name: str) -> DiskEntry | None:
@@ -80,27 +115,18 @@ class DiskIndex:
         if e is not None:
             i = bisect.bisect_left(self._keys, e.key)
             del self._keys[i], self.entries[i]
+            self.tree.discard(self._held.pop(name))
             self.nbytes -= e.nbytes
         return e
 
     def covers(self, tokens: list[int], tenant: str) -> bool:
         """An entry of ``tenant`` holds ``tokens`` (or more that start with them)."""
-        n = len(tokens)
-        return any(
-            e.tenant == tenant and len(e.tokens) >= n and e.tokens[:n] == tokens
-            for e in self.entries
-        )
+        return self.tree.covers(DiskHeld.TIER, tenant, tokens)
 
     def prefixes_of(self, tokens: list[int], tenant: str, but: str = "") -> list[DiskEntry]:
         """Entries of ``tenant`` that ``tokens`` extend (a new entry serves them too)."""
-        return [
-            e
-            for e in self.entries
-            if e.name != but
-            and e.tenant == tenant
-            and len(e.tokens) <= len(tokens)
-            and tokens[: len(e.tokens)] == e.tokens
-        ]
+        held = self.tree.prefixes_of(DiskHeld.TIER, tenant, tokens)
+        return [h.entry for h in held if h.entry.name != but]
 
     def over_limit(self, limit_bytes: int) -> list[DiskEntry]:
         """Remove oldest-first until the bytes fit ``limit_bytes``; returns those removed."""
@@ -112,18 +138,28 @@ class DiskIndex:
     def find(
         self, prompt: list[int], tenant: str, best_keep: float, best_sim: float
     ) -> tuple[DiskEntry, int] | None:
-        """The RAM cache's rule (server.cache.prompt_cache.PromptCache.find): the entry of
+        """The RAM cache's rule (server.cache.prefix_index.Match.best): the entry of
         ``tenant`` that beats (best_keep, best_sim) on both, skipping entries sharing less
         than a quarter of themselves with the prompt."""
-        best: tuple[DiskEntry, int] | None = None
-        for e in self.entries:
-            if e.tenant != tenant:
-                continue
-            m = lcp(e.tokens, prompt)
-            f_keep, f_sim = m / len(e.tokens), m / len(prompt)
-            if f_keep >= 0.25 and f_keep > best_keep and f_sim > best_sim:
-                best_keep, best_sim, best = f_keep, f_sim, (e, m)
-        return best
+        if not prompt:
+            return None
+        hit = self.tree.match(tenant, prompt).best((DiskHeld.TIER,), best_keep, best_sim)
+        return None if hit is None else (hit.held.entry, hit.n_lcp)
+
+    def check_integrity(self) -> list[str]:
+        """The tree's invariants, and that it holds exactly these entries."""
+        problems = self.tree.check_integrity()
+        held = self.tree.holders(DiskHeld.TIER)
+        if sorted(h.entry.name for h in held) != sorted(self.by_name):
+            problems.append("the prefix index does not hold exactly the indexed files")
+        for name, h in self._held.items():
+            if h.entry is not self.by_name.get(name) or self.tree.path_of(h) != h.entry.tokens:
+                problems.append(f"{name}: not indexed under its tokens")
+        if [e.key for e in self.entries] != self._keys or self._keys != sorted(self._keys):
+            problems.append("entries out of (mtime, name) order")
+        if sum(e.nbytes for e in self.entries) != self.nbytes:
+            problems.append("bytes != sum of entries")
+        return problems
 
 
 @dataclass
@@ -166,8 +202,11 @@ class DiskHit:
 @dataclass
 class _Queue:
     items: collections.deque[CacheEntry] = field(default_factory=collections.deque)
+    # parallel to ``items``: each one's holder in the prefix index (None: no tokens)
+    held: collections.deque[QueuedHeld | None] = field(default_factory=collections.deque)
     nbytes: int = 0
     writing: CacheEntry | None = None
+    seq: int = 0
 
 
 class DiskTier:
@@ -191,6 +230,7 @@ class DiskTier:
         max_pending_bytes: int | None = None,
         write_delay_s: float | None = None,
         read_delay_s: float | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.dir = Path(directory)
         self.limit_bytes = limit_bytes
@@ -206,7 +246,7 @@ class DiskTier:
         if read_delay_s is None:
             read_delay_s = float(os.environ.get(READ_DELAY_ENV, "0") or 0)
         self.read_delay_s = read_delay_s
-        self.index = DiskIndex()
+        self.index = DiskIndex(index)
         self.counters = DiskCounters()
         self.bad: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) when refused
         self.last_bad: collections.deque[str] = collections.deque(maxlen=8)
@@ -290,6 +330,11 @@ class DiskTier:
                 return False
             self._q.items.append(entry)
             self._q.nbytes += entry.nbytes
+            self._q.seq += 1
+            h = QueuedHeld(entry.tenant, (1, self._q.seq), entry) if entry.tokens else None
+            if h is not None:
+                self.index.tree.add(h, entry.tokens)
+            self._q.held.append(h)
             self._cond.notify_all()
         return True
 
@@ -309,6 +354,9 @@ class DiskTier:
             finally:
                 with self._cond:
                     self._q.items.popleft()
+                    h = self._q.held.popleft()
+                    if h is not None:
+                        self.index.tree.discard(h)
                     self._q.nbytes -= entry.nbytes
                     self._q.writing = None
                     self._cond.notify_all()
@@ -323,9 +371,9 @@ class DiskTier:
             name, size, mtime = write_entry(
                 self.dir, entry, self.check.version, self.check.model, self.write_delay_s
             )
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError) as err:
             self.counters.write_failures += 1
-            log.warning("disk cache: writing %d tokens failed: %s", len(entry.tokens), e)
+            log.warning("disk cache: writing %d tokens failed: %s", len(entry.tokens), err)
             return
         e = DiskEntry(
             name, list(entry.tokens), entry.tenant, size, size - self._trailer_len(entry), mtime
@@ -392,8 +440,8 @@ class DiskTier:
         try:
             self._dir_mtime = os.stat(self.dir).st_mtime_ns  # before listing: no gap
             names = set(os.listdir(self.dir))
-        except OSError as e:
-            log.warning("disk cache: cannot list %s: %s", self.dir, e)
+        except OSError as err:
+            log.warning("disk cache: cannot list %s: %s", self.dir, err)
             return 0
         self._junk &= names  # set operations: 20,000 junk names cost milliseconds
         with self._lock:
@@ -406,9 +454,11 @@ class DiskTier:
         junk = {n for n in fresh if NAME_RE.match(n) is None}  # temporary files too
         self._junk |= junk
         added = [e for e in map(self._examine, sorted(fresh - junk)) if e is not None]
+        for i in range(0, len(added), _ADD_CHUNK):  # lookups wait for one chunk at most
+            with self._lock:
+                for e in added[i : i + _ADD_CHUNK]:
+                    self.index.add(e)
         with self._lock:
-            for e in added:
-                self.index.add(e)
             evicted = self.index.over_limit(self.limit_bytes)
             self.counters.evictions += len(evicted)
         for old in evicted:
@@ -450,20 +500,26 @@ class DiskTier:
     # ---- lookups (engine thread) --------------------------------------------------
 
     def find(
-        self, prompt: list[int], tenant: str, slot_tokens: list[int], own: bool
+        self,
+        prompt: list[int],
+        tenant: str,
+        slot_tokens: list[int],
+        own: bool,
+        match: Match | None = None,
     ) -> DiskHit | None:
         """The best entry of ``tenant`` for ``prompt`` that beats the slot's own state (when
         ``own``), in the queue or on disk; on a miss when the directory may have changed,
         the scanner is asked for a scan, waited for at most ``sync_scan_s`` (never a listing
         on this thread), and the index looked at again. Counts a miss; hits are counted by
-        ``loaded``."""
+        ``loaded``. ``match``: the prompt already walked down the prefix index for
+        ``tenant`` (the RAM cache's walk, when the tiers share one index)."""
         if not prompt:
             return None
         t0 = time.perf_counter()
         n = lcp(slot_tokens, prompt) if own else 0
         keep = n / len(slot_tokens) if slot_tokens else -1.0
         sim = n / len(prompt)
-        hit = self._find(prompt, tenant, keep, sim)
+        hit = self._find(prompt, tenant, keep, sim, match)
         if hit is None and self._stale() and self._refresh():
             hit = self._find(prompt, tenant, keep, sim)
         ms = (time.perf_counter() - t0) * 1e3
@@ -495,21 +551,20 @@ class DiskTier:
         except OSError:
             return False
 
-    def _find(self, prompt: list[int], tenant: str, keep: float, sim: float) -> DiskHit | None:
+    def _find(
+        self, prompt: list[int], tenant: str, keep: float, sim: float, match: Match | None = None
+    ) -> DiskHit | None:
+        """One walk of the prompt down the prefix index, then the rule over the files and
+        the queue together (files first, by (mtime, name), then the queue in order)."""
         with self._lock:
-            best: DiskHit | None = None
-            found = self.index.find(prompt, tenant, keep, sim)
-            if found is not None:
-                best = DiskHit(found[1], entry=found[0])
-                keep, sim = found[1] / len(found[0].tokens), found[1] / len(prompt)
-            for p in self._q.items:  # queued entries are newer than any file of theirs
-                if p.tenant != tenant or not p.tokens:
-                    continue
-                m = lcp(p.tokens, prompt)
-                f_keep, f_sim = m / len(p.tokens), m / len(prompt)
-                if f_keep >= 0.25 and f_keep > keep and f_sim > sim:
-                    keep, sim, best = f_keep, f_sim, DiskHit(m, pending=p)
-            return best
+            if match is None or match.index is not self.index.tree:
+                match = self.index.tree.match(tenant, prompt)
+            hit = match.best((DiskHeld.TIER, QueuedHeld.TIER), keep, sim)
+        if hit is None:
+            return None
+        if isinstance(hit.held, QueuedHeld):
+            return DiskHit(hit.n_lcp, pending=hit.held.entry)
+        return DiskHit(hit.n_lcp, entry=hit.held.entry)
 
     def read(self, e: DiskEntry, seq: int) -> tuple[bytearray, int]:
         """``e``'s file in one buffer for sequence ``seq``, and its state's offset; raises as
@@ -541,6 +596,17 @@ class DiskTier:
             self._refuse(e.name, (e.nbytes, e.mtime_ns), why)
         else:
             log.log(logging.WARNING if changed else logging.INFO, "disk cache: %s: %s", e.name, why)
+
+    def check_integrity(self) -> list[str]:
+        """The index's invariants (server.cache.prefix_index), the files it holds, and the
+        queue's entries in it."""
+        with self._lock:
+            problems = self.index.check_integrity()
+            queued = self.index.tree.holders(QueuedHeld.TIER)
+            mine = [h for h in self._q.held if h is not None]
+            if {id(h) for h in queued} != {id(h) for h in mine}:
+                problems.append("the prefix index does not hold exactly the queued entries")
+        return problems
 
     # ---- reporting ----------------------------------------------------------------
 

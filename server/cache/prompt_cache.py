@@ -1,18 +1,23 @@
 """RAM prompt cache of per-sequence states (DESIGN §7; llama-server's server_prompt_cache).
 
 The cache only stores and chooses; the engine moves bytes in and out of llama.cpp. Entries are
-kept in insertion order: eviction always takes the oldest first.
+kept in insertion order: eviction always takes the oldest first. Every entry is registered in
+the prefix index (server.cache.prefix_index) under its tenant and tokens, and leaves it with
+the entry (taken, replaced, evicted): ``find`` and ``save``'s covered and prefix rules walk
+the prompt down that tree instead of scanning the entries.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from ..types import Checkpoint, StateBuf, lcp
+from .prefix_index import Held, Match, PrefixIndex
 
 log = logging.getLogger("server.cache")
 
@@ -31,6 +36,14 @@ class CacheEntry:
     @property
     def nbytes(self) -> int:
         return len(self.data) + len(self.data_dft) + sum(c.nbytes for c in self.checkpoints)
+
+
+@dataclass(eq=False)
+class RamHeld(Held):
+    """A RAM cache entry in the prefix index; ``order`` is ``(seq,)``, its insertion."""
+
+    TIER: ClassVar[str] = "ram"
+    entry: CacheEntry
 
 
 class SaveOutcome(NamedTuple):
@@ -60,14 +73,27 @@ class CacheCounters:
 
 
 class PromptCache:
-    """``limit_bytes`` < 0 means no byte limit. ``limit_tokens`` is the --cache-ram-tokens floor."""
+    """``limit_bytes`` < 0 means no byte limit. ``limit_tokens`` is the --cache-ram-tokens floor.
 
-    def __init__(self, limit_bytes: int, limit_tokens: int) -> None:
+    ``index``: the prefix index the entries are registered in (one shared with the disk
+    tier, server.cache.prefix_index); a fresh one of its own when None. Lookups (``find``,
+    and ``save``'s covered and prefix rules) go through it, never a scan of the entries.
+    """
+
+    def __init__(
+        self, limit_bytes: int, limit_tokens: int, index: PrefixIndex | None = None
+    ) -> None:
         self.limit_bytes = limit_bytes
         self.limit_tokens = limit_tokens
+        self.index = PrefixIndex() if index is None else index
         # Invariant: only _append and _drop change ``entries``, and they keep the running
-        # totals equal to the sums over the entries (check_integrity recounts them).
+        # totals equal to the sums over the entries (check_integrity recounts them), and
+        # ``_held[i]`` (in the index) holds ``entries[i]``, whose insertion number is
+        # ``_seqs[i]`` (increasing: the list is the FIFO eviction order).
         self.entries: list[CacheEntry] = []
+        self._held: list[RamHeld] = []
+        self._seqs: list[int] = []
+        self._seq = 0
         self._n_bytes = 0
         self._n_tokens = 0
         self.counters = CacheCounters()
@@ -86,15 +112,28 @@ class PromptCache:
         return self._n_tokens
 
     def _append(self, e: CacheEntry) -> None:
+        self._seq += 1
+        h = RamHeld(e.tenant, (self._seq,), e)
+        self.index.add(h, e.tokens)
         self.entries.append(e)
+        self._held.append(h)
+        self._seqs.append(self._seq)
         self._n_bytes += e.nbytes
         self._n_tokens += len(e.tokens)
 
     def _drop(self, index: int) -> CacheEntry:
         e = self.entries.pop(index)
+        self.index.discard(self._held.pop(index))
+        del self._seqs[index]
         self._n_bytes -= e.nbytes
         self._n_tokens -= len(e.tokens)
         return e
+
+    def _position(self, h: RamHeld) -> int:
+        """Where ``h``'s entry is in ``entries`` (by its insertion number: no scan)."""
+        i = bisect.bisect_left(self._seqs, h.order[0])
+        assert self._held[i] is h
+        return i
 
     def token_limit(self) -> int:
         """--cache-ram-tokens, raised to what the byte limit holds at the current bytes/token."""
@@ -114,13 +153,8 @@ class PromptCache:
                 problems.append(f"entry {i} is empty")
             if any(c.n_tokens > len(e.tokens) for c in e.checkpoints):
                 problems.append(f"entry {i} has a checkpoint beyond its tokens")
-            for j, f in enumerate(self.entries):
-                if (
-                    i != j
-                    and len(e.tokens) <= len(f.tokens)
-                    and f.tokens[: len(e.tokens)] == e.tokens
-                ):
-                    problems.append(f"entry {i} is a prefix of entry {j}")
+        index_problems = self._check_index()
+        problems += index_problems + self._check_prefixes(trust_index=not index_problems)
         if total != self.nbytes:
             problems.append(f"bytes {self.nbytes} != sum of entries {total}")
         n_tokens = sum(len(e.tokens) for e in self.entries)
@@ -128,6 +162,42 @@ class PromptCache:
             problems.append(f"tokens {self.n_tokens} != sum of entries {n_tokens}")
         if self.limit_bytes >= 0 and self.nbytes > self.limit_bytes:
             problems.append(f"bytes {self.nbytes} over the limit {self.limit_bytes}")
+        return problems
+
+    def _check_prefixes(self, trust_index: bool) -> list[str]:
+        """No entry is a prefix of another of its tenant's (save drops those). Through the
+        index when it holds exactly the entries (each entry's subtree holds it alone), else
+        by comparing every pair."""
+        problems = []
+        if trust_index:
+            for i, h in enumerate(self._held):
+                for other in self.index.below(h):
+                    problems.append(f"entry {i} is a prefix of entry {self._position(other)}")
+            return problems
+        for i, e in enumerate(self.entries):
+            for j, f in enumerate(self.entries):
+                if (
+                    i != j
+                    and e.tenant == f.tenant
+                    and len(e.tokens) <= len(f.tokens)
+                    and f.tokens[: len(e.tokens)] == e.tokens
+                ):
+                    problems.append(f"entry {i} is a prefix of entry {j}")
+        return problems
+
+    def _check_index(self) -> list[str]:
+        """The prefix index holds exactly the entries, under their tokens and tenants."""
+        problems = self.index.check_integrity()
+        held = self.index.holders(RamHeld.TIER)
+        if len(held) != len(self.entries) or len(self._held) != len(self.entries):
+            problems.append(f"index holds {len(held)} entries, the cache {len(self.entries)}")
+        if self._seqs != sorted(set(self._seqs)):
+            problems.append("insertion numbers out of order")
+        for i, (e, h) in enumerate(zip(self.entries, self._held, strict=False)):
+            if h.entry is not e or h.key != e.tenant:
+                problems.append(f"entry {i} is not the one indexed")
+            elif self.index.path_of(h) != list(e.tokens):
+                problems.append(f"entry {i} is not indexed under its tokens")
         return problems
 
     # ---- save (alloc) -------------------------------------------------------------
@@ -146,20 +216,17 @@ class PromptCache:
         one ``tenant``."""
         if not tokens:
             return self._skip("empty")
-        mine = [e.tenant == tenant for e in self.entries]
-        for e, same in zip(self.entries, mine, strict=True):
-            if same and len(e.tokens) >= len(tokens) and lcp(e.tokens, tokens) == len(tokens):
-                return self._skip("covered")  # the longer entry serves this prompt too
+        if self.index.covers(RamHeld.TIER, tenant, tokens):
+            return self._skip("covered")  # the longer entry serves this prompt too
         need = size + sum(c.nbytes for c in checkpoints)
         if self.limit_bytes >= 0 and need > self.limit_bytes:
             if self.on_evict is not None:  # straight to the next tier
                 self._spill(tokens, read_state, checkpoints, read_draft, tenant)
             return self._skip("too-large")  # never evict for an entry that cannot fit anyway
         evicted = 0
-        for i in range(len(self.entries) - 1, -1, -1):  # the new entry serves its prefixes
-            if mine[i] and lcp(self.entries[i].tokens, tokens) == len(self.entries[i].tokens):
-                self._drop(i)
-                evicted += 1
+        for h in self.index.prefixes_of(RamHeld.TIER, tenant, tokens):
+            self._drop(self._position(h))  # the new entry serves its prefixes
+            evicted += 1
         if self.limit_bytes >= 0:
             while self.entries and self.nbytes + need > self.limit_bytes:
                 self._evict_oldest("making room")
@@ -214,32 +281,32 @@ class PromptCache:
     # ---- load ---------------------------------------------------------------------
 
     def find(
-        self, slot_tokens: Sequence[int], prompt: Sequence[int], tenant: str = "", own: bool = True
+        self,
+        slot_tokens: Sequence[int],
+        prompt: Sequence[int],
+        tenant: str = "",
+        own: bool = True,
+        match: Match | None = None,
     ) -> LoadChoice | None:
         """The entry of ``tenant`` that beats the slot's own state (when ``own``: the slot
-        holds this tenant's tokens) on both f_keep and f_sim, if any.
+        holds this tenant's tokens) on both f_keep and f_sim, if any: the first such entry
+        in insertion order, then each later one beating that, as a scan would take them.
 
         An entry sharing less than a quarter of itself with the prompt is never taken
-        ("don't trash large prompts").
+        ("don't trash large prompts"). ``match``: the prompt already walked down this
+        cache's index for ``tenant`` (one walk serves every tier; ignored if another
+        index's).
         """
         if not prompt:
             return None
         n = lcp(slot_tokens, prompt) if own else 0
         best_keep = n / len(slot_tokens) if slot_tokens else -1.0
-        best_sim = n / len(prompt)
-        best: LoadChoice | None = None
-        for i, e in enumerate(self.entries):
-            if e.tenant != tenant:
-                continue
-            m = lcp(e.tokens, prompt)
-            f_keep = m / len(e.tokens)
-            f_sim = m / len(prompt)
-            if f_keep < 0.25:
-                continue
-            if f_keep > best_keep and f_sim > best_sim:
-                best_keep, best_sim = f_keep, f_sim
-                best = LoadChoice(i, m, f_keep, f_sim)
-        return best
+        if match is None or match.index is not self.index:
+            match = self.index.match(tenant, prompt)
+        hit = match.best((RamHeld.TIER,), best_keep, n / len(prompt))
+        if hit is None:
+            return None
+        return LoadChoice(self._position(hit.held), hit.n_lcp, hit.f_keep, hit.n_lcp / len(prompt))
 
     def take(self, choice: LoadChoice, restore: Callable[[CacheEntry], bool]) -> CacheEntry | None:
         """Restore the chosen entry with ``restore`` (target and draft: both or neither).

@@ -125,7 +125,8 @@ def disk_tier(s: Settings, cache: PromptCache | None, backend: Any, model: str) 
         # (replicas mount the same file), the vocabulary size is checked as well
         model=f"{os.path.basename(model)}:{os.path.getsize(model)}:{backend.n_vocab}" + kv_label(s),
     )
-    disk = DiskTier(s.cache_disk, s.cache_disk_mib * MiB, check)
+    # one prefix index for both tiers: one walk of a prompt serves the RAM and disk lookups
+    disk = DiskTier(s.cache_disk, s.cache_disk_mib * MiB, check, index=cache.index)
     disk.start()
     cache.on_evict = disk.put  # entries leaving RAM go to the writer thread
     return disk

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from ..cache.disk import DiskTier
 from ..cache.disk_files import BadFile, DiskEntry, EntryChanged
+from ..cache.prefix_index import Match
 from ..cache.prompt_cache import CacheEntry, PromptCache
 from .slot import Slot
 from .store import SlotStore
@@ -33,12 +34,19 @@ class _Outcome(NamedTuple):
     changed: bool = False  # truncated or rewritten by another process since indexed
 
 
-def load(store: SlotStore, disk: DiskTier, slot: Slot, prompt: list[int], tenant: str) -> bool:
+def load(
+    store: SlotStore,
+    disk: DiskTier,
+    slot: Slot,
+    prompt: list[int],
+    tenant: str,
+    match: Match | None = None,
+) -> bool:
     """Restore ``tenant``'s best disk entry for ``prompt`` into ``slot``; True when one was
     loaded (the slot then holds the entry's tokens and checkpoints). A failure forgets the
     entry; a refused state leaves the slot empty, a file that could not be read leaves the
-    slot as it was."""
-    hit = disk.find(prompt, tenant, slot.tokens, own=slot.tenant == tenant)
+    slot as it was. ``match``: the prompt's walk down the prefix index (the RAM lookup's)."""
+    hit = disk.find(prompt, tenant, slot.tokens, own=slot.tenant == tenant, match=match)
     if hit is None:
         return False
     t0 = time.perf_counter()

@@ -348,9 +348,13 @@ class Engine:
             if self.cache is not None and choice.update_cache:
                 if choice.save_first:
                     ram.save(self.store, self.cache, slot)
-                loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant)
+                # one walk of the prompt down the prefix index serves both tiers
+                match = self.cache.index.match(task.tenant, task.prompt)
+                loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant, match)
                 if not loaded and self.disk is not None:  # the tier under RAM
-                    loaded = disk_glue.load(self.store, self.disk, slot, task.prompt, task.tenant)
+                    loaded = disk_glue.load(
+                        self.store, self.disk, slot, task.prompt, task.tenant, match
+                    )
                 if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
                     n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
                 self.cache.update()

@@ -1,6 +1,16 @@
 """Pure decisions: which slot a task goes to and how much of a slot's KV it may keep.
 
 Nothing here touches llama.cpp; the engine gathers the inputs and carries out the result.
+
+Slots are scanned, not registered in the prefix index (server.cache.prefix_index) as the
+RAM and disk tiers are. There are only n_parallel of them; a busy slot's tokens grow every
+decode step; and a slot's tokens change in a dozen places (cut, checkpoint restore, prefix
+copy, context shift, clear, restore from the caches and from slot files). Indexing them
+would put a tree update into every step, or hooks into each of those places, to speed up
+a lookup that a scan already bounds by the slot count (an LCP at C speed per slot, once per
+admitted task, never per step), and never by the number of cached entries. The scan uses
+the index's matching rule (``shared_prefix``: the LCP within one tenant, nothing across
+tenants), as prefix sharing does (slots/sharing.py).
 """
 
 from __future__ import annotations
@@ -9,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..cache.prefix_index import shared_prefix
 from ..types import lcp
 
 
@@ -22,7 +33,7 @@ class SlotView(NamedTuple):
 
 def _lcp(s: SlotView, prompt: Sequence[int], tenant: str) -> int:
     """What the slot holds of the prompt: nothing when it holds another tenant's tokens."""
-    return lcp(s.tokens, prompt) if s.tenant == tenant else 0
+    return shared_prefix(s.tenant, s.tokens, tenant, prompt)
 
 
 @dataclass(frozen=True)

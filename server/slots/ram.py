@@ -7,6 +7,7 @@ true.
 
 from __future__ import annotations
 
+from ..cache.prefix_index import Match
 from ..cache.prompt_cache import CacheEntry, PromptCache
 from ..cache.tenancy import is_private
 from .slot import Slot
@@ -26,15 +27,21 @@ def save(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
 
 
 def load(
-    store: SlotStore, cache: PromptCache, slot: Slot, prompt: list[int], tenant: str = ""
+    store: SlotStore,
+    cache: PromptCache,
+    slot: Slot,
+    prompt: list[int],
+    tenant: str = "",
+    match: Match | None = None,
 ) -> bool:
     """Restore ``tenant``'s best cache entry for ``prompt`` into ``slot``; True when one was
-    loaded (the slot's tokens are then that tenant's).
+    loaded (the slot's tokens are then that tenant's). ``match``: the prompt's walk down
+    the prefix index, when the caller has one (it serves the disk tier's lookup too).
 
     The entry is removed from the cache when loaded; a failed restore leaves it there and the
     slot empty.
     """
-    choice = cache.find(slot.tokens, prompt, tenant, own=slot.tenant == tenant)
+    choice = cache.find(slot.tokens, prompt, tenant, own=slot.tenant == tenant, match=match)
     if choice is None:
         cache.counters.misses += 1
         return False

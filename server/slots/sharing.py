@@ -10,6 +10,10 @@ Two sources of cached tokens beyond a slot's own KV and the RAM cache:
   to finish its prompt no later than computing it itself (slots/share_cost.py, from measured
   step times); it re-checks every step, and one that gives up copies what the source holds.
 
+Both sources are found by a scan over the slots with the prefix index's matching rule
+(``shared_prefix``), as slot choice is: see slots/policy.py for why slots are scanned and
+not indexed.
+
 Waiting never deadlocks: a slot only waits on a slot that is prefilling (never on a waiting
 one), prefilling slots are scheduled oldest first, and a waiter whose source stopped (done,
 cancelled, failed) takes what it can and computes the rest itself.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from ..types import lcp
+from ..cache.prefix_index import shared_prefix
 from .share_cost import PrefillQueue, StepSpeed, queue_of, wait_pays
 from .slot import Slot, SlotState
 from .stats import EngineStats
@@ -55,9 +59,7 @@ class PrefixSharing:
         for s in self.store.slots:
             if s is dst or not s.tokens or s.state is SlotState.WAIT:
                 continue
-            if s.tenant != tenant:
-                continue
-            m = min(lcp(s.tokens, prompt), cap)
+            m = min(shared_prefix(s.tenant, s.tokens, tenant, prompt), cap)
             if m <= (best.n_tokens if best else n_past):
                 continue
             # the source's window behind the cut must still be in memory (DESIGN §4)
@@ -78,9 +80,7 @@ class PrefixSharing:
         for s in self.store.slots:
             if s is dst or s.state is not SlotState.PREFILL or s.task is None:
                 continue
-            if s.task.tenant != tenant:
-                continue
-            c = min(lcp(s.task.prompt, prompt), cap)
+            c = min(shared_prefix(s.task.tenant, s.task.prompt, tenant, prompt), cap)
             if c - n_past < self.min_wait or c <= len(s.tokens):
                 continue
             if best is None or c > best.n_tokens:
