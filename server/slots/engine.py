@@ -16,26 +16,26 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
 from ..types import Event, FinishReason, Task, TaskError
-from . import disk_glue, ram
+from . import ram
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .commands import Command
 from .draft_kv import DraftMemory
 from .embed import EmbedQueue, EmbedTask
 from .executor import Executor
-from .policy import CheckpointView, SlotChoice, SlotView, choose_slot, plan_reuse
-from .sampling import ParallelSampling, cpu_reason
+from .options import EngineOptions
+from .placement import Placer
+from .sampling import ParallelSampling
 from .scheduler import Scheduler
 from .sharing import PrefixSharing
 from .slot import Slot, SlotRun, SlotState
 from .spec_step import Speculation
-from .speculative import SpecConfig
 from .stats import EngineStats
 from .store import SlotStore
 from .update import Updater
@@ -44,25 +44,6 @@ log = logging.getLogger("server.slots.engine")
 R = TypeVar("R")
 
 _DECODING = (SlotState.PREFILL, SlotState.GENERATE)
-
-
-@dataclass
-class EngineOptions:
-    """Scheduler settings (``server.http.app.engine_options`` builds them from Settings)."""
-
-    slot_prompt_similarity: float = 0.10
-    ctx_checkpoints: int = 32
-    checkpoint_min_step: int = 8192
-    cache_idle_slots: bool = True  # only with a RAM cache
-    prefix_share: bool = True  # needs unified KV
-    prefix_share_min: int = 128  # least gain worth waiting for an in-flight prefix
-    coalesce_ms: float = 2.0  # after idle, wait in slices this long for concurrent arrivals
-    # workers sampling the CPU-sampled slots of one step concurrently (-1: auto, by the
-    # cores; 0: off); used from ``sample_parallel_min`` such slots (see slots/sampling.py)
-    sample_threads: int = -1
-    sample_parallel_min: int = 4
-    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-*)
-    context_shift: bool = False  # --context-shift: a full slot shifts (SlotStore.shift)
 
 
 class EngineDead(RuntimeError):
@@ -81,8 +62,6 @@ class Engine:
         """``draft``: the draft model's context, for ``opts.spec`` draft-simple."""
         self.b = backend
         self.opts = opts
-        self.cache = cache
-        self.disk = disk  # the tier under the RAM cache: consulted when the RAM cache misses
         self.waiting: collections.deque[Task] = collections.deque()
         self.stats = EngineStats()
         self.ckpt = CheckpointPolicy(
@@ -109,25 +88,48 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.par = ParallelSampling(opts.sample_threads, opts.sample_parallel_min)
-        # the step's three phases (slots/plan.py): decide, change memory, account
-        self.scheduler = Scheduler(
-            self.ckpt,
-            self.spec,
-            backend.n_batch,
-            backend.n_swa,
-            backend.is_recurrent,
-            add_bos=backend.add_bos,
-        )
-        self.executor = Executor(
-            backend, self.store, self.spec, self.stats, self.par, self._free_idle_kv
-        )
-        self.updater = Updater(
-            backend, self.stats, self._send, lambda: self.shifts, self.executor.settle
-        )
+        self._wire_phases(cache, disk)
         # --embedding: prompt-only tasks run on idle slots within a step (slots/embed.py)
         # Any: the outbox is typed for Task/Event, embeddings share it (one type in the rewrite)
         send: Any = self._send
         self.embed = EmbedQueue(backend, self.store, cache, send, self._flush, self._free_idle_kv)
+
+    def _wire_phases(self, cache: PromptCache | None, disk: DiskTier | None) -> None:
+        """The step's phases (slots/plan.py): decide (admit, schedule), change memory
+        (place, execute), account (update)."""
+        self.scheduler = Scheduler(self.ckpt, self.spec, self.b, self.opts)
+        self.executor = Executor(
+            self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv
+        )
+        self.updater = Updater(
+            self.b, self.stats, self._send, lambda: self.shifts, self.executor.settle
+        )
+        self.placer = Placer(
+            self.b,
+            self.store,
+            self.sharing,
+            self.spec,
+            self.stats,
+            cache,
+            disk,
+            self.opts,
+            self._send,
+            self.updater.progress,
+        )
+
+    @property
+    def cache(self) -> PromptCache | None:
+        """The RAM prompt cache (admission consults it; tests may set it)."""
+        return self.placer.cache
+
+    @cache.setter
+    def cache(self, cache: PromptCache | None) -> None:
+        self.placer.cache = cache
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The tier under the RAM cache: consulted when the RAM cache misses."""
+        return self.placer.disk
 
     @property
     def slots(self) -> list[Slot]:
@@ -318,105 +320,13 @@ class Engine:
                 self.updater.finish(s, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
+        """Admission: ``admit`` decides where the waiting tasks go, ``place`` starts them
+        (the memory side: cache restores, cuts, sharing)."""
         if not self.waiting:
             return
-        deferred: collections.deque[Task] = collections.deque()
-        launched = False
-        while self.waiting:
-            task = self.waiting.popleft()
-            views = [SlotView(s.id, s.idle, s.tokens, s.last_used, s.tenant) for s in self.slots]
-            choice = choose_slot(
-                views, task.prompt, task.id_slot, self.opts.slot_prompt_similarity, task.tenant
-            )
-            if choice is None:
-                deferred.append(task)
-                if task.id_slot < 0:
-                    break  # no idle slot at all: keep FIFO order for the rest
-                continue
-            launched |= self._place(self.slots[choice.slot], task, choice)
-        deferred.extend(self.waiting)
-        self.waiting = deferred
-        # once per admission pass: the slots left idle go to the RAM cache
-        if launched and self.cache is not None and self.opts.cache_idle_slots:
-            ram.cache_idle_slots(self.store, self.cache, self.b.kv_unified)
-
-    def _place(self, slot: Slot, task: Task, choice: SlotChoice) -> bool:
-        """Start ``task`` on ``slot`` after consulting the RAM cache; a failure here fails
-        this task only. True when the task started."""
-        try:
-            n_lcp: int | None = choice.lcp
-            if self.cache is not None and choice.update_cache:
-                if choice.save_first:
-                    ram.save(self.store, self.cache, slot)
-                # one walk of the prompt down the prefix index serves both tiers
-                match = self.cache.index.match(task.tenant, task.prompt)
-                loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant, match)
-                if not loaded and self.disk is not None:  # the tier under RAM
-                    loaded = disk_glue.load(
-                        self.store, self.disk, slot, task.prompt, task.tenant, match
-                    )
-                if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
-                    n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
-                self.cache.update()
-            self._launch(slot, task, n_lcp)
-            return True
-        except Exception as e:
-            log.exception("failed to start task %d", task.id)
-            if slot.task is task:
-                slot.release()
-            self._send(task, TaskError(500, f"failed to start the task: {e}"))
-            return False
-
-    def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
-        """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest."""
-        plan = plan_reuse(
-            slot.tokens,
-            task.prompt,
-            cache_prompt=task.cache_prompt,
-            pos_min=self.store.pos_min(slot),
-            n_swa=self.b.n_swa,
-            checkpoints=[
-                CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints
-            ],
-            n_lcp=n_lcp,
-            recurrent=self.b.is_recurrent,
-        )
-        if plan.checkpoint >= 0:
-            c = slot.checkpoints[plan.checkpoint]
-            n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
-            if n_past > 0:
-                self.stats.checkpoints_restored += 1
-                self.spec.resumed(slot, c)
-        else:
-            n_past = self.store.cut(slot, plan.n_past)
-        wait = None
-        if task.cache_prompt:
-            held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant)
-            if held is not None:
-                n_past = self.sharing.copy(self.slots[held.slot], slot, held.n_tokens)
-            wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
-        run = slot.start(task, n_past)
-        if task.return_progress:  # llama-server's first (0 %) progress event
-            self.updater.progress(slot)
-        if wait is not None:
-            self.sharing.wait_on(slot, wait)
-        run.sampler = self.b.new_sampler(task.sampling, task.prompt)
-        if task.sampling.constraint is not None:
-            run.matcher = task.sampling.constraint.matcher()
-        if self.b.backend_sampling:
-            self._place_sampler(slot, run)
-        self.spec.plan(run)
-        t_wait = (run.t_start - task.t_enqueued) * 1e3
-        self.stats.on_launch(t_wait)
-        log.debug(
-            "slot %d: task %d, prompt %d, reuse %d (%s), queued %.1f ms",
-            slot.id,
-            task.id,
-            len(task.prompt),
-            n_past,
-            plan.reason,
-            t_wait,
-        )
+        admission = self.scheduler.admit(self.waiting, self.slots)
+        self.waiting = admission.deferred
+        self.placer.place(admission.placements)
 
     # ---- the step: schedule, execute, update ---------------------------------------
 
@@ -459,12 +369,6 @@ class Engine:
                 ram.evict_idle(self.store, self.cache, s)
                 freed = True
         return freed
-
-    def _place_sampler(self, slot: Slot, run: SlotRun) -> None:
-        """-bs: run the slot's chain on the backend, or count why it stays on the CPU."""
-        reason = cpu_reason(run.task)
-        run.backend_sampled = not reason and self.b.attach_sampler(run.sampler, slot.id)
-        self.stats.on_sampler_placed(reason or ("" if run.backend_sampled else "refused"))
 
     def _fail_everything(self, message: str) -> None:
         self._flush()

@@ -1,7 +1,8 @@
 """What one engine step does, as data: the plan ``schedule`` makes, and what ``execute``
 reports back to ``update``.
 
-A step is three phases (DESIGN §3):
+A step admits waiting tasks (``Scheduler.admit -> Admission``, carried out by
+``Placer.place``), then decodes one batch in three phases (DESIGN §3):
 - ``schedule() -> StepPlan`` decides, touching nothing: per slot, which tokens go into the
   batch, which rows need logits, and which memory operations run first (a context shift, a
   checkpoint, a draft model's proposal);
@@ -13,10 +14,30 @@ A step is three phases (DESIGN §3):
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
-from ..types import FinishReason, TokenLogprob
+from ..types import FinishReason, Task, TokenLogprob
+from .policy import SlotChoice
 from .slot import Slot
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Admission's decision: ``task`` goes to ``slot``, as ``choice`` says (by id,
+    similarity or LRU); ``Placer.place`` carries it out."""
+
+    slot: Slot
+    task: Task
+    choice: SlotChoice
+
+
+@dataclass
+class Admission:
+    """The tasks placed this step, in order, and those that wait (FIFO order kept)."""
+
+    placements: list[Placement] = field(default_factory=list)
+    deferred: collections.deque[Task] = field(default_factory=collections.deque)
 
 
 @dataclass(slots=True)

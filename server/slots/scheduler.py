@@ -1,4 +1,5 @@
-"""``schedule``: the step's plan, decided from the slots' states without touching memory.
+"""``admit`` and ``schedule``: a step's decisions, made from the slots' states without
+touching memory. ``admit`` places waiting tasks on idle slots; ``schedule`` plans the batch.
 
 Generating slots come first, each with its sampled token (and its draft when it speculates:
 an n-gram draft is read off its tokens here; a draft model's proposal is only given room,
@@ -8,8 +9,14 @@ budget in chunks that end where a sharing waiter or a checkpoint needs the slot 
 
 from __future__ import annotations
 
+import collections
+
+from ..types import Task
+from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
-from .plan import SlotWork, StepPlan
+from .options import EngineOptions
+from .plan import Admission, Placement, SlotWork, StepPlan
+from .policy import SlotView, choose_slot
 from .slot import Slot, SlotState
 from .spec_step import Speculation
 from .store import shift_span
@@ -17,20 +24,37 @@ from .store import shift_span
 
 class Scheduler:
     def __init__(
-        self,
-        ckpt: CheckpointPolicy,
-        spec: Speculation,
-        n_batch: int,
-        n_swa: int,
-        recurrent: bool,
-        add_bos: bool,
+        self, ckpt: CheckpointPolicy, spec: Speculation, backend: Backend, opts: EngineOptions
     ) -> None:
+        """``opts.slot_prompt_similarity`` is read at each admission (DESIGN §5)."""
         self.ckpt = ckpt
         self.spec = spec
-        self.n_batch = n_batch
-        self.n_swa = n_swa
-        self.recurrent = recurrent
-        self.add_bos = add_bos
+        self.opts = opts
+        self.n_batch = backend.n_batch
+        self.n_swa = backend.n_swa
+        self.recurrent = backend.is_recurrent
+        self.add_bos = backend.add_bos
+
+    def admit(self, waiting: collections.deque[Task], slots: list[Slot]) -> Admission:
+        """Which idle slot each waiting task takes, in FIFO order (DESIGN §5). A task whose
+        slot (``id_slot``) is busy waits and the next ones go on; a task that finds no idle
+        slot at all stops admission (the rest keep their order). Pure: the slots a pass
+        places are only marked taken in its own views."""
+        out = Admission()
+        views = [SlotView(s.id, s.idle, s.tokens, s.last_used, s.tenant) for s in slots]
+        pending = iter(waiting)
+        for task in pending:
+            sim = self.opts.slot_prompt_similarity
+            choice = choose_slot(views, task.prompt, task.id_slot, sim, task.tenant)
+            if choice is None:
+                out.deferred.append(task)
+                if task.id_slot < 0:
+                    out.deferred.extend(pending)
+                    break
+                continue
+            views[choice.slot] = views[choice.slot]._replace(idle=False)
+            out.placements.append(Placement(slots[choice.slot], task, choice))
+        return out
 
     def schedule(self, active: list[Slot], budget: int | None = None) -> StepPlan:
         """The plan for ``active`` (the slots prefilling or generating that may decode),

@@ -263,3 +263,29 @@ def test_the_engine_still_serves_whole_runs_through_the_phases():
     assert isinstance(c1.result, TaskResult) and isinstance(c2.result, TaskResult)
     assert (c1.result.timings.prompt_n, c1.result.timings.predicted_n) == (30, 5)
     assert (c2.result.timings.prompt_n, c2.result.timings.predicted_n) == (20, 3)
+
+
+# ---- admission -------------------------------------------------------------------------
+
+
+def test_admit_places_in_fifo_order_and_decides_without_touching_anything():
+    e, b = make_engine(n_seq=2)
+    e.store.commit(e.slots[1], list(range(50)))  # slot 1 holds a prompt the first task shares
+    b.kv[1] = dict(enumerate(range(50)))
+    first, _ = task(list(range(40)) + [7], max_tokens=1)
+    pinned, _ = task([5, 6], max_tokens=1, id_slot=1)  # its slot is taken by the first task
+    third, _ = task([8, 9], max_tokens=1)
+    fourth, _ = task([10, 11], max_tokens=1)
+    e.waiting.extend([first, pinned, third, fourth])
+    before = _state(e, b)
+    adm = e.scheduler.admit(e.waiting, e.slots)
+    assert [(p.task, p.slot.id, p.choice.by) for p in adm.placements] == [
+        (first, 1, "similarity"),
+        (third, 0, "lru"),
+    ]
+    # the pinned task waits for its slot; the fourth finds no idle slot and keeps its place
+    assert list(adm.deferred) == [pinned, fourth]
+    assert _state(e, b) == before and all(s.idle for s in e.slots)
+    e.placer.place(adm.placements)
+    assert e.slots[1].task is first and e.slots[1].run.n_cached == 40
+    assert e.slots[0].task is third

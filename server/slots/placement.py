@@ -1,0 +1,164 @@
+"""Admission's memory side: starting the tasks ``Scheduler.admit`` placed on slots.
+
+``admit`` decides which idle slot each waiting task takes (DESIGN §5), touching nothing;
+``Placer.place`` then materializes each placement in order: a slot about to lose most of
+what it holds goes to the RAM cache first, the best cached state (one walk of the prompt
+down the prefix index serves the RAM and the disk tier) is restored into it, the slot keeps
+the reusable prefix of its KV (a cut, or a resume at a checkpoint), takes the longest prefix
+another sequence holds (prefix sharing) or waits for one being computed, and the run starts.
+A failure fails its task only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..cache.disk import DiskTier
+from ..cache.prompt_cache import PromptCache
+from ..types import Event, Task, TaskError
+from . import disk_glue, ram
+from .backend_api import Backend
+from .options import EngineOptions
+from .plan import Placement
+from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
+from .sampling import cpu_reason
+from .sharing import PrefixSharing
+from .slot import Slot, SlotRun
+from .spec_step import Speculation
+from .stats import EngineStats
+from .store import SlotStore
+
+log = logging.getLogger("server.slots.engine")
+
+
+class Placer:
+    def __init__(
+        self,
+        backend: Backend,
+        store: SlotStore,
+        sharing: PrefixSharing,
+        spec: Speculation,
+        stats: EngineStats,
+        cache: PromptCache | None,
+        disk: DiskTier | None,
+        opts: EngineOptions,
+        send: Callable[[Task, Event], None],
+        progress: Callable[[Slot], None],
+    ) -> None:
+        """``send(task, event)`` queues an event; ``progress(slot)`` sends prompt progress."""
+        self.b = backend
+        self.store = store
+        self.sharing = sharing
+        self.spec = spec
+        self.stats = stats
+        self.cache = cache
+        self.disk = disk
+        self.opts = opts
+        self.send = send
+        self.progress = progress
+
+    def place(self, placements: list[Placement]) -> None:
+        """Start every placement in order; then, once per admission pass, the slots left
+        idle go to the RAM cache (--cache-idle-slots)."""
+        launched = False
+        for p in placements:
+            launched |= self._place(p)
+        if launched and self.cache is not None and self.opts.cache_idle_slots:
+            ram.cache_idle_slots(self.store, self.cache, self.b.kv_unified)
+
+    def _place(self, p: Placement) -> bool:
+        """Start ``p.task`` on ``p.slot`` after consulting the caches; True when it started
+        (a failure sends the task an error and leaves the slot idle)."""
+        slot, task = p.slot, p.task
+        try:
+            n_lcp = self._restore_cached(slot, task, p.choice)
+            self._launch(slot, task, n_lcp)
+            return True
+        except Exception as e:
+            log.exception("failed to start task %d", task.id)
+            if slot.task is task:
+                slot.release()
+            self.send(task, TaskError(500, f"failed to start the task: {e}"))
+            return False
+
+    def _restore_cached(self, slot: Slot, task: Task, choice: SlotChoice) -> int | None:
+        """Consult the RAM cache (and the disk tier under it) when the choice says so;
+        returns what the slot holds of the prompt when still known (None: recompute it)."""
+        n_lcp: int | None = choice.lcp
+        if self.cache is None or not choice.update_cache:
+            return n_lcp
+        if choice.save_first:
+            ram.save(self.store, self.cache, slot)
+        # one walk of the prompt down the prefix index serves both tiers
+        match = self.cache.index.match(task.tenant, task.prompt)
+        loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant, match)
+        if not loaded and self.disk is not None:  # the tier under RAM
+            loaded = disk_glue.load(self.store, self.disk, slot, task.prompt, task.tenant, match)
+        if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
+            n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
+        self.cache.update()
+        return n_lcp
+
+    def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
+        """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest,
+        take what another sequence holds, then start the run."""
+        plan = self._reuse_plan(slot, task, n_lcp)
+        if plan.checkpoint >= 0:
+            c = slot.checkpoints[plan.checkpoint]
+            n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
+            if n_past > 0:
+                self.stats.checkpoints_restored += 1
+                self.spec.resumed(slot, c)
+        else:
+            n_past = self.store.cut(slot, plan.n_past)
+        wait = None
+        if task.cache_prompt:
+            held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant)
+            if held is not None:
+                n_past = self.sharing.copy(self.store.slots[held.slot], slot, held.n_tokens)
+            wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
+        run = slot.start(task, n_past)
+        if task.return_progress:  # llama-server's first (0 %) progress event
+            self.progress(slot)
+        if wait is not None:
+            self.sharing.wait_on(slot, wait)
+        self._start_sampling(slot, run)
+        t_wait = (run.t_start - task.t_enqueued) * 1e3
+        self.stats.on_launch(t_wait)
+        log.debug(
+            "slot %d: task %d, prompt %d, reuse %d (%s), queued %.1f ms",
+            slot.id,
+            task.id,
+            len(task.prompt),
+            n_past,
+            plan.reason,
+            t_wait,
+        )
+
+    def _reuse_plan(self, slot: Slot, task: Task, n_lcp: int | None) -> ReusePlan:
+        return plan_reuse(
+            slot.tokens,
+            task.prompt,
+            cache_prompt=task.cache_prompt,
+            pos_min=self.store.pos_min(slot),
+            n_swa=self.b.n_swa,
+            checkpoints=[
+                CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints
+            ],
+            n_lcp=n_lcp,
+            recurrent=self.b.is_recurrent,
+        )
+
+    def _start_sampling(self, slot: Slot, run: SlotRun) -> None:
+        """The run's sampler, its constraint's matcher, where it samples (-bs) and whether
+        it speculates."""
+        task = run.task
+        run.sampler = self.b.new_sampler(task.sampling, task.prompt)
+        if task.sampling.constraint is not None:
+            run.matcher = task.sampling.constraint.matcher()
+        if self.b.backend_sampling:
+            reason = cpu_reason(task)
+            run.backend_sampled = not reason and self.b.attach_sampler(run.sampler, slot.id)
+            self.stats.on_sampler_placed(reason or ("" if run.backend_sampled else "refused"))
+        self.spec.plan(run)
