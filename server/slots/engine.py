@@ -272,6 +272,7 @@ class Engine:
         self._run_ops()
         self._reap_cancelled()
         self._admit()
+        self.sharing.resolve_waiters()  # placement too: waiters whose shared prefix is ready
         decoded = False
         try:
             embedded = self.embed.step() if self.embed.waiting else False
@@ -331,9 +332,7 @@ class Engine:
     # ---- the step: schedule, execute, update ---------------------------------------
 
     def _batch_step(self) -> bool:
-        """Schedule, execute and update one batch; False when there was nothing to decode.
-        Waiters whose shared prefix is ready start first (slots/sharing.py)."""
-        self.sharing.resolve_waiters()
+        """Schedule, execute and update one batch; False when there was nothing to decode."""
         # backpressure: a slot whose reader lags generates nothing until it catches up
         active = [s for s in self.slots if s.state in _DECODING and not _lagging(s)]
         if not active:
