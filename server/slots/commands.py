@@ -278,16 +278,19 @@ class IntegrityReport:
 
 @dataclass(frozen=True)
 class CheckIntegrity:
-    """The engine's and the RAM cache's integrity checks, between two steps (nothing moves
-    meanwhile): every slot's tokens match its KV positions, checkpoints lie within them,
-    cache bytes equal the sum of its entries, no entry is a prefix of another."""
+    """The engine's, the RAM cache's and the disk tier's integrity checks, between two
+    steps (nothing in the engine moves meanwhile): every slot's tokens match its KV
+    positions, checkpoints lie within them, cache bytes equal the sum of its entries, no
+    entry is a prefix of another, and the prefix index holds exactly the entries."""
 
     slot: int = field(default=-1, init=False)
 
     def run(self, host: Host) -> IntegrityReport:
-        cache = host.cache
-        problems = host.check_integrity()
-        return IntegrityReport(problems + (cache.check_integrity() if cache is not None else []))
+        problems = host.check_integrity()  # the slots and the RAM cache (Engine's)
+        disk = host.disk
+        if disk is not None:
+            problems += [f"disk tier: {p}" for p in disk.check_integrity()]
+        return IntegrityReport(problems)
 
 
 @dataclass(frozen=True)

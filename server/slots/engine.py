@@ -394,8 +394,14 @@ class Engine:
     # ---- integrity ----------------------------------------------------------------
 
     def check_integrity(self) -> list[str]:
-        """The slot store's invariant (tokens == KV) for every slot; returns problems."""
-        return self.store.check_integrity()
+        """The slot store's invariant (tokens == KV, for the target and a draft model's
+        context) and the RAM cache's (its accounting and its prefix index); returns
+        problems. The disk tier checks its own (DiskTier.check_integrity): its scanner and
+        writer threads change it under its lock."""
+        problems = self.store.check_integrity()
+        if self.cache is not None:
+            problems += [f"RAM cache: {p}" for p in self.cache.check_integrity()]
+        return problems
 
 
 def _deliver_all(items: list) -> None:
