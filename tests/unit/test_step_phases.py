@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from server.slots.engine import Engine, EngineOptions
 from server.slots.plan import Ended, Sampled, SlotOutput, SlotWork, StepOutputs, StepPlan
 from server.slots.slot import Slot, SlotState
@@ -263,3 +265,13 @@ def test_the_engine_still_serves_whole_runs_through_the_phases():
     assert isinstance(c1.result, TaskResult) and isinstance(c2.result, TaskResult)
     assert (c1.result.timings.prompt_n, c1.result.timings.predicted_n) == (30, 5)
     assert (c2.result.timings.prompt_n, c2.result.timings.predicted_n) == (20, 3)
+
+
+def test_live_is_the_slots_run_from_its_first_task_on():
+    s = Slot(0, 64)
+    with pytest.raises(RuntimeError, match="slot 0 holds no run"):
+        _ = s.live
+    run_ = s.start(task([1, 2, 3])[0], 0)
+    assert s.live is run_
+    s.release()
+    assert s.idle and s.live is run_  # the last run stays readable
