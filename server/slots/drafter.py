@@ -89,7 +89,7 @@ class ModelDrafter:
             n = self.kv.reconcile(s)
             lag = s.tokens[n:]
             if len(lag) + 1 <= room:
-                rows.append((w, b.add_span([*lag, s.run.next_token], n, s.id, True)))
+                rows.append((w, b.add_span([*lag, s.live.next_token], n, s.id, True)))
             else:  # the rest next step
                 lag = lag[:room]
                 b.add_span(lag, n, s.id, False)

@@ -317,8 +317,11 @@ class Engine:
         if any(t.cancelled for t in self.waiting):
             self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
         for s in self.slots:
-            if s.state is not SlotState.IDLE and s.run.task.cancelled:
-                self.updater.finish(s, FinishReason.CANCELLED)
+            if s.state is not SlotState.IDLE:
+                run = s.run
+                assert run is not None  # a busy slot holds its run (per step: no ``live`` call)
+                if run.task.cancelled:
+                    self.updater.finish(s, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
         """Admission: ``admit`` decides where the waiting tasks go, ``place`` starts them
@@ -420,5 +423,7 @@ def _lagging(s: Slot) -> bool:
     """A generating slot whose reader lags (backpressure): it decodes nothing this step."""
     if s.state is not SlotState.GENERATE:
         return False
-    lagging = s.run.task.lagging
+    run = s.run
+    assert run is not None  # a generating slot holds its run (per step: no ``live`` call)
+    lagging = run.task.lagging
     return lagging is not None and lagging()

@@ -92,7 +92,7 @@ class Executor:
     def _shift(self, s: Slot, n_keep: int, n_discard: int) -> bool:
         """--context-shift: drop half of what follows n_keep and go on; False: the run
         ends (``length``)."""
-        s.run.shift_due = False
+        s.live.shift_due = False
         self.spec.before_shift(s, n_keep, n_discard)
         if not self.store.shift(s, n_keep, n_discard):
             return False
@@ -181,7 +181,11 @@ class Executor:
         if len(cpu) > 1:
             pool = self.par.pool_for(len(cpu))
             try:
-                items = [(o.work.slot.run.sampler, o.work.row) for o in cpu]
+                items = []
+                for o in cpu:
+                    run = o.work.slot.run
+                    assert run is not None  # per token: no ``live`` call
+                    items.append((run.sampler, o.work.row))
                 toks = self.b.sample_many(items, pool)
                 picked = {o.work.slot.id: t for o, t in zip(cpu, toks, strict=True)}
             except Exception:  # sampled one by one below, where a failure ends its slot only
@@ -232,9 +236,10 @@ class Executor:
 
 def _wants_sample(w: SlotWork) -> bool:
     """Rows with logits are sampled, but a prompt-only run (n_predict 0) samples nothing."""
-    return w.logits and (w.generating or w.slot.run.task.gen.max_tokens != 0)
+    return w.logits and (w.generating or w.slot.live.task.gen.max_tokens != 0)
 
 
 def _plain(w: SlotWork) -> bool:
     run = w.slot.run
+    assert run is not None  # a slot in the plan holds a run (per token: no ``live`` call)
     return run.matcher is None and not run.backend_sampled and not w.draft

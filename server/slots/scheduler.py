@@ -67,7 +67,7 @@ class Scheduler:
                 plan.work.append(w)
                 used += len(w.tokens) + w.model_room
         pre = sorted(
-            (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.run.t_start
+            (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.live.t_start
         )
         for s in pre:
             if used >= plan.budget:
@@ -80,6 +80,7 @@ class Scheduler:
     def _generate(self, s: Slot, room: int) -> SlotWork:
         """A generating slot's work: its sampled token, and a draft within ``room``."""
         run = s.run
+        assert run is not None  # an active slot holds its run (per token: no ``live`` call)
         w = SlotWork(s, [run.next_token], generating=True, logits=True)
         if run.shift_due:
             w.shift = self.shift_of(s)
@@ -95,9 +96,10 @@ class Scheduler:
 
     def shift_of(self, s: Slot) -> tuple[int, int]:
         """llama-server's context shift for a full slot: (n_keep, n_discard)."""
-        gen = s.run.task.gen
+        run = s.live
+        gen = run.task.gen
         return shift_span(
-            len(s.tokens), s.n_ctx, s.run.n_prompt, gen.n_keep, gen.n_discard, self.add_bos
+            len(s.tokens), s.n_ctx, run.n_prompt, gen.n_keep, gen.n_discard, self.add_bos
         )
 
     def _prompt_chunk(self, s: Slot, room: int) -> SlotWork:
@@ -105,15 +107,16 @@ class Scheduler:
         sharing waiter or a checkpoint needs the slot to stop; a checkpoint of the state
         the chunk starts from is taken first when the policy wants one there."""
         cur = len(s.tokens)
-        task = s.run.task
+        run = s.live
+        task = run.task
         prompt = task.prompt
         end = min(len(prompt), cur + room)
-        marks = s.run.share_marks
+        marks = run.share_marks
         if marks:
             end = min(end, min((m for m in marks if m > cur), default=end))
         checkpoint = False
         if self.ckpt.enabled:
-            n_start = s.run.n_cached
+            n_start = run.n_cached
             end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
             checkpoint = self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start)
         return SlotWork(
@@ -127,5 +130,5 @@ class Scheduler:
         n_prompt = len(s.tokens)
         if not self.ckpt.wants_at_prompt_end(n_prompt, s.checkpoints):
             return False
-        limit = s.run.task.gen.max_tokens
+        limit = s.live.task.gen.max_tokens
         return self.recurrent or limit < 0 or n_prompt + limit > self.n_swa

@@ -101,16 +101,17 @@ def wait_pays(
     which that stop delays the source's own prompt, when it does.
     """
     b = q.budget
-    n_w = len(dst.run.task.prompt)
-    before_dst = q.ahead(dst.run.t_start)  # ``src`` included
-    before_src = q.ahead(src.run.t_start)
-    src_left = len(src.run.task.prompt) - len(src.tokens)
+    dst_run, src_run = dst.live, src.live
+    n_w = len(dst_run.task.prompt)
+    before_dst = q.ahead(dst_run.t_start)  # ``src`` included
+    before_src = q.ahead(src_run.t_start)
+    src_left = len(src_run.task.prompt) - len(src.tokens)
     to_target = before_src + target - len(src.tokens)
     k1 = max(1, math.ceil(to_target / b))
     # after the source reached the target: runs between it and dst not done in those k1
     # steps, the source's tokens past the target, then dst's own suffix
     between = max(0, before_dst - before_src - src_left - (k1 * b - to_target))
-    rest = between + len(src.run.task.prompt) - target + n_w - target
+    rest = between + len(src_run.task.prompt) - target + n_w - target
     k_wait = k1 + max(1, math.ceil(rest / b))
     # the source would have finished in step k1 had it not stopped at the target
     src_delay = int(sole and before_src + src_left <= k1 * b)

@@ -98,15 +98,15 @@ class PrefixSharing:
         """Make ``dst`` (started, prefilling) wait for ``src`` unless computing its prompt
         itself is estimated to be faster; whether it waits."""
         s = self.store.slots[src.slot]
-        sole = src.n_tokens not in s.run.share_marks
+        sole = src.n_tokens not in s.live.share_marks
         if not wait_pays(self.speed, self._queue(), s, dst, src.n_tokens, sole):
             self.stats.prefix_waits_skipped += 1
             log.debug("slot %d: computes itself rather than wait for slot %d", dst.id, s.id)
             return False
         dst.state = SlotState.WAIT
-        run = dst.run
-        run.wait_src, run.wait_task, run.wait_target = src.slot, s.task.id, src.n_tokens
-        s.run.share_marks.add(src.n_tokens)  # the source ends a chunk there
+        run = dst.live
+        run.wait_src, run.wait_task, run.wait_target = src.slot, s.live.task.id, src.n_tokens
+        s.live.share_marks.add(src.n_tokens)  # the source ends a chunk there
         log.debug("slot %d: waits for slot %d to reach %d tokens", dst.id, src.slot, src.n_tokens)
         return True
 
@@ -119,7 +119,7 @@ class PrefixSharing:
         for w in self.store.slots:
             if w.state is not SlotState.WAIT:
                 continue
-            run = w.run
+            run = w.live
             src = self.store.slots[run.wait_src]
             computing = (
                 src.task is not None
@@ -135,14 +135,14 @@ class PrefixSharing:
                 self.stats.prefix_waits_abandoned += 1
                 log.debug("slot %d: stops waiting for slot %d", w.id, src.id)
                 if sole:
-                    src.run.share_marks.discard(run.wait_target)
+                    src.live.share_marks.discard(run.wait_target)
                 q = None  # the queue changed: this slot computes more itself
             self._start(w, again=not computing)
 
     def _start(self, w: Slot, again: bool) -> None:
         """The waiter ``w`` takes what a held source gives and prefills the rest; with
         ``again`` (its source went away) it may wait on another computing slot instead."""
-        task = w.task
+        task = w.live.task
         w.state = SlotState.PREFILL
         held = self.held_source(w, task.prompt, len(w.tokens), task.tenant)
         if held is not None:
@@ -155,9 +155,9 @@ class PrefixSharing:
 
     def _mark_shared(self, src: Slot, w: Slot) -> bool:
         """Whether another waiter needs ``src`` to end a chunk at ``w``'s target."""
-        key = (src.id, src.task.id, w.run.wait_target)
+        key = (src.id, src.live.task.id, w.live.wait_target)
         waits = (
-            (o.run.wait_src, o.run.wait_task, o.run.wait_target)
+            (o.live.wait_src, o.live.wait_task, o.live.wait_target)
             for o in self.store.slots
             if o is not w and o.state is SlotState.WAIT
         )

@@ -106,6 +106,18 @@ class Slot:
         return self.state is SlotState.IDLE
 
     @property
+    def live(self) -> SlotRun:
+        """The run of a slot known to hold one: busy (waiting, prefilling, generating), or
+        idle after a run (the last one stays). ``run`` is None only before the slot's first
+        task; this raises RuntimeError there. Per-token paths (the step's passes over the
+        slots) read ``run`` into a local narrowed by an assert instead: a property call
+        costs them measurably (bench/step_cost.py)."""
+        run = self.run
+        if run is None:
+            raise RuntimeError(f"slot {self.id} holds no run")
+        return run
+
+    @property
     def task(self) -> Task | None:
         """The task running on this slot; None when idle."""
         return None if self.idle or self.run is None else self.run.task

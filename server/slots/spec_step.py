@@ -62,13 +62,18 @@ class Speculation:
     def ngram(self, s: Slot, room: int) -> list[int]:
         """ngram-simple: the draft read off the slot's own tokens (at most ``room``)."""
         hist = s.seq.array()
-        return ngram_draft(hist, s.run.next_token, self.cfg.ngram_n, self.cfg.ngram_m)[:room]
+        return ngram_draft(hist, s.live.next_token, self.cfg.ngram_n, self.cfg.ngram_m)[:room]
 
     def model_drafts(self, wants: list[tuple[Slot, int]]) -> dict[int, list[int]]:
         """draft-simple: the draft model's proposals for (slot, room) pairs, by slot id."""
         if self.drafter is None or not wants:
             return {}
-        return self.drafter.propose([Want(s, room, s.run.spec.p_min) for s, room in wants])
+        asks: list[Want] = []
+        for s, room in wants:
+            spec = s.live.spec
+            assert spec is not None  # only a speculating run is given draft room
+            asks.append(Want(s, room, spec.p_min))
+        return self.drafter.propose(asks)
 
     def verify(self, s: Slot, row: int, draft: list[int], pick: Callable[[int], int]) -> list[int]:
         """A drafting slot's rows ``row..row+len(draft)`` were decoded: sample them in

@@ -60,6 +60,7 @@ class Updater:
     def _account(self, o: SlotOutput, now: float) -> None:
         s = o.work.slot
         run = s.run
+        assert run is not None  # checked by ``update`` (per token: no ``live`` call)
         if not o.work.generating:
             run.seq.n_computed += len(o.work.tokens)
             if run.task.return_progress:
@@ -115,16 +116,17 @@ class Updater:
         step shifts it (``execute``) and the run goes on; it is ``truncated`` either way."""
         if len(s.tokens) + 1 < s.n_ctx:
             return False
-        s.run.truncated = True
+        run = s.live
+        run.truncated = True
         if not self.shifts():
             return True
-        s.run.shift_due = True
+        run.shift_due = True
         return False
 
     def progress(self, s: Slot) -> None:
         """Send the slot's prompt progress (tasks with ``return_progress``, streamed only):
         ``processed`` is what the slot holds of the prompt, cached tokens included."""
-        run = s.run
+        run = s.live
         if run.task.stream:
             t_ms = (time.perf_counter() - run.t_start) * 1e3
             ev = PromptProgress(run.n_prompt, run.n_cached, len(s.tokens), int(t_ms))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from server.slots.engine import Engine, EngineOptions
 from server.slots.plan import Ended, Sampled, SlotOutput, SlotWork, StepOutputs, StepPlan
 from server.slots.slot import Slot, SlotState
@@ -289,3 +291,13 @@ def test_admit_places_in_fifo_order_and_decides_without_touching_anything():
     e.placer.place(adm.placements)
     assert e.slots[1].task is first and e.slots[1].run.n_cached == 40
     assert e.slots[0].task is third
+
+
+def test_live_is_the_slots_run_from_its_first_task_on():
+    s = Slot(0, 64)
+    with pytest.raises(RuntimeError, match="slot 0 holds no run"):
+        _ = s.live
+    run_ = s.start(task([1, 2, 3])[0], 0)
+    assert s.live is run_
+    s.release()
+    assert s.idle and s.live is run_  # the last run stays readable
