@@ -204,12 +204,13 @@ class Executor:
         w = o.work
         run = w.slot.run
         assert run is not None  # a slot in the plan holds a run
+        if len(w.tokens) == 1 or not w.generating:  # one row: most slots, every step
+            t = tok if tok >= 0 else self.pick(run, w.row)
+            o.sampled = [Sampled(t, self._logprob(run, w.row, t))]
+            return
         draft = w.draft
-        if draft:
-            toks = self.spec.verify(w.slot, w.row, draft, lambda i: self.pick(run, i))
-            o.n_drafted, o.n_accepted = len(draft), len(toks) - 1
-        else:
-            toks = [tok if tok >= 0 else self.pick(run, w.row)]
+        toks = self.spec.verify(w.slot, w.row, draft, lambda i: self.pick(run, i))
+        o.n_drafted, o.n_accepted = len(draft), len(toks) - 1
         o.sampled = [Sampled(t, self._logprob(run, w.row + i, t)) for i, t in enumerate(toks)]
 
     def _logprob(self, run: SlotRun, row: int, tok: int) -> TokenLogprob | None:
@@ -242,4 +243,5 @@ def _wants_sample(w: SlotWork) -> bool:
 def _plain(w: SlotWork) -> bool:
     run = w.slot.run
     assert run is not None  # a slot in the plan holds a run (per token: no ``live`` call)
-    return run.matcher is None and not run.backend_sampled and not w.draft
+    draftless = len(w.tokens) == 1 or not w.generating
+    return run.matcher is None and not run.backend_sampled and draftless
