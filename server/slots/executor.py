@@ -15,9 +15,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..types import FinishReason, TokenLogprob
+from ..types import FinishReason
 from .backend_api import Backend
-from .plan import Ended, Sampled, SlotOutput, SlotWork, StepOutputs, StepPlan
+from .plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
 from .sampling import ParallelSampling
 from .slot import Slot, SlotRun
 from .spec_step import DraftDropError, Speculation
@@ -196,7 +196,7 @@ class Executor:
                 self._sample(o, picked.get(s.id, -1))
             except Exception as e:
                 log.exception("sampling failed on slot %d", s.id)
-                o.sampled = []
+                o.tokens, o.logprobs = [], None
                 why = str(e) if isinstance(e, DraftDropError) else f"sampling failed: {e}"
                 out.ended.append(Ended(s, FinishReason.ERROR, why))
 
@@ -205,19 +205,17 @@ class Executor:
         run = w.slot.run
         assert run is not None  # a slot in the plan holds a run
         if len(w.tokens) == 1 or not w.generating:  # one row: most slots, every step
-            t = tok if tok >= 0 else self.pick(run, w.row)
-            o.sampled = [Sampled(t, self._logprob(run, w.row, t))]
-            return
-        draft = w.draft
-        toks = self.spec.verify(w.slot, w.row, draft, lambda i: self.pick(run, i))
-        o.n_drafted, o.n_accepted = len(draft), len(toks) - 1
-        o.sampled = [Sampled(t, self._logprob(run, w.row + i, t)) for i, t in enumerate(toks)]
-
-    def _logprob(self, run: SlotRun, row: int, tok: int) -> TokenLogprob | None:
+            o.tokens = [tok if tok >= 0 else self.pick(run, w.row)]
+        else:
+            draft = w.draft
+            o.tokens = self.spec.verify(w.slot, w.row, draft, lambda i: self.pick(run, i))
+            o.n_drafted, o.n_accepted = len(draft), len(o.tokens) - 1
         gen = run.task.gen
         if gen.logprobs or gen.n_probs > 0:
-            return self.b.sampled_logprobs(run.sampler, row, tok, gen.n_probs)
-        return None
+            o.logprobs = [
+                self.b.sampled_logprobs(run.sampler, w.row + i, t, gen.n_probs)
+                for i, t in enumerate(o.tokens)
+            ]
 
     def pick(self, run: SlotRun, idx: int) -> int:
         """The run's next token: sampled, and for a constrained run one its matcher allows

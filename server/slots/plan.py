@@ -98,20 +98,15 @@ class StepPlan:
 
 
 @dataclass(slots=True)
-class Sampled:
-    """A token sampled from one logits row, with its log-probabilities when asked for."""
-
-    token: int
-    logprob: TokenLogprob | None = None
-
-
-@dataclass(slots=True)
 class SlotOutput:
     """What the step gave one slot: the tokens it sampled, in order (a drafting slot's
-    accepted drafts and the token after them; none for a prompt chunk short of the end)."""
+    accepted drafts and the token after them; none for a prompt chunk short of the end),
+    and their log-probabilities when the run asks for them (else None: one list less per
+    slot and step, which the garbage collector would otherwise count)."""
 
     work: SlotWork
-    sampled: list[Sampled] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
     n_drafted: int = 0
     n_accepted: int = 0
 

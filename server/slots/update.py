@@ -20,9 +20,10 @@ from ..types import (
     TaskResult,
     TextChunk,
     Timings,
+    TokenLogprob,
 )
 from .backend_api import Backend
-from .plan import Sampled, SlotOutput, StepOutputs
+from .plan import SlotOutput, StepOutputs
 from .slot import Slot, SlotRun, SlotState
 from .stats import EngineStats
 
@@ -77,25 +78,26 @@ class Updater:
             run.n_drafted += o.n_drafted
             run.n_draft_accepted += o.n_accepted
             self.stats.on_draft(o.n_drafted, o.n_accepted)
-        for smp in o.sampled:
-            if not self.take(s, smp):
+        lps = o.logprobs
+        for i, tok in enumerate(o.tokens):
+            if not self.take(s, tok, lps[i] if lps is not None else None):
                 return
 
-    def take(self, s: Slot, smp: Sampled) -> bool:
-        """Account for the sampled token and emit its text; False when this ended the run."""
+    def take(self, s: Slot, tok: int, logprob: TokenLogprob | None = None) -> bool:
+        """Account for the sampled token (and its log-probs, when asked for) and emit its
+        text; False when this ended the run."""
         run = s.run
         assert run is not None  # a slot being updated holds a run
         seq = run.seq
         gen = run.task.gen
-        tok = smp.token
         seq.n_sampled += 1
         if self.b.is_eog(tok) and not gen.ignore_eos:
             self.finish(s, FinishReason.STOP)
             return False
         seq.generated.append(tok)
         rel = run.stream.push(self.b.token_to_piece(tok))
-        if smp.logprob is not None:
-            run.logprobs.append(smp.logprob)
+        if logprob is not None:
+            run.logprobs.append(logprob)
         if rel.text or rel.stop:
             self.emit_text(run, rel.text)
         if rel.stop:

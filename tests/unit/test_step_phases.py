@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from server.slots.engine import Engine, EngineOptions
-from server.slots.plan import Ended, Sampled, SlotOutput, SlotWork, StepOutputs, StepPlan
+from server.slots.plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
 from server.slots.slot import Slot, SlotState
 from server.slots.speculative import SPEC_DRAFT, SpecConfig
 from server.slots.store import shift_span
@@ -134,7 +134,7 @@ def _update(e: Engine, out: StepOutputs) -> None:
 
 
 def _out(w: SlotWork, *toks: int, **kw) -> StepOutputs:
-    return StepOutputs([SlotOutput(w, [Sampled(t) for t in toks], **kw)], n_tokens=len(w.tokens))
+    return StepOutputs([SlotOutput(w, list(toks), **kw)], n_tokens=len(w.tokens))
 
 
 def test_update_accounts_a_prompt_chunk_and_starts_generating_at_its_end():
@@ -214,7 +214,7 @@ def test_a_kv_full_decode_retries_a_halved_plan_and_drafts_once():
     out = e.executor.execute(plan)
     assert plan.budget == 32 and out.n_tokens == 1  # the retry carried no draft
     assert len(d.decodes) - n_draft_decodes <= 5  # one proposal: catch-up plus 4 positions
-    assert [o.work.slot for o in out.outputs] == [s] and len(out.outputs[0].sampled) == 1
+    assert [o.work.slot for o in out.outputs] == [s] and len(out.outputs[0].tokens) == 1
     assert e.check_integrity() == []
 
 
