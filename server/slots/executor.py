@@ -142,7 +142,7 @@ class Executor:
                 ret = -100
             dt = time.perf_counter() - t0
             if ret == 0:
-                out.n_tokens, out.decode_seconds = n, dt
+                out.n_tokens = n
                 self.stats.on_decode(len(plan.work), dt)
                 return True
             for w in plan.work:

@@ -128,4 +128,3 @@ class StepOutputs:
     outputs: list[SlotOutput] = field(default_factory=list)
     ended: list[Ended] = field(default_factory=list)
     n_tokens: int = 0  # tokens in the decoded batch
-    decode_seconds: float = 0.0
