@@ -63,16 +63,55 @@ def error_body(status: int, message: str, type: str | None = None, **extra: Any)
     }
 
 
+# Anthropic's error type for a status (its Messages API, server.routes.anthropic)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+# Paths answered in Anthropic's shape, errors included (so a 404 under them is one too).
+ANTHROPIC_PREFIXES = ("/v1/messages", "/messages")
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` belongs to the Anthropic Messages API."""
+    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PREFIXES)
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``; the
+    type follows the status (``api_error`` for any other failure)."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(
+    path: str, status: int, message: str, type: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """The error body a request to ``path`` gets: Anthropic's shape under its paths,
+    OpenAI's (``error_body``) everywhere else."""
+    if anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, type, **extra)
+
+
 def error_response(
     status: int,
     message: str,
     type: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
     **extra: Any,
 ) -> JSONResponse:
-    """``error_body`` as a JSON response with ``status``."""
+    """The error body for ``path`` (``error_body_for``) as a JSON response with ``status``."""
     return JSONResponse(
-        error_body(status, message, type, **extra), status_code=status, headers=headers
+        error_body_for(path, status, message, type, **extra), status_code=status, headers=headers
     )
 
 
@@ -92,23 +131,26 @@ def install(app: FastAPI) -> None:
     422), Starlette's HTTP errors (404, 405) and, as 500, anything unhandled."""
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, headers=exc.headers, **exc.extra)
+    async def _api(req: Request, exc: APIError) -> JSONResponse:
+        return error_response(
+            exc.status, exc.message, exc.type, exc.headers, req.url.path, **exc.extra
+        )
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, _describe(list(exc.errors())))
+    async def _invalid(req: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, _describe(list(exc.errors())), path=req.url.path)
 
     @app.exception_handler(UnicodeError)
-    async def _unicode(_: Request, exc: UnicodeError) -> JSONResponse:
+    async def _unicode(req: Request, exc: UnicodeError) -> JSONResponse:
         # JSON may carry "\ud800": a lone surrogate, which no tokenizer can encode
-        return error_response(400, f"the request holds text that is not valid Unicode: {exc}")
+        msg = f"the request holds text that is not valid Unicode: {exc}"
+        return error_response(400, msg, path=req.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    async def _http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), path=req.url.path)
 
     @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+    async def _crash(req: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        return error_response(500, f"internal error: {type(exc).__name__}", path=req.url.path)

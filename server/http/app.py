@@ -23,8 +23,8 @@ from ..cache.prompt_cache import MiB, PromptCache
 from ..cli.config import Settings, csv_list, load_api_keys
 from ..constrained import llama_compiler, worker
 from ..constrained.limits import ConstraintLimits
+from ..routes import anthropic, cors_proxy, infill, native, openai, responses, slots, template
 from ..routes import cache as cache_routes
-from ..routes import cors_proxy, infill, native, openai, responses, slots, template
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
 from ..service.state import ServerState
@@ -373,6 +373,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(infill.router)
     app.include_router(template.router)
     app.include_router(responses.router)
+    app.include_router(anthropic.router)
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
     app.include_router(metrics_routes.router)

@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api.errors import error_body
+from ..api.errors import error_body_for
 from .cors import LOCAL_HOSTS, CorsPolicy, hostname, normalize_origin, origin_host
 from .metrics import ServerMetrics, endpoint_label
 
@@ -94,7 +94,10 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         await send_json(
-            send, 401, error_body(401, "Invalid API Key"), [(b"www-authenticate", b"Bearer")]
+            send,
+            401,
+            error_body_for(scope.get("path", ""), 401, "Invalid API Key"),
+            [(b"www-authenticate", b"Bearer")],
         )
 
 
@@ -109,7 +112,9 @@ class BodyLimit:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        too_big = error_body(413, f"request body exceeds {self.max_bytes} bytes")
+        too_big = error_body_for(
+            scope.get("path", ""), 413, f"request body exceeds {self.max_bytes} bytes"
+        )
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await send_json(send, 413, too_big)
@@ -254,7 +259,7 @@ class RequestGuard:
             return
         refusal = self._refusal(scope)
         if refusal is not None:
-            await send_json(send, refusal[0], error_body(*refusal))
+            await send_json(send, refusal[0], error_body_for(scope.get("path", ""), *refusal))
             return
         if scope.get("method") == "POST":
             headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]

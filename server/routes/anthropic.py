@@ -1,0 +1,217 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+The body becomes a chat request (server.api.anthropic), runs through chat's rendering,
+tools, constraints and ``service.submit`` (so every cache tier and prefix sharing serve it
+as they serve chat), and answers as a ``message`` or as Anthropic's event stream. Errors
+under these paths take Anthropic's shape (server.api.errors.error_body_for)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..api.anthropic import (
+    AnthropicInputError,
+    content_blocks,
+    message_object,
+    new_id,
+    stop_reason,
+    to_chat_body,
+    usage,
+)
+from ..api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from ..api.errors import APIError, anthropic_error_body
+from ..api.schemas import ChatRequest
+from ..api.tools.parse import Delta, Message, parse_message
+from ..api.tools.plan import ChatPlan
+from ..service.state import tenant_of
+from ..service.submit import Submission, submit
+from ..service.tasks import TaskGroup
+from ..types import PromptProgress, TaskError, TaskResult, TextChunk
+from .common import SSE_HEADERS, state_of
+from .openai import _plan, chat_constraint, render_chat
+
+router = APIRouter()
+
+Ev = tuple[str, dict[str, Any]]  # (event type, data)
+
+
+def _sse(events: list[Ev]) -> str:
+    """Events as Anthropic frames them: an ``event:`` line (its SDK reads only named
+    events), then ``data:``."""
+    return "".join(
+        f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n" for name, data in events
+    )
+
+
+def _chat_request(body: CountTokensRequest) -> ChatRequest:
+    """The chat request of a Messages body: 400 naming what cannot be mapped, the chat
+    body's own validation errors otherwise."""
+    try:
+        return ChatRequest.model_validate(to_chat_body(body))
+    except AnthropicInputError as e:
+        raise APIError(400, str(e)) from None
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+@router.post("/v1/messages")
+@router.post("/messages")
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    """Create a message: the whole answer, or its event stream."""
+    st = state_of(request)
+    chat = await asyncio.to_thread(_chat_request, body)  # a long history: off the loop
+    plan = await asyncio.to_thread(_plan, st, chat)  # checks tool schemas: off the loop
+    job = Submission(
+        prompts=lambda: [render_chat(st, chat, plan)],
+        max_tokens=body.max_tokens,
+        stream=body.stream,
+        constraint=lambda: chat_constraint(plan, chat),
+        # the first progress event opens the stream (the cached share is known then);
+        # later ones are pings while a long prompt is processed
+        return_progress=body.stream,
+    )
+    group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt))
+    omit = body.thinking is not None and body.thinking.display == "omitted"
+    if not body.stream:
+        (r,) = await group.results(request)
+        m = Message(content=r.text) if plan.plain else parse_message(r.text, plan.parser())
+        blocks = content_blocks(m, omit)
+        out = message_object(new_id("msg_"), st.model_name, blocks, r, bool(m.tool_calls))
+        return JSONResponse(out)
+    stream = _MessageStream(plan, st.model_name, omit, len(group.tasks[0].prompt))
+    return StreamingResponse(stream.run(group), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/v1/messages/count_tokens")
+@router.post("/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    """The prompt tokens a Messages body feeds the model (system, tools and thinking
+    history included): ``input_tokens + cache_read_input_tokens`` of its answer."""
+    st = state_of(request)
+    chat = await asyncio.to_thread(_chat_request, body)
+    plan = await asyncio.to_thread(_plan, st, chat)
+    prompt = await asyncio.to_thread(render_chat, st, chat, plan)
+    return {"input_tokens": len(prompt.tokens)}
+
+
+class _MessageStream:
+    """One streamed message. Invariant: at most one content block is open; a delta of
+    another kind (or a new tool call) closes it and opens the next, so indices rise by one
+    and every ``content_block_start`` has its ``content_block_stop``."""
+
+    def __init__(self, plan: ChatPlan, model: str, omit: bool, n_prompt: int) -> None:
+        self.plan = plan
+        self.parser = plan.parser()
+        self.model = model
+        self.omit = omit
+        self.n_prompt = n_prompt
+        self.msg_id = new_id("msg_")
+        self.started = False
+        self.index = -1
+        self.open: str | None = None  # the open block's type
+        self.n_calls = 0
+
+    async def run(self, group: TaskGroup) -> AsyncIterator[str]:
+        async for _, ev in group.events():
+            if isinstance(ev, PromptProgress):
+                yield _sse(self._start(ev.cache) or [("ping", {"type": "ping"})])
+            elif isinstance(ev, TextChunk):
+                d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
+                yield _sse(self._start(0) + self._deltas(d))
+            elif isinstance(ev, TaskResult):
+                rest = Delta() if self.plan.plain else self.parser.finish()
+                yield _sse(self._start(ev.timings.cache_n) + self._deltas(rest) + self._end(ev))
+            elif isinstance(ev, TaskError):
+                body = anthropic_error_body(ev.status, ev.message)
+                yield _sse([("error", body)])
+
+    def _start(self, cached: int) -> list[Ev]:
+        """``message_start``, once: the message without content, the prompt's usage."""
+        if self.started:
+            return []
+        self.started = True
+        use = {
+            "input_tokens": self.n_prompt - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": 0,
+        }
+        message: dict[str, Any] = {
+            "id": self.msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": use,
+        }
+        return [("message_start", {"type": "message_start", "message": message})]
+
+    def _close(self) -> list[Ev]:
+        """Close the open block (a thinking block gets its, empty, signature first)."""
+        if self.open is None:
+            return []
+        out: list[Ev] = []
+        if self.open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
+        out.append(("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.open = None
+        return out
+
+    def _open(self, block: dict[str, Any]) -> list[Ev]:
+        out = self._close()
+        self.index += 1
+        self.open = block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return [*out, ("content_block_start", start)]
+
+    def _delta(self, delta: dict[str, Any]) -> Ev:
+        return "content_block_delta", {
+            "type": "content_block_delta",
+            "index": self.index,
+            "delta": delta,
+        }
+
+    def _deltas(self, d: Delta) -> list[Ev]:
+        """The events of one parser delta: reasoning, text, then tool call pieces."""
+        out: list[Ev] = []
+        if d.reasoning:
+            if self.open != "thinking":
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+            if not self.omit:
+                out.append(self._delta({"type": "thinking_delta", "thinking": d.reasoning}))
+        if d.content:
+            if self.open != "text":
+                out += self._open({"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": d.content}))
+        for c in d.calls:
+            if c.id is not None:
+                self.n_calls += 1
+                block = {"type": "tool_use", "id": c.id, "name": c.name or "", "input": {}}
+                out += self._open(block)
+            if c.arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
+        return out
+
+    def _end(self, r: TaskResult) -> list[Ev]:
+        """The last block closed, the stop reason with the whole usage, the end."""
+        reason, sequence = stop_reason(r, self.n_calls > 0)
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(r),
+        }
+        return [
+            *self._close(),
+            ("message_delta", delta),
+            ("message_stop", {"type": "message_stop"}),
+        ]
