@@ -34,6 +34,35 @@ __all__ = [
 AUTO_PARALLEL = 4
 
 
+class GcpCompat(BaseModel):
+    """Vertex AI prediction (llama-server's, read from the same variables): ``POST
+    predict_route`` answers ``instances`` by the routes their ``@requestFormat`` names,
+    ``health_route`` (when set) is another ``/health``, and the server listens on
+    ``port`` (AIP_HTTP_PORT, which wins over --port there too)."""
+
+    predict_route: str = "/predict"
+    health_route: str = ""
+    port: int = Field(8080, ge=0, le=65535)
+
+
+def _route(value: str | None, default: str) -> str:
+    """A route from a variable: a leading ``/`` added, as llama-server does."""
+    if not value:
+        return default
+    return value if value.startswith("/") else "/" + value
+
+
+def gcp_compat(env: Mapping[str, str]) -> GcpCompat | None:
+    """The Vertex AI settings when ``AIP_MODE`` is ``PREDICTION``, else None."""
+    if env.get("AIP_MODE", "") != "PREDICTION":
+        return None
+    return GcpCompat(
+        predict_route=_route(env.get("AIP_PREDICT_ROUTE"), "/predict"),
+        health_route=_route(env.get("AIP_HEALTH_ROUTE"), ""),
+        port=int(env.get("AIP_HTTP_PORT") or 8080),
+    )
+
+
 class Settings(BaseModel):
     model: str | None = None
     host: str = "127.0.0.1"
@@ -156,6 +185,8 @@ class Settings(BaseModel):
     log_file: str | None = None
     # Accepted-and-ignored llama-server flags that were given: Compat.name -> value.
     compat: dict[str, Any] = Field(default_factory=dict)
+    # Vertex AI's custom-container contract (AIP_MODE=PREDICTION): None when off
+    gcp: GcpCompat | None = None
 
     @field_validator("parallel", mode="before")
     @classmethod
@@ -375,6 +406,9 @@ def parse_settings(argv: list[str] | None = None, env: Mapping[str, str] | None 
     try:
         values = _option_values(args, env)
         values["compat"] = _compat_values(args, env)
+        gcp = gcp_compat(env)
+        if gcp is not None:  # Vertex AI says where to listen
+            values.update(gcp=gcp, port=gcp.port)
         return Settings(**values)
     except ValidationError as e:
         msgs = [f"{_flag_of(str(err['loc'][0]))}: {err['msg']}" for err in e.errors()]

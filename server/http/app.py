@@ -23,7 +23,17 @@ from ..cache.prompt_cache import MiB, PromptCache
 from ..cli.config import Settings, csv_list, load_api_keys
 from ..constrained import llama_compiler, worker
 from ..constrained.limits import ConstraintLimits
-from ..routes import anthropic, cors_proxy, infill, native, openai, responses, slots, template
+from ..routes import (
+    anthropic,
+    cors_proxy,
+    gcp,
+    infill,
+    native,
+    openai,
+    responses,
+    slots,
+    template,
+)
 from ..routes import cache as cache_routes
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
@@ -379,13 +389,16 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(metrics_routes.router)
     app.include_router(embedding_routes.router)
     app.include_router(cors_proxy.router)
+    if settings.gcp is not None:  # after every route: it dispatches to them
+        gcp.install(app, settings.gcp)
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
     keys = load_api_keys(settings)
     if settings.cache_isolation == "key" and not keys:
         log.warning("--cache-isolation key without --api-key: every client is one tenant")
-    app.add_middleware(ApiKeyAuth, keys=keys)
+    health = [settings.gcp.health_route] if settings.gcp and settings.gcp.health_route else []
+    app.add_middleware(ApiKeyAuth, keys=keys, public=health)
     policy = cors_policy(settings)
     if settings.ui_mcp_proxy:
         log.warning(

@@ -49,15 +49,16 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class ApiKeyAuth:
-    """Every endpoint but /health needs a key: ``Authorization: Bearer KEY`` or ``X-Api-Key``.
+    """Every endpoint but /health (and ``public`` ones) needs a key: ``Authorization: Bearer KEY`` or ``X-Api-Key``.
 
     Keys are compared in constant time, against every configured key (no early exit).
     CORS preflights (OPTIONS) are answered by the CORS layer outside this one.
     """
 
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str], public: list[str] | None = None) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys if k]
+        self.public = PUBLIC_PATHS | set(public or ())
 
     def _valid(self, given: bytes) -> bool:
         """Whether ``given`` is a configured key; the time taken does not say which or how
@@ -78,7 +79,7 @@ class ApiKeyAuth:
         if (
             scope["type"] != "http"
             or not self.keys
-            or scope.get("path") in PUBLIC_PATHS
+            or scope.get("path") in self.public
             or scope.get("method") == "OPTIONS"
         ):
             await self.app(scope, receive, send)
