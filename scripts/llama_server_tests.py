@@ -42,6 +42,8 @@ FILES = [
     "test_infill",
     "test_template",
     "test_compat_oai_responses",
+    "test_compat_anthropic",
+    "test_compat_gcp",
 ]
 DEPS = ["filelock", "wget"]  # what their utils.py / conftest.py import beyond ours
 DROP_VALUED = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"}

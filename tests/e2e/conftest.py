@@ -52,8 +52,10 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"e2e-server-{self.port}.log"
         self.args = list(args)
