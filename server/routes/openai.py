@@ -6,6 +6,7 @@ what is their own is how the body becomes prompts and what a choice looks like."
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -116,31 +117,52 @@ def _max_tokens(*values: int | None) -> int:
     return -1
 
 
+def model_object(st: ServerState) -> dict[str, Any]:
+    """The served model as OpenAI lists it, with llama-server's ``meta`` and the fields of
+    Anthropic's model object (``type``, ``display_name``, ``created_at``), so both SDKs
+    read the same list."""
+    b = st.backend
+    created = datetime.datetime.fromtimestamp(int(st.started), datetime.timezone.utc)
+    return {
+        "id": st.model_name,
+        "aliases": st.model_aliases,
+        "tags": sorted(set(csv_list(st.settings.tags))),
+        "object": "model",
+        "created": int(st.started),
+        "owned_by": "llamacpp",
+        "type": "model",
+        "display_name": st.model_name,
+        "created_at": created.isoformat().replace("+00:00", "Z"),
+        "meta": {
+            "n_vocab": b.n_vocab if b else None,
+            "n_ctx_train": b.n_ctx_train if b else None,
+            "n_params": b.n_params if b else None,
+            "size": b.model_size if b else None,
+        },
+    }
+
+
 @router.get("/v1/models")
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The one model this server serves, with llama-server's ``meta``."""
-    st = state_of(request)
-    b = st.backend
+    """The one model this server serves (Anthropic's paging fields too)."""
+    m = model_object(state_of(request))
     return {
         "object": "list",
-        "data": [
-            {
-                "id": st.model_name,
-                "aliases": st.model_aliases,
-                "tags": sorted(set(csv_list(st.settings.tags))),
-                "object": "model",
-                "created": int(st.started),
-                "owned_by": "llamacpp",
-                "meta": {
-                    "n_vocab": b.n_vocab if b else None,
-                    "n_ctx_train": b.n_ctx_train if b else None,
-                    "n_params": b.n_params if b else None,
-                    "size": b.model_size if b else None,
-                },
-            }
-        ],
+        "data": [m],
+        "has_more": False,
+        "first_id": m["id"],
+        "last_id": m["id"],
     }
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    """One model by its name or an alias (404 otherwise)."""
+    st = state_of(request)
+    if model_id != st.model_name and model_id not in st.model_aliases:
+        raise APIError(404, f"model {model_id!r} not found (this server serves {st.model_name!r})")
+    return model_object(st)
 
 
 @dataclass

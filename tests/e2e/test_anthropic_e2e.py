@@ -513,3 +513,12 @@ def test_agent_conversation_reads_follow_ups_from_the_cache(client, srv):
         else:
             messages.append({"role": "user", "content": "Thanks. Next step?"})
     srv.assert_integrity()
+
+
+def test_models_list_and_retrieve_with_the_sdk(client, srv):
+    (m,) = client.models.list().data
+    assert m.type == "model" and m.id == srv.client.get("/v1/models").json()["data"][0]["id"]
+    assert m.display_name == m.id and m.created_at.year >= 2024
+    assert client.models.retrieve(m.id).id == m.id
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("claude-not-here")
