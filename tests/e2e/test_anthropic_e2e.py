@@ -522,3 +522,61 @@ def test_models_list_and_retrieve_with_the_sdk(client, srv):
     assert client.models.retrieve(m.id).id == m.id
     with pytest.raises(anthropic.NotFoundError):
         client.models.retrieve("claude-not-here")
+
+
+# reasoning, the close, then content: a template that opens <think> (DeepSeek R1's) starts
+# the answer in the reasoning (what a seed writes differs between CPUs: a grammar forces both)
+THINK_THEN_TEXT = 'root ::= [a-z] [a-z ]{5,15} "</think>" [a-z ]{3,10}'
+
+
+def test_thinking_blocks(make_server):
+    from tests.llama_sdist import vendored
+
+    tpl = vendored("models/templates/llama-cpp-deepseek-r1.jinja")
+    s = make_server("--chat-template-file", str(tpl), "-np", "1")
+    body = {
+        "model": "any",
+        "max_tokens": 60,
+        "thinking": {"type": "enabled", "budget_tokens": 40},
+        "grammar": THINK_THEN_TEXT,
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+    }
+    m = s.client.post("/v1/messages", json=body).json()
+    thinking, text = m["content"]
+    assert thinking["type"] == "thinking" and thinking["thinking"] and thinking["signature"] == ""
+    assert text["type"] == "text" and text["text"]
+    events = events_of(s, body)
+    assert_stream_grammar(events)
+    kinds = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+    assert kinds == ["thinking", "text"]
+    first = [
+        d["delta"]["type"] for n, d in events if n == "content_block_delta" and d["index"] == 0
+    ]
+    assert set(first[:-1]) == {"thinking_delta"} and first[-1] == "signature_delta"
+    streamed = "".join(
+        d["delta"].get("thinking", "") for n, d in events if n == "content_block_delta"
+    )
+    assert streamed.strip() and "</think>" not in streamed
+    omitted = {**body, "thinking": {"type": "enabled", "budget_tokens": 40, "display": "omitted"}}
+    blocks = s.client.post("/v1/messages", json=omitted).json()["content"]
+    assert blocks[0] == {"type": "thinking", "thinking": "", "signature": ""}
+    # thinking blocks of the history reach a template that renders reasoning
+    client = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
+    history = [
+        {"role": "user", "content": "Fix the bug"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+        {"role": "user", "content": "Thanks"},
+    ]
+    with_thinking = [
+        history[0],
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "look at main.py", "signature": ""},
+                *history[1]["content"],
+            ],
+        },
+        history[2],
+    ]
+    n = client.messages.count_tokens(model="any", messages=history).input_tokens
+    assert client.messages.count_tokens(model="any", messages=with_thinking).input_tokens >= n
