@@ -24,7 +24,7 @@ from ..cli.config import Settings, csv_list, load_api_keys
 from ..constrained import llama_compiler, worker
 from ..constrained.limits import ConstraintLimits
 from ..routes import cache as cache_routes
-from ..routes import cors_proxy, infill, native, openai, responses, slots, template
+from ..routes import cors_proxy, infill, native, openai, responses, slots, template, webui
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
 from ..service.state import ServerState
@@ -378,13 +378,16 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(metrics_routes.router)
     app.include_router(embedding_routes.router)
     app.include_router(cors_proxy.router)
+    page = webui.load_assets() if settings.webui else {}
+    if page:  # the chat page at / (--no-webui: off, as llama-server)
+        app.include_router(webui.make_router(page))
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
     keys = load_api_keys(settings)
     if settings.cache_isolation == "key" and not keys:
         log.warning("--cache-isolation key without --api-key: every client is one tenant")
-    app.add_middleware(ApiKeyAuth, keys=keys)
+    app.add_middleware(ApiKeyAuth, keys=keys, public=webui.page_paths(page))
     policy = cors_policy(settings)
     if settings.ui_mcp_proxy:
         log.warning(
