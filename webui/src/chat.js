@@ -125,6 +125,7 @@ async function runTurn() {
   state.controller = new AbortController();
   renderMessages();
   const art = $('messages').lastElementChild;
+  fillAssistant(art, msg, true);
   setBusy(true);
   let timer = null;
   const paint = () => { timer = null; fillAssistant(art, msg, true); $('messages').scrollTop = $('messages').scrollHeight; };
@@ -154,6 +155,7 @@ export function send(text) {
   const conv = state.conv;
   if (!conv.messages.some((m) => m.role === 'user')) conv.title = text.trim().replace(/\s+/g, ' ').slice(0, 48);
   conv.messages.push({ role: 'user', content: text });
+  save(); // the question is kept even if the page goes before the answer ends
   runTurn();
   return true;
 }
