@@ -379,7 +379,11 @@ def test_imported_answer_cannot_run_script(page: Page, tmp_path):
     assert not any(h.lower().startswith("javascript:") for h in hrefs), hrefs
     for a in content.find_elements(By.TAG_NAME, "a"):
         a.click()
+    # the tool call is listed, its name and arguments as text
+    (call,) = answer.find_elements(By.CSS_SELECTOR, '[data-testid="tool-call"]')
+    assert "<b>f</b>" in call.text and "<img src=x onerror=alert(1)>" in call.text
     reasoning = answer.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert reasoning.get_attribute("open") is None  # folded
     reasoning.click()  # unfold it: shown as text
     assert "<script>" in reasoning.text
     assert "onerror" in page.user_texts()[0]
