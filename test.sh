@@ -22,6 +22,9 @@ cd "$ROOT"
 step "smoke (model loads, one decode; llama-server runs)" "$PY" scripts/smoke.py
 step "lint" "$PY" -m ruff check server tests bench scripts/smoke.py
 step "format" "$PY" -m ruff format --check server tests bench scripts/smoke.py
+# the chat page's shipped files (server/webui/static) equal a fresh build of webui/ (npm ci
+# at the locked versions, then esbuild); fails, never skips, without node and npm
+step "web page (shipped = fresh build)" "$ROOT/webui/build.sh" --check
 # mypy over server/ and the fake backend (pyproject.toml [tool.mypy]; ~10 s cold, <1 s
 # warm from .mypy_cache)
 step "types" "$PY" -m mypy

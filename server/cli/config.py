@@ -163,6 +163,7 @@ class Settings(BaseModel):
     cors_methods: str = "GET, POST, DELETE, OPTIONS"
     cors_headers: str = "*"
     cors_credentials: bool = True
+    webui: bool = True  # the chat page at / (--ui/--webui, --no-ui/--no-webui)
     ui_mcp_proxy: bool = False
     ui_mcp_proxy_timeout: float = Field(30, gt=0)
     ssl_key_file: str | None = None

@@ -169,6 +169,7 @@ OPTIONS: list[Opt] = [
     _o("--cors-methods", "cors_methods", "LLAMA_ARG_CORS_METHODS", "Access-Control-Allow-Methods of preflight answers (default: GET, POST, DELETE, OPTIONS)"),
     _o("--cors-headers", "cors_headers", "LLAMA_ARG_CORS_HEADERS", "Access-Control-Allow-Headers of preflight answers (default: *)"),
     _o("--cors-credentials", "cors_credentials", "LLAMA_ARG_CORS_CREDENTIALS", "preflights allow credentials; with --cors-origins * the Origin is echoed back (default: on)", "bool", neg="--no-cors-credentials"),
+    _o("--ui --webui", "webui", "LLAMA_ARG_UI", "serve the chat page at / (default: on)", "bool", neg="--no-ui --no-webui"),
     _o("--ui-mcp-proxy --webui-mcp-proxy", "ui_mcp_proxy", "LLAMA_ARG_UI_MCP_PROXY", "GET/POST /cors-proxy?url=...: forward a request to any http(s) URL, with only the x-llama-server-proxy-header-* headers; do not enable in untrusted environments (default: off)", "bool", neg="--no-ui-mcp-proxy --no-webui-mcp-proxy"),
     _o("--ui-mcp-proxy-timeout", "ui_mcp_proxy_timeout", "LLAMA_ARG_UI_MCP_PROXY_TIMEOUT", "seconds the CORS proxy waits to connect to its target and for each read from it; then 504 (default: 30)", float),
     _o("--ssl-key-file", "ssl_key_file", "LLAMA_ARG_SSL_KEY_FILE", "PEM private key: serve HTTPS (with --ssl-cert-file)"),
@@ -534,7 +535,6 @@ COMPAT: list[Compat] = [
     ),
     *_group(
         "web UI/tools/router",
-        ("--ui --webui | --no-ui --no-webui", "LLAMA_ARG_UI", BOOL, False),
         ("--path", "LLAMA_ARG_STATIC_PATH", str, ""),
         ("--ui-config --webui-config", "LLAMA_ARG_UI_CONFIG", json_object, ANY),
         ("--ui-config-file --webui-config-file", "LLAMA_ARG_UI_CONFIG_FILE", str, ANY),

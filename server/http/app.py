@@ -33,6 +33,7 @@ from ..routes import (
     responses,
     slots,
     template,
+    webui,
 )
 from ..routes import cache as cache_routes
 from ..routes import embeddings as embedding_routes
@@ -389,6 +390,9 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(metrics_routes.router)
     app.include_router(embedding_routes.router)
     app.include_router(cors_proxy.router)
+    page = webui.load_assets() if settings.webui else {}
+    if page:  # the chat page at / (--no-webui: off, as llama-server)
+        app.include_router(webui.make_router(page))
     if settings.gcp is not None:  # after every route: it dispatches to them
         gcp.install(app, settings.gcp)
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
@@ -397,8 +401,8 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     keys = load_api_keys(settings)
     if settings.cache_isolation == "key" and not keys:
         log.warning("--cache-isolation key without --api-key: every client is one tenant")
-    health = [settings.gcp.health_route] if settings.gcp and settings.gcp.health_route else []
-    app.add_middleware(ApiKeyAuth, keys=keys, public=health)
+    health = {settings.gcp.health_route} if settings.gcp and settings.gcp.health_route else set()
+    app.add_middleware(ApiKeyAuth, keys=keys, public=webui.page_paths(page) | health)
     policy = cors_policy(settings)
     if settings.ui_mcp_proxy:
         log.warning(

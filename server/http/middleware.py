@@ -49,16 +49,17 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class ApiKeyAuth:
-    """Every endpoint but /health (and ``public`` ones) needs a key: ``Authorization: Bearer KEY`` or ``X-Api-Key``.
+    """Every endpoint but /health needs a key: ``Authorization: Bearer KEY`` or ``X-Api-Key``.
 
     Keys are compared in constant time, against every configured key (no early exit).
-    CORS preflights (OPTIONS) are answered by the CORS layer outside this one.
+    CORS preflights (OPTIONS) are answered by the CORS layer outside this one. ``public``:
+    more paths that need no key (the web page's files: the page asks for the key itself).
     """
 
-    def __init__(self, app: ASGIApp, keys: list[str], public: list[str] | None = None) -> None:
+    def __init__(self, app: ASGIApp, keys: list[str], public: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys if k]
-        self.public = PUBLIC_PATHS | set(public or ())
+        self.public = PUBLIC_PATHS | public
 
     def _valid(self, given: bytes) -> bool:
         """Whether ``given`` is a configured key; the time taken does not say which or how

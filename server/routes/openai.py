@@ -600,8 +600,9 @@ async def _stream(
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed OpenAI response; ``base`` is every chunk's envelope.
     A failed choice sends an error event (the status line went out already) and the stream
-    still ends with [DONE], as OpenAI clients expect. The usage chunk carries the merged
-    timings too (llama-server's last chunk has them)."""
+    still ends with [DONE], as OpenAI clients expect. A choice's final chunk carries its
+    ``timings`` and the ``id_slot`` it ran on; the usage chunk carries the merged timings
+    too (llama-server's last chunk has them)."""
     for choice in shape.opening:
         yield sse({**base, "choices": [choice]})
     results: list[TaskResult] = []
@@ -617,7 +618,9 @@ async def _stream(
             *flush, final = _listed(shape.final_choice(index, ev, False))
             for choice in flush:
                 yield sse({**base, "choices": [choice]})
+            # id_slot: the slot that ran this choice (llama-server's native chunks carry it)
             chunk = {**base, "choices": [final], "timings": ev.timings.as_dict()}
+            chunk["id_slot"] = ev.id_slot
             if verbose is not None:
                 chunk["__verbose"] = verbose(index, ev, False)
             yield sse(chunk)

@@ -272,14 +272,14 @@ def test_malformed_values_fail(argv, env, named, capsys):
 
 
 def test_ignored_flags_give_one_warning_naming_them(caplog):
-    argv = ["--webui", "--mirostat", "2", "-hf", "a/b", "--rope-scale", "2"]
+    argv = ["--path", "/srv/ui", "--mirostat", "2", "-hf", "a/b", "--rope-scale", "2"]
     # These match what this server does anyway: accepted silently.
     argv += ["--no-mmproj", "-cb", "--no-context-shift", "--offline", "--log-colors", "off"]
     argv += ["--mirostat-lr", "0.10", "--no-webui-mcp-proxy", "--threads-http", "8"]
     s = parse_settings([*argv, "--temp", "0.5"], env={"LLAMA_ARG_REPACK": "0"})
     assert set(ignored_flags(s)) == {
         "--repack",
-        "--ui",
+        "--path",
         "--mirostat",
         "--hf-repo",
         "--rope-scale",
@@ -288,7 +288,7 @@ def test_ignored_flags_give_one_warning_naming_them(caplog):
         msg = warn_ignored(s)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].getMessage() == msg
-    for name in ("--webui", "--mirostat", "--hf-repo", "--rope-scale", "--repack"):
+    for name in ("--path", "--mirostat", "--hf-repo", "--rope-scale", "--repack"):
         assert name in msg
     for name in ("--mmproj", "--cont-batching", "--context-shift", "--offline", "--temp"):
         assert name not in msg
@@ -306,13 +306,13 @@ def test_server_starts_anyway_with_one_warning(monkeypatch, caplog):
     )
     monkeypatch.setattr(cli.signal, "signal", lambda *a: None)
     with caplog.at_level(logging.WARNING):
-        cli.main(["--temp", "0.8", "--seed", "42", "--no-jinja", "--webui", "--rpc", "h:1"])
+        cli.main(["--temp", "0.8", "--seed", "42", "--no-jinja", "--path", "ui", "--rpc", "h:1"])
     (config,) = started
     settings = config.app.settings
     assert (settings.temperature, settings.seed, settings.jinja) == (0.8, 42, False)
     assert config.host == "127.0.0.1" and config.ssl_keyfile is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "--webui" in warnings[0] and "--rpc" in warnings[0]
+    assert len(warnings) == 1 and "--path" in warnings[0] and "--rpc" in warnings[0]
 
 
 def test_sampling_defaults_reach_requests():

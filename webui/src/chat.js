@@ -1,0 +1,180 @@
+// The conversation on screen: sending, streaming an answer in, stop, regenerate and
+// edit-and-resend. Both of the last two send the earlier messages unchanged, so the server
+// finds their tokens in a slot (or its RAM/disk cache) and computes only what changed.
+
+import { api, events, ApiError } from './api.js';
+import { $ } from './dom.js';
+import { fillAssistant, messageView } from './messages.js';
+import * as store from './store.js';
+
+export const state = {
+  conversations: [],
+  conv: null, // the one on screen
+  settings: store.loadSettings(),
+  model: '', // the model a request names (router mode: the picker's choice)
+  controller: null, // the running answer's AbortController
+  listeners: { changed: () => {}, turnDone: () => {} },
+};
+
+export const busy = () => state.controller !== null;
+
+export function save() {
+  state.conv.updated = Date.now();
+  store.saveConversations(state.conversations);
+  state.listeners.changed();
+}
+
+const handlers = {
+  busy,
+  regenerate: () => regenerate(),
+  resend: (index, text) => resend(index, text),
+};
+
+export function renderMessages() {
+  const box = $('messages');
+  const msgs = state.conv ? state.conv.messages : [];
+  const lastAnswer = msgs.length && msgs[msgs.length - 1].role === 'assistant' && !busy();
+  box.replaceChildren(...msgs.map((m, i) => messageView(m, i, handlers, lastAnswer && i === msgs.length - 1)));
+  box.scrollTop = box.scrollHeight;
+}
+
+function setBusy(on) {
+  $('send').disabled = on;
+  $('stop').hidden = !on;
+  $('messages').setAttribute('aria-busy', on ? 'true' : 'false');
+  if (!on && document.activeElement === $('stop')) $('prompt').focus();
+}
+
+function numberSetting(v, int) {
+  if (v === '' || v === null || v === undefined) return undefined;
+  const n = int ? parseInt(v, 10) : parseFloat(v);
+  return Number.isFinite(n) ? n : undefined;
+}
+
+export function extraFields(text) {
+  if (!text.trim()) return {};
+  const v = JSON.parse(text);
+  if (!v || typeof v !== 'object' || Array.isArray(v)) throw new Error('not a JSON object');
+  return v;
+}
+
+function historyMessages(history) {
+  const out = [];
+  if (state.settings.system.trim()) out.push({ role: 'system', content: state.settings.system });
+  for (const m of history) {
+    if (m.role === 'assistant' && m.state === 'error' && !m.content) continue;
+    const msg = { role: m.role, content: m.content };
+    if (m.tool_calls && m.tool_calls.length) {
+      msg.tool_calls = m.tool_calls;
+      if (!m.content) msg.content = null;
+    }
+    if (m.tool_call_id) msg.tool_call_id = m.tool_call_id;
+    out.push(msg);
+  }
+  return out;
+}
+
+// The chat request for ``history``: the settings' sampling fields, then the extra fields.
+export function requestBody(history) {
+  const s = state.settings;
+  let extra = {};
+  try {
+    extra = extraFields(s.extra || '');
+  } catch {
+    extra = {};
+  }
+  const body = { ...extra, messages: historyMessages(history), stream: true, stream_options: { include_usage: true } };
+  const fields = { temperature: numberSetting(s.temperature), top_p: numberSetting(s.top_p), max_tokens: numberSetting(s.max_tokens, true) };
+  for (const [k, v] of Object.entries(fields)) if (v !== undefined) body[k] = v;
+  if (state.model) body.model = state.model;
+  return body;
+}
+
+const STAT_FIELDS = ['cache_n', 'prompt_n', 'predicted_n', 'predicted_per_second', 'prompt_per_second'];
+
+// One streamed chunk into the answer: text, reasoning, tool-call pieces, and the final
+// chunk's timings and id_slot (the slot that ran it).
+function applyChunk(msg, ev) {
+  if (ev.error) throw new ApiError(ev.error.code || 500, ev.error.message || 'error');
+  for (const choice of ev.choices || []) {
+    const d = choice.delta || {};
+    if (d.content) msg.content += d.content;
+    if (d.reasoning_content) msg.reasoning = (msg.reasoning || '') + d.reasoning_content;
+    for (const t of d.tool_calls || []) {
+      msg.tool_calls = msg.tool_calls || [];
+      const c = (msg.tool_calls[t.index || 0] ||= { id: '', type: 'function', function: { name: '', arguments: '' } });
+      if (t.id) c.id = t.id;
+      if (t.function && t.function.name) c.function.name += t.function.name;
+      if (t.function && t.function.arguments) c.function.arguments += t.function.arguments;
+    }
+  }
+  if (ev.timings) {
+    const stats = { ...(msg.stats || {}) };
+    for (const k of STAT_FIELDS) if (typeof ev.timings[k] === 'number') stats[k] = ev.timings[k];
+    msg.stats = stats;
+  }
+  if (typeof ev.id_slot === 'number') msg.stats = { ...(msg.stats || {}), slot: ev.id_slot };
+}
+
+// Streams an answer to the conversation's messages in; the answer is appended to them.
+async function runTurn() {
+  const conv = state.conv;
+  const history = conv.messages.slice();
+  const msg = { role: 'assistant', content: '' };
+  conv.messages.push(msg);
+  state.controller = new AbortController();
+  renderMessages();
+  const art = $('messages').lastElementChild;
+  fillAssistant(art, msg, true);
+  setBusy(true);
+  let timer = null;
+  const paint = () => { timer = null; fillAssistant(art, msg, true); $('messages').scrollTop = $('messages').scrollHeight; };
+  try {
+    const body = JSON.stringify(requestBody(history));
+    const r = await api('/v1/chat/completions', { method: 'POST', body, signal: state.controller.signal });
+    for await (const ev of events(r)) {
+      applyChunk(msg, ev);
+      if (timer === null) timer = setTimeout(paint, 60);
+    }
+    msg.state = 'done';
+  } catch (e) {
+    if (e.name === 'AbortError') msg.state = 'stopped';
+    else Object.assign(msg, { state: 'error', error: e.message });
+  } finally {
+    clearTimeout(timer);
+    state.controller = null;
+    setBusy(false);
+    if (state.conv === conv) renderMessages();
+    save();
+    state.listeners.turnDone(conv);
+  }
+}
+
+export function send(text) {
+  if (busy() || !text.trim() || !state.conv) return false;
+  const conv = state.conv;
+  if (!conv.messages.some((m) => m.role === 'user')) conv.title = text.trim().replace(/\s+/g, ' ').slice(0, 48);
+  conv.messages.push({ role: 'user', content: text });
+  save(); // the question is kept even if the page goes before the answer ends
+  runTurn();
+  return true;
+}
+
+export function stop() {
+  if (state.controller) state.controller.abort();
+}
+
+export function regenerate() {
+  const msgs = state.conv.messages;
+  if (busy() || !msgs.length || msgs[msgs.length - 1].role !== 'assistant') return;
+  msgs.pop();
+  runTurn();
+}
+
+export function resend(index, text) {
+  if (busy() || !text.trim()) return;
+  const conv = state.conv;
+  conv.messages = conv.messages.slice(0, index);
+  conv.messages.push({ role: 'user', content: text });
+  runTurn();
+}

@@ -1,0 +1,164 @@
+// The chat page: wires the composer, settings, model name or picker (router mode), API key
+// field, conversation list and cache panel together.
+
+import { auth, getJSON, setKey } from './api.js';
+import { busy, extraFields, renderMessages, send, state, stop } from './chat.js';
+import { $, el } from './dom.js';
+import { renderTurns, startLive } from './panel.js';
+import { newChat, renderList, select, setupSidebar } from './sidebar.js';
+import * as store from './store.js';
+
+let router = false; // the server is a router (/props role "router"): several models
+let refreshLive = () => {};
+
+const SETTING_INPUTS = { system: 'set-system', temperature: 'set-temperature', top_p: 'set-top-p', max_tokens: 'set-max-tokens', extra: 'set-extra' };
+
+function setupSettings() {
+  for (const [key, id] of Object.entries(SETTING_INPUTS)) {
+    const input = $(id);
+    input.value = state.settings[key] ?? '';
+    input.addEventListener('input', () => {
+      state.settings[key] = input.value;
+      store.saveSettings(state.settings);
+      if (key === 'extra') checkExtra();
+    });
+  }
+  checkExtra();
+}
+
+function checkExtra() {
+  let msg = '';
+  try {
+    extraFields(state.settings.extra || '');
+  } catch (e) {
+    msg = `Not used: ${e.message}`;
+  }
+  $('set-extra-error').textContent = msg;
+  $('set-extra').setAttribute('aria-invalid', msg ? 'true' : 'false');
+}
+
+// A header button that shows or hides ``target``: with its hidden attribute (settings), or
+// with a class on the body that only narrow screens look at (the list and the cache panel
+// stay in view on wide ones).
+function toggle(button, target, useHidden) {
+  button.addEventListener('click', () => {
+    const open = button.getAttribute('aria-expanded') !== 'true';
+    button.setAttribute('aria-expanded', String(open));
+    if (useHidden) target.hidden = !open;
+    else document.body.classList.toggle(`open-${target.id}`, open);
+    if (open) (target.querySelector('input, textarea, select, button') || target).focus();
+  });
+}
+
+function setupComposer() {
+  const prompt = $('prompt');
+  $('composer').addEventListener('submit', (e) => {
+    e.preventDefault();
+    if (send(prompt.value)) prompt.value = '';
+  });
+  prompt.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      $('composer').requestSubmit();
+    } else if (e.key === 'Escape' && busy()) {
+      e.preventDefault();
+      stop();
+    }
+  });
+  $('stop').addEventListener('click', stop);
+}
+
+function showAuth() {
+  const form = $('auth');
+  if (!form.hidden) return;
+  form.hidden = false;
+  $('auth-text').textContent = auth.key ? 'The server refused this API key: enter another.' : 'This server needs an API key.';
+  $('api-key').focus();
+}
+
+function setupAuth() {
+  auth.onUnauthorized = showAuth;
+  $('auth').addEventListener('submit', (e) => {
+    e.preventDefault();
+    setKey($('api-key').value);
+    $('api-key').value = '';
+    $('auth').hidden = true;
+    loadModel();
+    refreshLive();
+    $('prompt').focus();
+  });
+}
+
+function modelQuery() {
+  return router && state.model ? `?model=${encodeURIComponent(state.model)}` : '';
+}
+
+async function refreshModels() {
+  if (!router) return;
+  const picker = $('model-picker');
+  const { data } = await getJSON('/models');
+  const models = Array.isArray(data) ? data : [];
+  if (!state.model && models.length) state.model = (models.find((m) => m.status && m.status.value === 'loaded') || models[0]).id;
+  const options = models.map((m) => {
+    const status = (m.status && m.status.value) || 'unknown';
+    return el('option', { value: m.id, 'data-status': status, text: `${m.id} (${status})`, selected: m.id === state.model });
+  });
+  if (picker.matches(':focus') && picker.options.length === options.length) {
+    // keep the open list in place: relabel only
+    options.forEach((o, i) => { picker.options[i].textContent = o.textContent; picker.options[i].dataset.status = o.dataset.status; });
+  } else picker.replaceChildren(...options);
+  picker.value = state.model;
+}
+
+async function loadModel() {
+  try {
+    const props = await getJSON('/props');
+    router = props.role === 'router';
+    $('model-picker').hidden = !router;
+    $('model-picker-label').hidden = !router;
+    $('model-name').hidden = router;
+    if (router) {
+      state.model = state.settings.model || '';
+      await refreshModels();
+    } else {
+      $('model-name').textContent = props.model_alias || (props.model_path || '').split('/').pop() || '';
+    }
+  } catch (e) {
+    $('model-name').textContent = e.status === 401 ? '' : `(${e.message})`;
+  }
+}
+
+function setupModelPicker() {
+  $('model-picker').addEventListener('change', (e) => {
+    state.model = e.target.value;
+    state.settings.model = state.model;
+    store.saveSettings(state.settings);
+    if (state.conv) state.conv.model = state.model;
+    refreshLive();
+  });
+}
+
+function boot() {
+  state.conversations = store.loadConversations();
+  const id = store.currentId();
+  state.listeners.changed = () => { renderList(); renderTurns(state.conv); };
+  state.listeners.turnDone = () => refreshLive();
+  setupAuth();
+  setupSettings();
+  setupComposer();
+  setupModelPicker();
+  setupSidebar((conv) => {
+    renderTurns(conv);
+    if (router && conv.model) { state.model = conv.model; $('model-picker').value = conv.model; }
+  });
+  toggle($('toggle-settings'), $('settings'), true);
+  toggle($('toggle-sidebar'), $('sidebar'), false);
+  toggle($('toggle-panel'), $('cache-panel'), false);
+  const current = state.conversations.find((c) => c.id === id) || state.conversations[0];
+  if (current) select(current);
+  else newChat();
+  loadModel().then(() => { refreshLive = startLive(modelQuery, refreshModels); });
+  $('prompt').focus();
+}
+
+boot();
