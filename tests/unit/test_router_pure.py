@@ -8,7 +8,15 @@ import asyncio
 import pytest
 
 from server.http.sleep import SleepController, is_task
-from server.router.instances import LOADED, LOADING, SLEEPING, UNLOADED, Instance, has_room, pick_victim
+from server.router.instances import (
+    LOADED,
+    LOADING,
+    SLEEPING,
+    UNLOADED,
+    Instance,
+    has_room,
+    pick_victim,
+)
 from server.router.presets import (
     ModelSpec,
     PresetError,
@@ -45,7 +53,11 @@ def test_preset_keys_by_name_short_name_and_variable():
 
 def test_read_ini_sections_comments_and_top_level_keys():
     text = "version = 1\n; comment\n[*]\nc = 8192\n# other\n[org/m:Q8_0]\nmodel = '/m.gguf'\n"
-    assert read_ini(text) == {"": {"version": "1"}, "*": {"c": "8192"}, "org/m:Q8_0": {"model": "/m.gguf"}}
+    assert read_ini(text) == {
+        "": {"version": "1"},
+        "*": {"c": "8192"},
+        "org/m:Q8_0": {"model": "/m.gguf"},
+    }
     with pytest.raises(PresetError):
         read_ini("[a]\nnot a pair\n")
 
@@ -111,7 +123,12 @@ def test_room_counts_processes_including_stopping_ones():
 def test_status_json_reports_failures():
     i = _inst("a", UNLOADED)
     i.failed, i.exit_code, i.argv = True, -9, ["python", "-m", "server"]
-    assert i.status_json() == {"value": "unloaded", "args": ["python", "-m", "server"], "failed": True, "exit_code": -9}
+    assert i.status_json() == {
+        "value": "unloaded",
+        "args": ["python", "-m", "server"],
+        "failed": True,
+        "exit_code": -9,
+    }
 
 
 def test_read_only_endpoints_are_not_tasks():
