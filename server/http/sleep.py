@@ -90,9 +90,13 @@ class SleepController:
         self.last = time.monotonic()
 
     def due(self) -> bool:
-        """Whether the server should fall asleep now."""
-        idle = time.monotonic() - self.last >= self.idle_s
-        return not self.sleeping and self.active == 0 and idle and self.can_sleep()
+        """Whether the server should fall asleep now. While there is nothing to free (the
+        model still loading) the idle time does not run."""
+        if self.sleeping or not self.can_sleep():
+            if not self.sleeping:
+                self.last = time.monotonic()
+            return False
+        return self.active == 0 and time.monotonic() - self.last >= self.idle_s
 
     async def run(self) -> None:
         """The watcher: checks a few times per idle period (at most every 0.25 s)."""

@@ -103,4 +103,12 @@ def serve(s: Settings, argv: list[str], uvicorn_options: dict[str, Any]) -> None
     except (PresetError, OSError) as e:
         print(f"error: router mode: {e}", file=sys.stderr)
         sys.exit(2)
-    uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, **uvicorn_options)).run()
+    server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, **uvicorn_options))
+    handle_exit = server.handle_exit
+
+    def on_exit(sig: int, frame: Any) -> None:
+        app.state.router.manager.events.closed = True  # /models/sse streams end
+        handle_exit(sig, frame)
+
+    server.handle_exit = on_exit  # type: ignore[method-assign]
+    server.run()

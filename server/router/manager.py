@@ -49,6 +49,7 @@ class Events:
 
     def __init__(self) -> None:
         self.queues: set[asyncio.Queue[dict[str, Any]]] = set()
+        self.closed = False  # set on shutdown: open streams end (uvicorn waits for them)
 
     def publish(self, model: str, event: str, data: dict[str, Any] | None = None) -> None:
         msg: dict[str, Any] = {"model": model, "event": event}

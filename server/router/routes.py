@@ -160,11 +160,14 @@ async def models_sse(request: Request) -> StreamingResponse:
     async def events() -> AsyncIterator[bytes]:
         with st.manager.events.subscribe() as q:
             yield b": connected\n\n"
-            while True:
+            idle = 0
+            while not st.manager.events.closed:
                 try:
-                    msg = await asyncio.wait_for(q.get(), 15)
+                    msg = await asyncio.wait_for(q.get(), 0.5)
                 except asyncio.TimeoutError:
-                    yield b": ping\n\n"
+                    idle += 1
+                    if idle % 30 == 0:
+                        yield b": ping\n\n"
                     continue
                 yield f"data: {json.dumps(msg)}\n\n".encode()
 

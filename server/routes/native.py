@@ -55,8 +55,8 @@ async def props(request: Request) -> dict[str, Any]:
     """llama-server's /props: default settings, model and context facts, engine counters;
     while sleeping, what it said just before (``is_sleeping`` true)."""
     st = state_of(request)
-    if st.sleeping:
-        return {**st.sleep_props, "is_sleeping": True}
+    if st.sleeping:  # asleep once the model is freed (its engine gone)
+        return {**st.sleep_props, "is_sleeping": st.engine is None}
     return props_of(st)
 
 
