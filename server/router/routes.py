@@ -79,7 +79,7 @@ async def props(request: Request) -> Response:
             "model_alias": "llama-server",
             "model_path": "none",
             "default_generation_settings": {"params": {}, "n_ctx": 0},
-            "build_info": f"llama-cpp-python {llama_version()}",
+            "build_info": f"b{llama_version()}-slot",  # as system_fingerprint: b...
             "is_sleeping": False,
         }
     )
