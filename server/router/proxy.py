@@ -6,6 +6,7 @@ cancels the task. An instance that is gone (crashed, killed) answers 503."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..api.errors import APIError
+from ..api.errors import APIError, anthropic_path, error_body_for
 
 log = logging.getLogger("server.router")
 
@@ -75,6 +76,14 @@ class ProxiedResponse(StreamingResponse):
                 await self.on_close()
 
 
+def cut_off_event(path: str, name: str) -> bytes:
+    """The SSE error event that ends a stream whose instance died mid-answer (a blank line
+    first closes any event the cut left open), in the shape of the route's API."""
+    body = error_body_for(path, 503, f"model '{name}' stopped mid-answer", "unavailable_error")
+    head = "event: error\n" if anthropic_path(path) else ""
+    return f"\n\n{head}data: {json.dumps(body)}\n\n".encode()
+
+
 async def forward(
     client: httpx.AsyncClient,
     request: Request,
@@ -97,12 +106,16 @@ async def forward(
             503, f"model '{name}' is unavailable: {type(e).__name__}", "unavailable_error"
         ) from None
 
+    sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+
     async def chunks() -> AsyncIterator[bytes]:
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
         except httpx.HTTPError as e:  # the instance died mid-answer: end the stream here
             log.warning("model %s: answer cut off: %s", name, type(e).__name__)
+            if sse:  # the status went out already: the failure travels as an event
+                yield cut_off_event(request.url.path, name)
 
     async def close() -> None:
         release()
