@@ -41,6 +41,7 @@ from ..service.state import ServerState
 from ..slots.commands import SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
+from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
@@ -271,12 +272,14 @@ def load(st: ServerState) -> None:
         if s.warmup:
             backend.warmup()
         cache = prompt_cache(s, backend.n_ctx)
+        st.kv_events = kv_setup.start(s, st.model_name, cache)  # before the disk tier scans
         disk = disk_tier(s, cache, backend, path)
         st.draft = draft_context(s, backend)
         engine = Engine(
             backend, engine_options(s, cache is not None), cache=cache, disk=disk, draft=st.draft
         )
         _warn_setup(s, backend, engine)
+        kv_setup.attach(st.kv_events, engine)
         engine.stats.observers.append(st.metrics.observe)
         engine.start()
         st.engine = engine
@@ -367,8 +370,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
         if st.engine is not None:
             await asyncio.to_thread(spill_to_disk, st)
             st.engine.stop()
-            if st.engine.disk is not None:
-                st.engine.disk.close()
+            kv_setup.close_tiers(st.engine.disk, st.kv_events)
         thread = st.engine._thread if st.engine is not None else None
         if st.backend is not None and (thread is None or not thread.is_alive()):
             if st.draft is not None:
