@@ -30,6 +30,7 @@ from ..routes import (
     infill,
     native,
     openai,
+    render,
     responses,
     slots,
     template,
@@ -382,6 +383,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     errors.install(app)
     app.include_router(native.router)
     app.include_router(openai.router)
+    app.include_router(render.router)  # vLLM's /v1/(chat/)completions/render (llm-d)
     app.include_router(infill.router)
     app.include_router(template.router)
     app.include_router(responses.router)

@@ -19,6 +19,8 @@ KNOWN = {
     "/v1/completions",
     "/completions",
     "/v1/chat/completions",
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
     "/chat/completions",
     "/completion",
     "/tokenize",
