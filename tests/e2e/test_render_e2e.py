@@ -32,9 +32,11 @@ def test_completions_render_matches_generation(server):
     u = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
     assert u["prompt_tokens"] == len(obj["token_ids"])
     # several prompts, text and tokens: one object each, token lists as they are
-    r = c.post("/v1/completions/render", json={"prompt": ["Hello there", [5, 6, 7]]}).json()
-    assert [o["token_ids"] for o in r] == [server.tokenize("Hello there"), [5, 6, 7]]
+    r = c.post("/v1/completions/render", json={"prompt": ["Hello there", "Bye"]}).json()
+    assert [o["token_ids"] for o in r] == [server.tokenize("Hello there"), server.tokenize("Bye")]
     assert r[0]["sampling_params"]["max_tokens"] is None
+    r = c.post("/v1/completions/render", json={"prompt": [[5, 6, 7], [8]]}).json()
+    assert [o["token_ids"] for o in r] == [[5, 6, 7], [8]]
     assert c.post("/v1/completions/render", json={"prompt": []}).status_code == 400
 
 
