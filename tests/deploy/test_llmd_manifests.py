@@ -105,7 +105,11 @@ def test_pieces_agree_with_each_other_and_the_server():
     # the pool selects the pods, on the server's port
     pool = d["InferencePool"]["spec"]
     assert all(labels.get(k) == v for k, v in pool["selector"]["matchLabels"].items())
-    assert [p["number"] for p in pool["targetPorts"]] == [ports["http"]] == [int(env["LLAMA_ARG_PORT"])]
+    assert (
+        [p["number"] for p in pool["targetPorts"]]
+        == [ports["http"]]
+        == [int(env["LLAMA_ARG_PORT"])]
+    )
     # the precise scorer: same block size, the events' port, a selector matching the pods
     pp = _params(cfg, "precise-prefix-cache-scorer")
     assert pp["tokenProcessorConfig"]["blockSize"] == int(env["LLAMA_ARG_KV_BLOCK_SIZE"])
