@@ -276,9 +276,10 @@ def main() -> None:
     args = p.parse_args()
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "fleet-bench"
     log_dir.mkdir(exist_ok=True)
-    results = [run_policy(pol, args, log_dir) for pol in args.policies.split(",")]
-    for r in results:
-        print(json.dumps(r))
+    results = []
+    for pol in args.policies.split(","):
+        results.append(run_policy(pol, args, log_dir))
+        print(json.dumps(results[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

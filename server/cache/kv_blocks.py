@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,17 +64,25 @@ def _head(major: int, n: int) -> bytes:
 
 
 _NULL = b"\xf6"
-_SMALL: list[bytes] = []  # heads of the integers below 65536 (filled by the first hasher)
+_small: list[bytes] | None = None  # heads of the integers below 65536, built once, whole
+_small_lock = threading.Lock()
 
 
-def _fill_small() -> None:
-    if not _SMALL:
-        _SMALL.extend(_head(0, t) for t in range(0x10000))
+def _small_heads() -> list[bytes]:
+    """The table, built on first use under a lock and published complete (threads hash
+    concurrently: the engine, the disk tier's scanner and writer)."""
+    global _small
+    table = _small
+    if table is None:
+        with _small_lock:
+            if _small is None:
+                _small = [_head(0, t) for t in range(0x10000)]
+            table = _small
+    return table
 
 
 def _uints(tokens: Sequence[int]) -> bytes:
-    _fill_small()
-    small = _SMALL
+    small = _small_heads()
     return _head(4, len(tokens)) + b"".join(
         small[t] if t < 0x10000 else _head(0, t) for t in tokens
     )

@@ -82,6 +82,30 @@ def test_hasher_chains_full_blocks_only_and_extends_incrementally():
     assert not set(a) & set(b) and not set(a) & set(got)
 
 
+def test_hashing_from_many_threads_at_first_use():
+    import server.cache.kv_blocks as kb
+
+    kb._small = None  # as at import: the first hashes build the integer table
+    toks = list(range(70000, 70000 + 64)) + list(range(64))
+    want = [block_hash(1, toks[i : i + 16]) for i in range(0, 128, 16)]
+    kb._small = None
+    got: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            got.append([block_hash(1, toks[i : i + 16]) for i in range(0, 128, 16)])
+        except BaseException as e:  # an unfinished table: IndexError
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and got == [want] * 8
+
+
 def _ledger(bs: int = 2) -> tuple[KVEvents, list[list]]:
     out: list[list] = []
     return KVEvents(BlockHasher(bs, "m"), out.append), out
