@@ -19,6 +19,7 @@ SERIAL = {
     "test_tenancy_e2e.py",
     "test_security_e2e.py",
     "test_metrics_e2e.py",
+    "test_llmd_e2e.py",
     "test_disk_cache_e2e.py",
     "test_backpressure.py",
     "test_disk_races.py",

@@ -43,7 +43,7 @@ import bisect
 import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ..types import lcp
 
@@ -216,6 +216,14 @@ def _first_taken(recs: Sequence[tuple[Held, int]], m: int, best_keep: float) -> 
     return lo
 
 
+class IndexListener(Protocol):
+    """Told of the holders that come and go (``PrefixIndex.listener``)."""
+
+    def added(self, h: Held, tokens: Sequence[int]) -> None: ...
+
+    def discarded(self, h: Held) -> None: ...
+
+
 class PrefixIndex:
     """The radix tree (see the module's docstring). Thread-safe."""
 
@@ -223,6 +231,9 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._roots: dict[Hashable, _Node] = {}
         self._where: dict[int, tuple[Held, _Node]] = {}  # id(holder) -> its node
+        # Told of every holder added (with its tokens) and discarded, after the tree changed
+        # and outside its lock, on the thread that changed it (KV events: cache/kv_events.py)
+        self.listener: IndexListener | None = None
 
     def __len__(self) -> int:
         return len(self._where)
@@ -250,6 +261,8 @@ class PrefixIndex:
                     agg = x.aggs[h.TIER] = _Agg()
                 agg.add(h, n)
                 x = x.parent
+        if self.listener is not None:
+            self.listener.added(h, tokens)
 
     def _descend(self, root: _Node, tokens: Sequence[int]) -> _Node:
         """The node whose path is ``tokens``, made (splitting an edge) if need be."""
@@ -296,7 +309,9 @@ class PrefixIndex:
                     del x.aggs[h.TIER]
                 x = x.parent
             self._prune(node, h.key)
-            return True
+        if self.listener is not None:
+            self.listener.discarded(h)
+        return True
 
     def _prune(self, node: _Node, key: Hashable) -> None:
         while node.parent is not None and not node.held and not node.children:

@@ -31,6 +31,7 @@ from ..routes import (
     infill,
     native,
     openai,
+    render,
     responses,
     slots,
     template,
@@ -43,6 +44,7 @@ from ..service.state import ServerState
 from ..slots.commands import SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
+from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
@@ -274,12 +276,14 @@ def load(st: ServerState) -> None:
         if s.warmup:
             backend.warmup()
         cache = prompt_cache(s, backend.n_ctx)
+        st.kv_events = kv_setup.start(s, st.model_name, cache)  # before the disk tier scans
         disk = disk_tier(s, cache, backend, path)
         st.draft = draft_context(s, backend)
         engine = Engine(
             backend, engine_options(s, cache is not None), cache=cache, disk=disk, draft=st.draft
         )
         _warn_setup(s, backend, engine)
+        kv_setup.attach(st.kv_events, engine)
         engine.stats.observers.append(st.metrics.observe)
         engine.start()
         st.engine = engine
@@ -342,8 +346,9 @@ def close_engine(st: ServerState) -> None:
     if st.engine is not None:
         spill_to_disk(st)
         st.engine.stop()
-        if st.engine.disk is not None:
-            st.engine.disk.close()
+        # the disk tier closed; AllBlocksCleared published (the model is unloaded: at
+        # shutdown and when it sleeps), the events' socket closed until the next load
+        kv_setup.close_tiers(st.engine.disk, st.kv_events)
     thread = st.engine._thread if st.engine is not None else None
     if st.backend is not None and (thread is None or not thread.is_alive()):
         if st.draft is not None:
@@ -426,6 +431,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     errors.install(app)
     app.include_router(native.router)
     app.include_router(openai.router)
+    app.include_router(render.router)  # vLLM's /v1/(chat/)completions/render (llm-d)
     app.include_router(infill.router)
     app.include_router(template.router)
     app.include_router(responses.router)

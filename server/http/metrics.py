@@ -19,6 +19,8 @@ KNOWN = {
     "/v1/completions",
     "/completions",
     "/v1/chat/completions",
+    "/v1/completions/render",
+    "/v1/chat/completions/render",
     "/chat/completions",
     "/completion",
     "/tokenize",
@@ -110,6 +112,48 @@ def _llamacpp(engine: Any, slots: list[Any]) -> Iterator[Metric]:
         "Average number of busy slots per llama_decode() call",
         st.n_busy_slots_total / max(1, st.n_decode_total),
     )
+
+
+def _labelled(name: str, doc: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=list(labels))
+    g.add_metric(list(labels.values()), value)
+    return g
+
+
+def _protocol(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
+    """The model-server protocol's metrics (GIE 003), with vLLM's names and meanings, so
+    llm-d's router reads this server as it reads vLLM: queued and running requests, the
+    share of the context's cells that hold a slot's sequence (0-1; cells shared by two
+    slots through seq_cp count twice, so it errs high), and the block geometry."""
+    who = {"model_name": state.model_name, "engine": "0"}
+    running = sum(1 for s in slots if s.task is not None)
+    yield _labelled(
+        "vllm:num_requests_running", "Number of requests in model execution batches", who, running
+    )
+    yield _labelled(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed",
+        who,
+        engine.queue_depth(),
+    )
+    n_ctx = max(1, int(engine.b.n_ctx))
+    used = min(1.0, sum(len(s.tokens) for s in slots) / n_ctx)
+    yield _labelled(
+        "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", who, used
+    )
+    bs = int(state.settings.kv_block_size)
+    info = {"engine": "0", "block_size": str(bs), "num_gpu_blocks": str(n_ctx // bs)}
+    yield _labelled("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, 1.0)
+    kv = getattr(state, "kv_events", None)
+    if kv is not None:
+        pub = kv.publisher
+        yield _counter("llamaslot_kv_events_sent", "KV-event batches sent", pub.sent)
+        yield _counter(
+            "llamaslot_kv_events_dropped",
+            "KV-event batches dropped (queue full or ZMQ high-water mark): subscribers see a "
+            "gap in the sequence numbers",
+            pub.dropped,
+        )
 
 
 def _beyond(st: Any) -> Iterator[Metric]:
@@ -300,6 +344,7 @@ class _EngineCollector:
         # One snapshot of the slot list for every per-slot figure of this scrape.
         slots = list(engine.slots)
         yield from _llamacpp(engine, slots)
+        yield from _protocol(self.state, engine, slots)
         yield from _beyond(engine.stats)
         yield from _sampling(engine.stats)
         yield from _speculative(engine.stats)

@@ -34,6 +34,7 @@ class ServerState:
     load_error: str = ""
     on_load_failed: Callable[[], None] | None = None  # set by the CLI: stop serving
     metrics: Any = None
+    kv_events: Any = None  # --kv-events-endpoint: server.http.kv_setup.KVEventsRuntime
     started: float = field(default_factory=time.time)
     # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
     # with an error event (streams) or a 503.

@@ -29,6 +29,7 @@ from .commands import Command
 from .draft_kv import DraftMemory
 from .embed import EmbedQueue, EmbedTask
 from .executor import Executor
+from .kv_watch import SlotWatcher
 from .options import EngineOptions
 from .placement import Placer
 from .sampling import ParallelSampling
@@ -88,6 +89,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.par = ParallelSampling(opts.sample_threads, opts.sample_parallel_min)
+        # --kv-events-endpoint: told of the slots' sequences after every step (kv_watch.py)
+        self.kv_watch: SlotWatcher | None = None
         self._wire_phases(cache, disk)
         # --embedding: prompt-only tasks run on idle slots within a step (slots/embed.py)
         # Any: the outbox is typed for Task/Event, embeddings share it (one type in the rewrite)
@@ -280,6 +283,8 @@ class Engine:
             if decoded:
                 self.stats.on_step(time.perf_counter() - t0)
         finally:
+            if self.kv_watch is not None:
+                self.kv_watch.sync(self.slots)
             if flush or not decoded:  # no decode ahead to piggyback on
                 self._flush()
         return decoded

@@ -42,6 +42,7 @@ class Sequence:
         "n_emitted",
         "_arr",
         "_n_arr",
+        "n_stable",
     )
 
     def __init__(self) -> None:
@@ -56,6 +57,9 @@ class Sequence:
         # int32 mirror of tokens[:_n_arr] (the rest is copied in when array() is read)
         self._arr = np.empty(0, dtype=np.int32)
         self._n_arr = 0
+        # tokens[:n_stable] are unchanged since the KV-event watcher last looked (it sets it
+        # back to len(tokens); slots/kv_watch.py): a cut, shift or assign lowers it
+        self.n_stable = 0
 
     # ---- a run -------------------------------------------------------------------
 
@@ -81,15 +85,18 @@ class Sequence:
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
         self._n_arr = min(self._n_arr, n)
+        self.n_stable = min(self.n_stable, n)
 
     def remove(self, start: int, end: int) -> None:
         """Drop tokens[start:end] (a context shift): those after them move down."""
         del self.tokens[start:end]
         self._n_arr = min(self._n_arr, start)
+        self.n_stable = min(self.n_stable, start)
 
     def assign(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self._n_arr = 0
+        self.n_stable = 0
 
     def array(self) -> np.ndarray:
         """``tokens`` as an int32 array (a view, valid until the tokens change): only the

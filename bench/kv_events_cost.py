@@ -1,0 +1,79 @@
+"""What the KV-cache events cost a decode step (--kv-events-endpoint).
+
+The engine runs on bench/step_cost.py's free backend (decode and sampling cost nothing), with
+N slots generating, once without events and once with them published for real: the slot
+watcher after every step, block hashing, the ledger, and the publisher thread encoding
+msgpack and sending on a bound ZMQ PUB socket (no subscriber). The added CPU time per step
+(all threads: ``process_time``) is set against a real decode step of the default model on
+this machine (DESIGN §10: 24 ms for 1 sequence, 39 ms for 4).
+
+    python -m bench.kv_events_cost           # 1, 4 and 16 slots
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from server.cache.kv_blocks import BlockHasher
+from server.cache.kv_events import KVEvents
+from server.cache.kv_publisher import KVPublisher
+from server.slots.engine import Engine, EngineOptions
+from server.slots.kv_watch import SlotWatcher
+from server.types import GenParams, SamplingParams, Task
+
+from .step_cost import NullBackend
+
+REAL_STEP_MS = {1: 24.0, 4: 39.0}
+
+
+def _engine(n_slots: int, prompt_len: int, steps: int) -> tuple[Engine, NullBackend]:
+    b = NullBackend(n_slots)
+    e = Engine(b, EngineOptions(prefix_share=False, cache_idle_slots=False, coalesce_ms=0))
+    for i in range(n_slots):
+        e.waiting.append(
+            Task(
+                prompt=[(i * 31 + j) % 900 for j in range(prompt_len)],
+                sampling=SamplingParams(temperature=0.0),
+                gen=GenParams(max_tokens=steps + 10),
+                emit=lambda ev: None,
+                id_slot=i,
+                stream=True,
+            )
+        )
+    return e, b
+
+
+def per_step_us(n_slots: int, events: bool, steps: int = 2000, prompt_len: int = 1024) -> float:
+    """CPU microseconds per generating step (prefill of ``prompt_len`` excluded)."""
+    e, b = _engine(n_slots, prompt_len, steps)
+    pub = None
+    if events:
+        pub = KVPublisher("tcp://127.0.0.1:*", "kv@bench@m", settle_s=0)
+        pub.start()
+        ev = KVEvents(BlockHasher(16, "m"), pub.publish)
+        e.kv_watch = SlotWatcher(ev, n_slots)
+    for _ in range(4):  # admission and prefill (its blocks published), then warm up
+        e.step()
+    t0 = time.process_time()
+    for _ in range(steps):
+        e.step()
+    if pub is not None:
+        pub.close(5)  # the sender's share counted too
+    dt = time.process_time() - t0
+    b.batch.free()
+    return dt / steps * 1e6
+
+
+def main(argv: list[str]) -> None:
+    for n in [int(a) for a in argv] or [1, 4, 16]:
+        base = min(per_step_us(n, False) for _ in range(3))
+        with_ev = min(per_step_us(n, True) for _ in range(3))
+        added = with_ev - base
+        real = REAL_STEP_MS.get(n)
+        share = f"{added / (real * 1e3) * 100:.3f} % of a real {real:.0f} ms step" if real else ""
+        print(f"{n:3d} slots: {base:7.1f} -> {with_ev:7.1f} us/step (+{added:.1f} us) {share}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,76 @@
+"""Wiring of the KV-cache events (--kv-events-endpoint): the publisher, the ledger, the
+prefix index's listener (RAM cache, disk tier) and the engine's slot watcher.
+
+Order at load: ``start`` before the disk tier scans its directory (its files are published
+as they are indexed) and publishes AllBlocksCleared first; ``attach`` once the engine
+exists; ``close_tiers`` at shutdown publishes AllBlocksCleared (the model is unloaded) and sends
+what is queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from ..cache.kv_blocks import BlockHasher
+from ..cache.kv_events import KVEvents
+from ..cache.kv_publisher import KVPublisher
+from ..cli.config import Settings
+from ..slots.kv_watch import SlotWatcher
+
+log = logging.getLogger("server.http.kv_setup")
+
+
+@dataclass
+class KVEventsRuntime:
+    publisher: KVPublisher
+    events: KVEvents
+    watcher: SlotWatcher | None = None
+
+
+def default_topic(model: str) -> str:
+    """vLLM's and llm-d's topic shape: ``kv@<pod>@<model>``."""
+    return f"kv@{socket.gethostname()}@{model}"
+
+
+def start(s: Settings, model: str, cache: Any) -> KVEventsRuntime | None:
+    """The publisher bound and started, AllBlocksCleared queued, and the RAM cache's prefix
+    index (shared with the disk tier) reporting to the ledger. None when the events are off.
+    Raises when the endpoint cannot be bound."""
+    if not s.kv_events_endpoint:
+        return None
+    topic = s.kv_events_topic or default_topic(model)
+    pub = KVPublisher(s.kv_events_endpoint, topic)
+    pub.start()
+    events = KVEvents(BlockHasher(s.kv_block_size, model), pub.publish)
+    events.cleared()
+    if cache is not None:
+        cache.index.listener = events
+    log.info(
+        "KV events on %s, topic %r, blocks of %d tokens",
+        s.kv_events_endpoint,
+        topic,
+        s.kv_block_size,
+    )
+    return KVEventsRuntime(pub, events)
+
+
+def attach(rt: KVEventsRuntime | None, engine: Any) -> None:
+    """The engine reports its slots' sequences after each step."""
+    if rt is None:
+        return
+    rt.watcher = SlotWatcher(rt.events, len(engine.slots))
+    engine.kv_watch = rt.watcher
+
+
+def close_tiers(disk: Any, rt: KVEventsRuntime | None) -> None:
+    """At shutdown, after the engine stopped: the disk tier closes; then, the model being
+    unloaded, AllBlocksCleared is published, the queue sent and the socket closed."""
+    if disk is not None:
+        disk.close()
+    if rt is None:
+        return
+    rt.events.cleared()
+    rt.publisher.close()

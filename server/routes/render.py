@@ -1,0 +1,90 @@
+"""vLLM's render endpoints: a request's prompt as token ids, rendered and tokenized exactly
+as the server would for generation, so a router (llm-d's token producer) computes the same
+blocks the server's KV-cache events carry.
+
+``POST /v1/completions/render`` answers a list (one object per prompt of the request);
+``POST /v1/chat/completions/render`` one object. Each object has the shape of vLLM's
+``GenerateRequest``: ``request_id``, ``token_ids``, ``features`` (null: no multimodal
+input), ``sampling_params``, ``model``, ``stream``, ``stream_options``, ``cache_salt``,
+``priority``, ``kv_transfer_params``. Nothing is generated; no slot is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from ..api.schemas import ChatRequest, CompletionRequest, SamplingFields
+from ..service.state import ServerState
+from .common import state_of
+from .openai import _max_tokens, _plan, _prompts, render_chat
+
+router = APIRouter()
+
+
+def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> dict[str, Any]:
+    """vLLM's sampling parameters of the request, with this server's defaults for the fields
+    it leaves out (--temp, --top-k, ...); ``max_tokens`` None when unlimited."""
+    s = st.settings
+    stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+
+    def pick(v: Any, default: Any) -> Any:
+        return default if v is None else v
+
+    return {
+        "n": getattr(body, "n", 1),
+        "temperature": pick(body.temperature, s.temperature),
+        "top_p": pick(body.top_p, s.top_p),
+        "top_k": pick(body.top_k, s.top_k),
+        "min_p": pick(body.min_p, s.min_p),
+        "seed": None if pick(body.seed, s.seed) == -1 else pick(body.seed, s.seed),
+        "presence_penalty": pick(body.presence_penalty, s.presence_penalty),
+        "frequency_penalty": pick(body.frequency_penalty, s.frequency_penalty),
+        "repetition_penalty": pick(body.repeat_penalty, s.repeat_penalty),
+        "stop": stop,
+        "ignore_eos": body.ignore_eos,
+        "max_tokens": None if max_tokens < 0 else max_tokens,
+    }
+
+
+def generate_request(
+    st: ServerState, body: SamplingFields, tokens: list[int], max_tokens: int
+) -> dict[str, Any]:
+    """One rendered prompt as vLLM's GenerateRequest."""
+    return {
+        "request_id": uuid.uuid4().hex,
+        "token_ids": tokens,
+        "features": None,
+        "sampling_params": sampling_params(st, body, max_tokens),
+        "model": getattr(body, "model", None) or st.model_name,
+        "stream": bool(getattr(body, "stream", False)),
+        "stream_options": None,
+        "cache_salt": body.cache_salt,
+        "priority": 0,
+        "kv_transfer_params": None,
+    }
+
+
+@router.post("/v1/completions/render")
+async def render_completion(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
+    """The completions prompt(s) as token ids (text is tokenized as /v1/completions does,
+    with BOS and special tokens parsed; token lists are taken as they are)."""
+    st = state_of(request)
+    st.require_engine()
+    prompts = await asyncio.to_thread(_prompts, st, body.prompt)
+    limit = _max_tokens(body.max_tokens, body.n_predict)
+    return [generate_request(st, body, p.tokens, limit) for p in prompts]
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat_completion(body: ChatRequest, request: Request) -> dict[str, Any]:
+    """The chat request's prompt, rendered by the chat template (tools, reasoning and a
+    continued final message as /v1/chat/completions renders them), as token ids."""
+    st = state_of(request)
+    plan = await asyncio.to_thread(_plan, st, body)
+    prompt = await asyncio.to_thread(render_chat, st, body, plan)
+    limit = _max_tokens(body.max_completion_tokens, body.max_tokens)
+    return generate_request(st, body, prompt.tokens, limit)
