@@ -408,6 +408,30 @@ def constraint_limits(s: Settings) -> ConstraintLimits:
     )
 
 
+def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
+    """Every route of the API (and the page, Vertex's predict route when asked); returns
+    the paths that need no API key beyond /health (the page's files, Vertex's health)."""
+    app.include_router(native.router)
+    app.include_router(openai.router)
+    app.include_router(render.router)  # vLLM's /v1/(chat/)completions/render (llm-d)
+    app.include_router(infill.router)
+    app.include_router(template.router)
+    app.include_router(responses.router)
+    app.include_router(anthropic.router)
+    app.include_router(slots.router)
+    app.include_router(cache_routes.router)
+    app.include_router(metrics_routes.router)
+    app.include_router(embedding_routes.router)
+    app.include_router(cors_proxy.router)
+    page = webui.load_assets() if settings.webui else {}
+    if page:  # the chat page at / (--no-webui: off, as llama-server)
+        app.include_router(webui.make_router(page))
+    if settings.gcp is not None:  # after every route: it dispatches to them
+        gcp.install(app, settings.gcp)
+    health = {settings.gcp.health_route} if settings.gcp and settings.gcp.health_route else set()
+    return webui.page_paths(page) | health
+
+
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
     worker.configure(constraint_limits(settings))
@@ -429,23 +453,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app = FastAPI(title="llama-slot-server", lifespan=lifespan)
     app.state.server = st
     errors.install(app)
-    app.include_router(native.router)
-    app.include_router(openai.router)
-    app.include_router(render.router)  # vLLM's /v1/(chat/)completions/render (llm-d)
-    app.include_router(infill.router)
-    app.include_router(template.router)
-    app.include_router(responses.router)
-    app.include_router(anthropic.router)
-    app.include_router(slots.router)
-    app.include_router(cache_routes.router)
-    app.include_router(metrics_routes.router)
-    app.include_router(embedding_routes.router)
-    app.include_router(cors_proxy.router)
-    page = webui.load_assets() if settings.webui else {}
-    if page:  # the chat page at / (--no-webui: off, as llama-server)
-        app.include_router(webui.make_router(page))
-    if settings.gcp is not None:  # after every route: it dispatches to them
-        gcp.install(app, settings.gcp)
+    public = install_routes(app, settings)
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
     if sleeper is not None:  # innermost: only requests that passed every check are tasks
@@ -454,8 +462,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     keys = load_api_keys(settings)
     if settings.cache_isolation == "key" and not keys:
         log.warning("--cache-isolation key without --api-key: every client is one tenant")
-    health = {settings.gcp.health_route} if settings.gcp and settings.gcp.health_route else set()
-    app.add_middleware(ApiKeyAuth, keys=keys, public=webui.page_paths(page) | health)
+    app.add_middleware(ApiKeyAuth, keys=keys, public=public)
     policy = cors_policy(settings)
     if settings.ui_mcp_proxy:
         log.warning(
