@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -29,6 +30,7 @@ from ..routes import (
     cors_proxy,
     gcp,
     infill,
+    lora,
     native,
     openai,
     responses,
@@ -39,6 +41,7 @@ from ..routes import (
 from ..routes import cache as cache_routes
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
+from ..service.adapters import registry_of
 from ..service.state import ServerState
 from ..slots.commands import SpillToDisk
 from ..slots.engine import Engine, EngineOptions
@@ -257,7 +260,12 @@ def load(st: ServerState) -> None:
         # as llama-server: the aliases form a sorted set, the first one names the model
         st.model_aliases = sorted(set(csv_list(s.alias or "")))
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
-        backend = LlamaBackend(model_options(s, path), compiler=llama_compiler)
+        if not st.adapters.adapters and (s.lora or s.lora_scaled or s.lora_alias):
+            st.adapters = registry_of(
+                s.lora, s.lora_scaled, s.lora_alias, not s.lora_init_without_apply
+            )
+        opts = replace(model_options(s, path), lora_paths=tuple(st.adapters.paths))
+        backend = LlamaBackend(opts, compiler=llama_compiler)
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
         # a compile child started now (beside the rest of the load), not by the first schema
         threading.Thread(target=worker.pool().warm, name="constraint-warm", daemon=True).start()
@@ -432,6 +440,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.include_router(anthropic.router)
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
+    app.include_router(lora.router)
     app.include_router(metrics_routes.router)
     app.include_router(embedding_routes.router)
     app.include_router(cors_proxy.router)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..api.schemas import SamplingFields
+from ..cache import tenancy
 from ..constrained import Constraint
 from ..types import GenParams
 from .sampling import sampling_from, stops_from
@@ -81,6 +82,9 @@ async def submit(
     # off the event loop. First: a request with several faults reports the same one.
     constraint = await asyncio.to_thread(job.constraint)
     engine = st.require_engine()
+    # the adapter set it runs under joins its cache key in every tier (cache/tenancy.py)
+    adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
+    tenant = tenancy.with_adapters(tenant, adapters.key)
     b = st.backend
     # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
     # streams of other requests keep flowing meanwhile.
@@ -124,6 +128,7 @@ async def submit(
                 stream=job.stream,
                 user_start=p.user_start,
                 tenant=tenant,
+                lora=adapters.scales,
                 return_progress=job.return_progress,
                 timings_per_token=job.timings_per_token,
             )
