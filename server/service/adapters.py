@@ -6,7 +6,7 @@ Contracts:
 - Adapter ids are the load order: ``--lora`` and ``--lora-scaled`` files as given, then
   ``--lora-alias`` files not among them (loaded at scale 0: they run only when a request
   names them).
-- A request runs under (``resolve``), first match wins: its ``lora`` field (llama-server's:
+- A request runs under (``resolve``), first match wins: its non-empty ``lora`` field (llama-server's:
   an adapter it leaves out runs at 0; an unknown id is a 400); else a ``model`` naming an
   alias (that adapter at its ``--lora-scaled`` scale, 1.0 by default, every other at 0);
   else the global scales.
@@ -118,7 +118,7 @@ class AdapterRegistry:
             if lora:
                 raise APIError(400, "no LoRA adapter is loaded (start the server with --lora)")
             return AdapterChoice()
-        if lora is not None:
+        if lora:  # llama-server: an empty list is no list
             scales = self.scales_of(lora)
         elif model is not None and model in self.by_alias:
             a = self.by_alias[model]

@@ -70,34 +70,9 @@ def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
     return prompts
 
 
-async def submit(
-    st: ServerState, body: SamplingFields, job: Submission, tenant: str = ""
-) -> TaskGroup:
-    """The one path from a generating request to running tasks.
-
-    Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
-    settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
-    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
-    # Checking a schema or grammar may take a compile child --constraint-timeout seconds:
-    # off the event loop. First: a request with several faults reports the same one.
-    constraint = await asyncio.to_thread(job.constraint)
-    engine = st.require_engine()
-    # the adapter set it runs under joins its cache key in every tier (cache/tenancy.py)
-    adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
-    tenant = tenancy.with_adapters(tenant, adapters.key)
-    b = st.backend
-    # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
-    # streams of other requests keep flowing meanwhile.
-    prompts = await asyncio.to_thread(_checked_prompts, job, b)
-    sampling = sampling_from(body, b, st.settings)
-    if body.ignore_eos:  # as llama-server: every end-of-generation token banned
-        sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
-    if job.post_sampling:
-        sampling.post_probs = job.n_probs
-    job.check()
-    if constraint is not None:
-        sampling.constraint = await bind_constraint(b, constraint)
-    gen = GenParams(
+def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenParams:
+    """The generation settings of every task of ``job``."""
+    return GenParams(
         # llama-server: a request without a limit (-1) gets --n-predict's; one with a limit
         # keeps it, above --n-predict too
         max_tokens=job.max_tokens if job.max_tokens >= 0 else st.settings.n_predict,
@@ -111,6 +86,35 @@ async def submit(
         n_keep=st.settings.keep if body.n_keep is None else body.n_keep,
         n_discard=body.n_discard,
     )
+
+
+async def submit(
+    st: ServerState, body: SamplingFields, job: Submission, tenant: str = ""
+) -> TaskGroup:
+    """The one path from a generating request to running tasks.
+
+    Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
+    settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
+    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
+    # Checking a schema or grammar may take a compile child --constraint-timeout seconds:
+    # off the event loop. First: a request with several faults reports the same one.
+    constraint = await asyncio.to_thread(job.constraint)
+    engine = st.require_engine()
+    adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
+    tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
+    b = st.backend
+    # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
+    # streams of other requests keep flowing meanwhile.
+    prompts = await asyncio.to_thread(_checked_prompts, job, b)
+    sampling = sampling_from(body, b, st.settings)
+    if body.ignore_eos:  # as llama-server: every end-of-generation token banned
+        sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
+    if job.post_sampling:
+        sampling.post_probs = job.n_probs
+    job.check()
+    if constraint is not None:
+        sampling.constraint = await bind_constraint(b, constraint)
+    gen = _gen_params(st, body, job)
     group = TaskGroup(
         engine,
         timeout=body.timeout or st.settings.timeout,
