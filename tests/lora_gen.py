@@ -26,7 +26,7 @@ def write_adapter(
     seed: int = 0,
     rank: int = 4,
     alpha: float = 4.0,
-    std: float = 0.05,
+    std: float = 0.1,
     targets: tuple[str, ...] = TARGETS,
 ) -> Path:
     """Write a random adapter for ``model`` to ``out``; returns ``out``. ``std``: the

@@ -8,7 +8,8 @@ Contracts:
   names them).
 - A request runs under (``resolve``), first match wins: its non-empty ``lora`` field (llama-server's:
   an adapter it leaves out runs at 0; an unknown id is a 400); else a ``model`` naming an
-  alias (that adapter at its ``--lora-scaled`` scale, 1.0 by default, every other at 0);
+  alias (that adapter at its ``--lora-scaled`` scale, 1.0 by default or when that is 0,
+  every other at 0);
   else the global scales.
 - ``key(scales)`` names an adapter set for the caches: ``""`` when every scale is 0 (the
   base model), else a digest of each active adapter's file content and scale, the same in
@@ -122,7 +123,8 @@ class AdapterRegistry:
             scales = self.scales_of(lora)
         elif model is not None and model in self.by_alias:
             a = self.by_alias[model]
-            scales = tuple(a.default_scale if b is a else 0.0 for b in self.adapters)
+            on = a.default_scale or 1.0
+            scales = tuple(on if b is a else 0.0 for b in self.adapters)
         else:
             scales = tuple(a.scale for a in self.adapters)
         return AdapterChoice(scales, self.key(scales))
