@@ -114,8 +114,6 @@ class SamplingFields(_Req):
     n_discard: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     # llama-server's per-request adapter scales; an adapter left out runs at 0 (issue 32)
     lora: Annotated[list[LoraScale], Field(max_length=1024)] | None = None
-    # --cache-reuse for this request: least chunk (tokens) reused by KV shifting (0: off)
-    n_cache_reuse: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -150,7 +150,6 @@ class Settings(BaseModel):
     lora_scaled: list[str] = Field(default_factory=list)
     lora_init_without_apply: bool = False
     lora_alias: list[str] = Field(default_factory=list)
-    cache_reuse: int = Field(0, ge=0)  # --cache-reuse: least chunk reused by KV shifting
     cache_ram: int = Field(8192, ge=-1)
     cache_ram_tokens: int = Field(0, ge=0)
     cache_idle_slots: bool = True

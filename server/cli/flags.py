@@ -358,8 +358,6 @@ OPTIONS += [
     _o("--lora-scaled", "lora_scaled", "", "LoRA adapter with its scale: FNAME:SCALE,... (repeatable; ids after the --lora files)", scaled_files, repeat=True),
     _o("--lora-init-without-apply", "lora_init_without_apply", "", "load the adapters at global scale 0 (apply later with POST /lora-adapters)", "bool"),
     _o("--lora-alias", "lora_alias", "", "NAME=FNAME,...: requests with model NAME run under that adapter (added at scale 0 if not loaded yet); /v1/models lists the names (repeatable)", lora_aliases, repeat=True),
-    # --- KV shifting: reuse cached chunks after the prompt changed before them ---
-    _o("--cache-reuse", "cache_reuse", "LLAMA_ARG_CACHE_REUSE", "least chunk (tokens) of a slot's cache reused by KV shifting when the prompt changed before it (default: 0 = off; needs a KV cache that can shift)", non_negative),
     # --- router mode (server.router) and sleeping when idle (server.http.sleep) ---
     _o("--models-dir", "models_dir", "LLAMA_ARG_MODELS_DIR", "router mode (without -m): serve the GGUF files of this directory, one server process per model, named by file stem (a subfolder per multi-file model) (default: off)"),
     _o("--models-preset", "models_preset", "LLAMA_ARG_MODELS_PRESET", "router mode (without -m): INI file of model presets, [*] defaults and one section per model whose keys are flags (default: off)"),
@@ -419,6 +417,7 @@ COMPAT: list[Compat] = [
         ("-dt --defrag-thold", "LLAMA_ARG_DEFRAG_THOLD", float, ANY),  # deprecated there too
         ("--kv-unified-per-slot", "LLAMA_ARG_KV_UNIFIED_PER_SLOT", int),
         ("--cache-prompt | --no-cache-prompt", "LLAMA_ARG_CACHE_PROMPT", BOOL, True),
+        ("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", int, 0),
         ("-cb --cont-batching | -nocb --no-cont-batching", "LLAMA_ARG_CONT_BATCHING", BOOL, True),
     ),
     *_group(

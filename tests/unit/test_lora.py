@@ -216,12 +216,12 @@ def test_registry_from_files(tmp_path):
 def test_lora_flags():
     s = parse_settings(
         ["--lora", "a.gguf,b.gguf", "--lora", "c.gguf", "--lora-scaled", "d.gguf:0.5"]
-        + ["--lora-alias", "x=a.gguf", "--lora-init-without-apply", "--cache-reuse", "64"],
+        + ["--lora-alias", "x=a.gguf", "--lora-init-without-apply"],
         env={},
     )
     assert s.lora == ["a.gguf", "b.gguf", "c.gguf"] and s.lora_scaled == ["d.gguf:0.5"]
-    assert s.lora_alias == ["x=a.gguf"] and s.lora_init_without_apply and s.cache_reuse == 64
-    assert "--lora" not in s.compat and "--cache-reuse" not in s.compat
+    assert s.lora_alias == ["x=a.gguf"] and s.lora_init_without_apply
+    assert "--lora" not in s.compat and "--lora-scaled" not in s.compat
 
 
 def test_prefix_sharing_within_a_set_still_shares():
