@@ -287,6 +287,9 @@ class Task:
     # Whose cached prefixes the task may reuse (--cache-isolation): KV, RAM-cache entries and
     # prefix sharing match only within one tenant. "" is the shared default tenant.
     tenant: str = ""
+    # LoRA adapter scales, one per loaded adapter (empty: none). A step decodes one set
+    # (slots/adapter_turns.py); its cache key is part of ``tenant`` (cache/tenancy.py).
+    lora: tuple[float, ...] = ()
     # True while the task's reader lags too far behind its events (a slow client): the
     # engine then skips the task's next tokens, so its queue stays bounded. Any thread.
     lagging: Callable[[], bool] | None = None

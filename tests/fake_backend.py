@@ -116,6 +116,8 @@ class FakeBackend:
         self.stray_cells: list[tuple[int, int]] = []
         self.can_shift = True  # llama_memory_can_shift: seq_add may move positions
         self.embeddings_on = False
+        self.adapters: tuple[float, ...] = ()  # set_adapters' scales, for the next decodes
+        self.decode_adapters: list[tuple[float, ...]] = []  # per decode call: its scales
 
     # ---- tokenizer ----
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
@@ -159,6 +161,7 @@ class FakeBackend:
             self.kv[s][p] = t
         self.outputs = {i: rows[i - start] for i in range(start, start + count) if b.logits[i]}
         self.decodes.append(rows)
+        self.decode_adapters.append(self.adapters)
         if self.n_swa:
             for s in {r[0] for r in rows}:
                 # like llama.cpp's SWA cache: cells further back than the window are pruned,
@@ -168,6 +171,9 @@ class FakeBackend:
                 for p in [p for p in self.kv[s] if p <= top - self.n_swa - self.swa_slack]:
                     del self.kv[s][p]
         return 0
+
+    def set_adapters(self, scales: tuple[float, ...]) -> None:
+        self.adapters = tuple(scales)
 
     def new_sampler(self, p: SamplingParams, history: list[int]) -> FakeSampler:
         smp = FakeSampler(p, self.scripts.get(len(history)))

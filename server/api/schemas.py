@@ -66,6 +66,13 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
+class LoraScale(_Req):
+    """llama-server's LoRA item: an adapter id (GET /lora-adapters) and its scale."""
+
+    id: Annotated[int, Field(ge=0, le=1023)]
+    scale: Annotated[float, Field(ge=-100.0, le=100.0)] = 0.0
+
+
 class SamplingFields(_Req):
     """Fields every generating endpoint takes: sampler settings, stop strings, slot choice,
     prompt caching and a per-request timeout (``service.submit`` reads them)."""
@@ -105,6 +112,8 @@ class SamplingFields(_Req):
     # after them (0: half of the rest), as llama-server's n_keep / n_discard
     n_keep: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     n_discard: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    # llama-server's per-request adapter scales; an adapter left out runs at 0 (issue 32)
+    lora: Annotated[list[LoraScale], Field(max_length=1024)] | None = None
 
     @field_validator("stop")
     @classmethod

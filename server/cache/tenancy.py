@@ -9,6 +9,12 @@ prefix sharing). Contracts:
   key gives the same name in every process, after a restart and on every replica, so a
   conversation keeps its cache across them. Only digests are kept, so a name written to a
   shared directory does not disclose the salt.
+- ``<tenant>|lora:<digest>``: the same tenant's prompts computed under a LoRA adapter set
+  (``with_adapters``; the digest names the adapter files and their scales, the same in
+  every process). A KV state depends on the adapters it was computed under, so the set is
+  part of the key every tier matches on: slots, prefix sharing, the RAM cache, the disk
+  tier and slot files never serve a state of one set to a request under another. Who a
+  tenant is (``owner``: authorization under --cache-isolation) ignores the set.
 - ``private:<128 random bits>`` is one request's alone (``--cache-isolation salt`` without a
   ``cache_salt``): unguessable, never the same twice, and never persisted (``persistable``
   is false), so no other process can ever hold an entry under it.
@@ -20,6 +26,7 @@ import hashlib
 import secrets
 
 PRIVATE_PREFIX = "private:"
+ADAPTERS_SEP = "|lora:"
 SALT_PREFIX = "salt:"
 
 
@@ -44,3 +51,20 @@ def salt_tenant(salt: str) -> str:
     reaches a file)."""
     digest = hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     return SALT_PREFIX + digest
+
+
+def with_adapters(tenant: str, adapters: str) -> str:
+    """The cache key of ``tenant``'s prompts under the adapter set named ``adapters`` (its
+    digest; ``""``: no adapter, the tenant itself)."""
+    return f"{tenant}{ADAPTERS_SEP}{adapters}" if adapters else tenant
+
+
+def owner(key: str) -> str:
+    """The tenant of a cache key (``with_adapters`` undone): who may see and act on it."""
+    return key.split(ADAPTERS_SEP, 1)[0]
+
+
+def adapters_of(key: str) -> str:
+    """The adapter set digest of a cache key (``""``: computed without adapters)."""
+    parts = key.split(ADAPTERS_SEP, 1)
+    return parts[1] if len(parts) == 2 else ""

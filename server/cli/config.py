@@ -145,6 +145,11 @@ class Settings(BaseModel):
     spec_ngram_simple_min_hits: int = Field(1, ge=1)
     slots: bool = True
     props: bool = False
+    # LoRA adapters (server.service.adapters): files, FILE:SCALE items, NAME=FILE aliases
+    lora: list[str] = Field(default_factory=list)
+    lora_scaled: list[str] = Field(default_factory=list)
+    lora_init_without_apply: bool = False
+    lora_alias: list[str] = Field(default_factory=list)
     cache_ram: int = Field(8192, ge=-1)
     cache_ram_tokens: int = Field(0, ge=0)
     cache_idle_slots: bool = True
@@ -197,6 +202,14 @@ class Settings(BaseModel):
     compat: dict[str, Any] = Field(default_factory=dict)
     # Vertex AI's custom-container contract (AIP_MODE=PREDICTION): None when off
     gcp: GcpCompat | None = None
+
+    @field_validator("lora", "lora_scaled", "lora_alias", mode="before")
+    @classmethod
+    def _flat(cls, v: Any) -> Any:
+        """A repeated flag's values (each a list of comma-separated items), in order."""
+        if isinstance(v, list) and any(isinstance(x, list) for x in v):
+            return [y for x in v for y in (x if isinstance(x, list) else [x])]
+        return v
 
     @field_validator("parallel", mode="before")
     @classmethod
@@ -286,7 +299,16 @@ def _add_opt(g: Any, o: Opt) -> None:
                 *o.neg, dest=o.dest, action="store_false", default=None, help=f"off: {o.flags[-1]}"
             )
         return
-    g.add_argument(*o.flags, dest=o.dest, type=o.kind, default=None, choices=o.choices, help=help)
+    action = "append" if o.repeat else "store"
+    g.add_argument(
+        *o.flags,
+        dest=o.dest,
+        type=o.kind,
+        default=None,
+        choices=o.choices,
+        help=help,
+        action=action,
+    )
 
 
 def _compat_dest(c: Compat) -> str:

@@ -42,6 +42,7 @@ class Opt:
     kind: Any = str  # a type or converter, or "bool": a switch, or a --x / --no-x pair with neg
     neg: tuple[str, ...] = ()
     choices: tuple[str, ...] | None = None
+    repeat: bool = False  # may be given several times: the values are collected in order
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -298,6 +299,12 @@ _NUM = r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?"
 kv_overrides = _pattern_list(r"[^=]+=(int|float|bool|str):.*", "KEY=TYPE:VALUE items")
 tensor_overrides = _pattern_list(r"[^=]+=[^=]+", "PATTERN=BUFFER_TYPE items")
 scaled_files = _pattern_list(rf".+:{_NUM}", "FNAME:SCALE items")
+lora_aliases = _pattern_list(r"[^=]+=.+", "NAME=FNAME items")
+
+
+def lora_files(text: str) -> list[str]:
+    """``a.gguf,b.gguf``: adapter files."""
+    return _items(text, "file names")
 
 
 def logit_bias(text: str) -> str:
@@ -349,6 +356,11 @@ OPTIONS += [
     _o("-lm --load-mode", "load_mode", "LLAMA_ARG_LOAD_MODE", "model loading: auto, none, mmap, mlock, mmap+mlock or dio (default: auto)", choices=LOAD_MODES),
     _o("--no-mmap", "no_mmap", "LLAMA_ARG_NO_MMAP", "do not memory-map the model (read it into memory); --mmap: map it (llama-server's earlier flags; they win over -lm)", "bool", neg="--mmap"),
     _o("--mlock", "mlock", "LLAMA_ARG_MLOCK", "keep the model in RAM, never swapped out (llama-server's earlier flag; wins over -lm)", "bool"),
+    # --- LoRA adapters (issue 32; server.service.adapters, server.llama.lora) ---
+    _o("--lora", "lora", "", "LoRA adapter file, at scale 1 (comma-separated or repeated for several; ids in order)", lora_files, repeat=True),
+    _o("--lora-scaled", "lora_scaled", "", "LoRA adapter with its scale: FNAME:SCALE,... (repeatable; ids after the --lora files)", scaled_files, repeat=True),
+    _o("--lora-init-without-apply", "lora_init_without_apply", "", "load the adapters at global scale 0 (apply later with POST /lora-adapters)", "bool"),
+    _o("--lora-alias", "lora_alias", "", "NAME=FNAME,...: requests with model NAME run under that adapter (added at scale 0 if not loaded yet); /v1/models lists the names (repeatable)", lora_aliases, repeat=True),
     # --- router mode (server.router) and sleeping when idle (server.http.sleep) ---
     _o("--models-dir", "models_dir", "LLAMA_ARG_MODELS_DIR", "router mode (without -m): serve the GGUF files of this directory, one server process per model, named by file stem (a subfolder per multi-file model) (default: off)"),
     _o("--models-preset", "models_preset", "LLAMA_ARG_MODELS_PRESET", "router mode (without -m): INI file of model presets, [*] defaults and one section per model whose keys are flags (default: off)"),
@@ -425,12 +437,9 @@ COMPAT: list[Compat] = [
     ),
     *_group(
         "LoRA/control vectors",
-        ("--lora", "", str),
-        ("--lora-scaled", "", scaled_files),
         ("--control-vector", "", str),
         ("--control-vector-scaled", "", scaled_files),
         ("--control-vector-layer-range", "", INT_PAIR),
-        ("--lora-init-without-apply", "", SWITCH),
     ),
     *_group(
         "downloads",

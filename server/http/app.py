@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -29,6 +30,7 @@ from ..routes import (
     cors_proxy,
     gcp,
     infill,
+    lora,
     native,
     openai,
     render,
@@ -40,6 +42,7 @@ from ..routes import (
 from ..routes import cache as cache_routes
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
+from ..service.adapters import registry_of
 from ..service.state import ServerState
 from ..slots.commands import SpillToDisk
 from ..slots.engine import Engine, EngineOptions
@@ -246,6 +249,17 @@ def _clean_save_dir(path: str) -> None:
         os.unlink(stale)  # a save interrupted by a crash; never under a real name
 
 
+def _backend_options(st: ServerState, path: str) -> Any:
+    """The model options, with the LoRA adapters the flags name (the registry is built once:
+    a reload after sleeping keeps the global scales set meanwhile)."""
+    s = st.settings
+    if not st.adapters.adapters and (s.lora or s.lora_scaled or s.lora_alias):
+        st.adapters = registry_of(
+            s.lora, s.lora_scaled, s.lora_alias, not s.lora_init_without_apply
+        )
+    return replace(model_options(s, path), lora_paths=tuple(st.adapters.paths))
+
+
 def load(st: ServerState) -> None:
     """Load model, template and engine; on failure record the error (health turns 503)."""
     s = st.settings
@@ -259,7 +273,7 @@ def load(st: ServerState) -> None:
         # as llama-server: the aliases form a sorted set, the first one names the model
         st.model_aliases = sorted(set(csv_list(s.alias or "")))
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
-        backend = LlamaBackend(model_options(s, path), compiler=llama_compiler)
+        backend = LlamaBackend(_backend_options(st, path), compiler=llama_compiler)
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
         # a compile child started now (beside the rest of the load), not by the first schema
         threading.Thread(target=worker.pool().warm, name="constraint-warm", daemon=True).start()
@@ -420,6 +434,7 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
     app.include_router(anthropic.router)
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
+    app.include_router(lora.router)
     app.include_router(metrics_routes.router)
     app.include_router(embedding_routes.router)
     app.include_router(cors_proxy.router)

@@ -26,6 +26,7 @@ from ..types import (
     VocabCompiler,
 )
 from .greedy import GreedyBias
+from .lora import LoraAdapters
 from .memory import SeqMemory, memory_layout
 from .params import KV_TYPES, load_model
 
@@ -88,6 +89,7 @@ class ModelOptions:
     main_gpu: int = 0
     load_mode: str = "auto"
     tensor_overrides: tuple[tuple[str, str], ...] = ()  # (pattern, buffer type name)
+    lora_paths: tuple[str, ...] = ()  # --lora / --lora-scaled files, in id order (llama/lora.py)
 
 
 class LlamaBatch:
@@ -347,6 +349,7 @@ class LlamaBackend(SeqMemory):
         if not self.ctx:
             raise RuntimeError("failed to create llama context (out of memory?)")
         self.mem = L.llama_get_memory(self.ctx)
+        self.lora = LoraAdapters(self.model, self.ctx, list(opts.lora_paths))
         self.n_ctx = L.llama_n_ctx(self.ctx)
         self.n_batch = L.llama_n_batch(self.ctx)
         self.n_ubatch = L.llama_n_ubatch(self.ctx)
@@ -472,6 +475,10 @@ class LlamaBackend(SeqMemory):
             self.batch.raw.n_tokens = count
             return L.llama_decode(self.ctx, self.batch.raw)
         return L.llama_decode(self.ctx, self.batch.view(start, count))
+
+    def set_adapters(self, scales: tuple[float, ...]) -> None:
+        """The LoRA scales the next decodes run under (one per loaded adapter; empty: none)."""
+        self.lora.apply(scales)
 
     def set_embeddings(self, on: bool) -> None:
         """Switch the context to computing embeddings (every token of a decode is then an

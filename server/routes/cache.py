@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
+from ..cache import tenancy
 from ..service.state import tenant_of
 from ..slots.commands import CheckIntegrity
 from .common import state_of
@@ -49,7 +50,7 @@ async def cache_info(request: Request) -> dict[str, Any]:
 def _ram_of(engine: Engine, ram: dict[str, Any], tenant: str) -> dict[str, Any]:
     """The RAM cache's description cut to ``tenant``'s entries (and their totals)."""
     assert engine.cache is not None
-    mine = [e for e in list(engine.cache.entries) if e.tenant == tenant]
+    mine = [e for e in list(engine.cache.entries) if tenancy.owner(e.tenant) == tenant]
     now = time.time()
     entries = [
         {
@@ -73,7 +74,7 @@ def _disk_of(engine: Engine, disk: dict[str, Any], tenant: str) -> dict[str, Any
     """The disk tier's description cut to ``tenant``'s entries (file names are unique; an
     entry indexed or dropped meanwhile is left out, never another tenant's shown)."""
     assert engine.disk is not None
-    names = {e.name for e in list(engine.disk.index.entries) if e.tenant == tenant}
+    names = {e.name for e in list(engine.disk.index.entries) if tenancy.owner(e.tenant) == tenant}
     entries = [x for x in disk.get("entries", []) if x["name"] in names]
     out = {k: v for k, v in disk.items() if k not in ("n_pending", "pending_bytes")}
     out |= {"n_entries": len(entries), "n_bytes": sum(x["n_bytes"] for x in entries)}

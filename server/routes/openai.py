@@ -146,20 +146,45 @@ def model_object(st: ServerState) -> dict[str, Any]:
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
     """The one model this server serves (Anthropic's paging fields too)."""
-    m = model_object(state_of(request))
+    st = state_of(request)
+    m = model_object(st)
+    data = [m, *adapter_models(st)]
     return {
         "object": "list",
-        "data": [m],
+        "data": data,
         "has_more": False,
         "first_id": m["id"],
-        "last_id": m["id"],
+        "last_id": data[-1]["id"],
     }
+
+
+def adapter_models(st: ServerState) -> list[dict[str, Any]]:
+    """The --lora-alias adapters as models (vLLM's convention: ``parent`` is the base
+    model, ``root`` the adapter file); ``model: NAME`` selects one."""
+    return [
+        {
+            "id": a.alias,
+            "object": "model",
+            "created": int(st.started),
+            "owned_by": "llamacpp",
+            "type": "model",
+            "display_name": a.alias,
+            "root": a.path,
+            "parent": st.model_name,
+            "lora_id": a.id,
+        }
+        for a in st.adapters.adapters
+        if a.alias
+    ]
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model(model_id: str, request: Request) -> dict[str, Any]:
     """One model by its name or an alias (404 otherwise)."""
     st = state_of(request)
+    for a in adapter_models(st):
+        if a["id"] == model_id:
+            return a
     if model_id != st.model_name and model_id not in st.model_aliases:
         raise APIError(404, f"model {model_id!r} not found (this server serves {st.model_name!r})")
     return model_object(st)

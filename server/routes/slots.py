@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from ..api.errors import APIError
 from ..api.schemas import SlotActionBody
-from ..cache import slot_file
+from ..cache import slot_file, tenancy
 from ..service.state import ServerState, tenant_of
 from ..slots.commands import (
     AttachAppendices,
@@ -69,7 +69,9 @@ def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
                 "n_decoded": n_decoded if task is not None else 0,
             }
         ],
-        "params": generation_settings(st, task) if viewer is None or viewer == s.tenant else {},
+        "params": generation_settings(st, task)
+        if viewer is None or viewer == tenancy.owner(s.tenant)
+        else {},
         "checkpoints": {
             "count": len(ckpts),
             "bytes": sum(c.nbytes for c in ckpts),
@@ -159,6 +161,8 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
             "not_supported_error",
         )
     tenant = tenant_of(st, request, request.query_params.get("cache_salt"))
+    # a slot action acts under the global LoRA adapter set (POST /lora-adapters)
+    tenant = tenancy.with_adapters(tenant, st.adapters.resolve(None, None).key)
     who = Caller(tenant, st.settings.cache_isolation != "none")
     try:
         if action == "erase":

@@ -13,6 +13,7 @@ from ..api.errors import APIError
 from ..cache import tenancy
 from ..cli.config import Settings
 from ..slots.engine import Engine
+from .adapters import AdapterRegistry
 
 
 @dataclass
@@ -30,6 +31,8 @@ class ServerState:
     model_name: str = ""
     model_aliases: list[str] = field(default_factory=list)  # --alias a,b,c (sorted)
     model_path: str = ""
+    # LoRA adapters and their global scales (--lora..., /lora-adapters; service/adapters.py)
+    adapters: AdapterRegistry = field(default_factory=lambda: AdapterRegistry([]))
     loading: bool = True
     load_error: str = ""
     on_load_failed: Callable[[], None] | None = None  # set by the CLI: stop serving

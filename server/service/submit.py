@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..api.schemas import SamplingFields
+from ..cache import tenancy
 from ..constrained import Constraint
 from ..types import GenParams
 from .sampling import sampling_from, stops_from
@@ -69,31 +70,9 @@ def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
     return prompts
 
 
-async def submit(
-    st: ServerState, body: SamplingFields, job: Submission, tenant: str = ""
-) -> TaskGroup:
-    """The one path from a generating request to running tasks.
-
-    Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
-    settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
-    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
-    # Checking a schema or grammar may take a compile child --constraint-timeout seconds:
-    # off the event loop. First: a request with several faults reports the same one.
-    constraint = await asyncio.to_thread(job.constraint)
-    engine = st.require_engine()
-    b = st.backend
-    # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
-    # streams of other requests keep flowing meanwhile.
-    prompts = await asyncio.to_thread(_checked_prompts, job, b)
-    sampling = sampling_from(body, b, st.settings)
-    if body.ignore_eos:  # as llama-server: every end-of-generation token banned
-        sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
-    if job.post_sampling:
-        sampling.post_probs = job.n_probs
-    job.check()
-    if constraint is not None:
-        sampling.constraint = await bind_constraint(b, constraint)
-    gen = GenParams(
+def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenParams:
+    """The generation settings of every task of ``job``."""
+    return GenParams(
         # llama-server: a request without a limit (-1) gets --n-predict's; one with a limit
         # keeps it, above --n-predict too
         max_tokens=job.max_tokens if job.max_tokens >= 0 else st.settings.n_predict,
@@ -107,6 +86,35 @@ async def submit(
         n_keep=st.settings.keep if body.n_keep is None else body.n_keep,
         n_discard=body.n_discard,
     )
+
+
+async def submit(
+    st: ServerState, body: SamplingFields, job: Submission, tenant: str = ""
+) -> TaskGroup:
+    """The one path from a generating request to running tasks.
+
+    Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
+    settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
+    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
+    # Checking a schema or grammar may take a compile child --constraint-timeout seconds:
+    # off the event loop. First: a request with several faults reports the same one.
+    constraint = await asyncio.to_thread(job.constraint)
+    engine = st.require_engine()
+    adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
+    tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
+    b = st.backend
+    # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
+    # streams of other requests keep flowing meanwhile.
+    prompts = await asyncio.to_thread(_checked_prompts, job, b)
+    sampling = sampling_from(body, b, st.settings)
+    if body.ignore_eos:  # as llama-server: every end-of-generation token banned
+        sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
+    if job.post_sampling:
+        sampling.post_probs = job.n_probs
+    job.check()
+    if constraint is not None:
+        sampling.constraint = await bind_constraint(b, constraint)
+    gen = _gen_params(st, body, job)
     group = TaskGroup(
         engine,
         timeout=body.timeout or st.settings.timeout,
@@ -124,6 +132,7 @@ async def submit(
                 stream=job.stream,
                 user_start=p.user_start,
                 tenant=tenant,
+                lora=adapters.scales,
                 return_progress=job.return_progress,
                 timings_per_token=job.timings_per_token,
             )

@@ -78,6 +78,7 @@ class TaskGroup:
         stream: bool = True,
         user_start: int = -1,
         tenant: str = "",
+        lora: tuple[float, ...] = (),
         return_progress: bool = False,
         timings_per_token: bool = False,
     ) -> Task:
@@ -92,6 +93,7 @@ class TaskGroup:
             stream=stream,
             user_start=user_start,
             tenant=tenant,
+            lora=lora,
             return_progress=return_progress and stream,
             timings_per_token=timings_per_token and stream,
             lagging=self._lagging(len(self.tasks)) if stream else None,

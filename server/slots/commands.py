@@ -85,7 +85,8 @@ class Failed:
 
 @dataclass(frozen=True)
 class Caller:
-    """Who asks for a slot action: its tenant, and whether tenants are kept apart."""
+    """Who asks for a slot action: its cache key (its tenant with the adapter set it acts
+    under, cache/tenancy.py), and whether tenants are kept apart."""
 
     tenant: str
     isolated: bool
@@ -94,17 +95,27 @@ class Caller:
         """Under isolation, a slot holding another tenant's prompt is not the caller's to
         ``what`` (save, erase, restore into). Checked on the engine thread, in the command
         that acts, so the check and the action see the same slot."""
-        if self.isolated and s.tokens and s.tenant != self.tenant:
+        if self.isolated and s.tokens and tenancy.owner(s.tenant) != tenancy.owner(self.tenant):
             return Refused(f"slot {s.id} holds another tenant's prompt: cannot {what} it")
         return None
 
     def file_refusal(self, parsed: slot_file.ParsedFile, name: str) -> Refused | None:
         """Under isolation, only the tenant that saved a file may restore it; a file that
         names no tenant (llama-server's, or saved before tenants were recorded) is nobody's
-        to restore. Any thread."""
-        if self.isolated and parsed.tenant != self.tenant:
-            whose = "another tenant" if parsed.tenant is not None else "no recorded tenant"
+        to restore. A state computed under another LoRA adapter set than the caller's (a
+        file without a record: none) is a 400, never loaded. Any thread."""
+        theirs = parsed.tenant
+        if self.isolated and (
+            theirs is None or tenancy.owner(theirs) != tenancy.owner(self.tenant)
+        ):
+            whose = "another tenant" if theirs is not None else "no recorded tenant"
             return Refused(f"slot file {name!r} was saved by {whose}: cannot restore it")
+        if tenancy.adapters_of(theirs or "") != tenancy.adapters_of(self.tenant):
+            return Refused(
+                f"slot file {name!r} was computed under another LoRA adapter set than the "
+                "current one (set it with POST /lora-adapters first)",
+                400,
+            )
         return None
 
 

@@ -132,6 +132,7 @@ class Executor:
 
     def _decode(self, plan: StepPlan, out: StepOutputs) -> bool:
         """Decode the plan, retrying as ``_recover`` says; whether a batch was decoded."""
+        self.b.set_adapters(plan.adapters)  # one adapter set per decode (adapter_turns)
         while plan.work:
             n = self._fill(plan)
             t0 = time.perf_counter()

@@ -69,6 +69,7 @@ class StepPlan:
 
     budget: int
     work: list[SlotWork] = field(default_factory=list)
+    adapters: tuple[float, ...] = ()  # the LoRA scales every work runs under (adapter_turns)
 
     @property
     def n_tokens(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 
 from ..types import Task
+from .adapter_turns import AdapterTurns
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .options import EngineOptions
@@ -34,6 +35,7 @@ class Scheduler:
         self.n_swa = backend.n_swa
         self.recurrent = backend.is_recurrent
         self.add_bos = backend.add_bos
+        self.turns = AdapterTurns()
 
     def admit(self, waiting: collections.deque[Task], slots: list[Slot]) -> Admission:
         """Which idle slot each waiting task takes, in FIFO order (DESIGN §5). A task whose
@@ -58,8 +60,10 @@ class Scheduler:
 
     def schedule(self, active: list[Slot], budget: int | None = None) -> StepPlan:
         """The plan for ``active`` (the slots prefilling or generating that may decode),
-        within ``budget`` tokens (n_batch by default). Pure: nothing is changed."""
+        within ``budget`` tokens (n_batch by default); of one LoRA adapter set, the sets
+        taking turns (slots/adapter_turns.py). Pure but for the turn record."""
         plan = StepPlan(self.n_batch if budget is None else budget)
+        active, plan.adapters = self.turns.pick(active)
         used = 0
         for s in active:
             if s.state is SlotState.GENERATE and used < plan.budget:

@@ -1,0 +1,51 @@
+"""LoRA adapters on the target context (llama_adapter_lora_init, llama_set_adapters_lora).
+
+llama.cpp applies the adapters set on a context to every token of the next decode, whatever
+its sequence: the engine decodes one adapter set per step and calls ``apply`` before each
+decode. Contracts:
+
+- ``load`` reads each file once (the adapter lives as long as the model) and raises
+  ValueError naming the file that llama.cpp refuses (missing, not an adapter, another
+  model's tensors).
+- ``apply(scales)`` makes the context's adapters exactly those with a non-zero scale, at
+  those scales; it calls llama.cpp only when the set differs from the last one applied.
+  ``scales`` has one entry per loaded adapter, or is empty (no adapter).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import llama_cpp as L
+
+
+class LoraAdapters:
+    """The adapters loaded for one model, in ``--lora`` order (their ids)."""
+
+    def __init__(self, model: Any, ctx: Any, paths: list[str]) -> None:
+        self._ctx = ctx
+        self.paths = list(paths)
+        self._handles: list[Any] = []
+        for p in self.paths:
+            h = L.llama_adapter_lora_init(model, p.encode())
+            if not h:
+                raise ValueError(f"failed to load LoRA adapter {p!r} (not a LoRA of this model?)")
+            self._handles.append(h)
+        self._applied: tuple[tuple[int, float], ...] = ()  # (id, scale) last set
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def apply(self, scales: tuple[float, ...]) -> None:
+        """Set the adapters with a non-zero scale on the context (see module docstring)."""
+        active = tuple((i, s) for i, s in enumerate(scales) if s != 0.0 and i < len(self._handles))
+        if active == self._applied:
+            return
+        n = len(active)
+        arr = (L.llama_adapter_lora_p_ctypes * max(n, 1))(*[self._handles[i] for i, _ in active])
+        sc = (ctypes.c_float * max(n, 1))(*[s for _, s in active])
+        ret = L.llama_set_adapters_lora(self._ctx, arr if n else None, n, sc if n else None)
+        if ret != 0:
+            raise RuntimeError(f"llama_set_adapters_lora failed ({ret})")
+        self._applied = active

@@ -1,0 +1,38 @@
+"""``GET``/``POST /lora-adapters``: llama-server's list of loaded LoRA adapters and their
+global scales (service/adapters.py). A request's own ``lora`` field, or a ``model`` naming
+an alias, overrides the global scales for that request only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import TypeAdapter, ValidationError
+
+from ..api.errors import APIError
+from ..api.schemas import LoraScale
+from .common import state_of
+
+router = APIRouter()
+_ITEMS = TypeAdapter(list[LoraScale])
+
+
+@router.get("/lora-adapters")
+async def get_lora_adapters(request: Request) -> list[dict[str, Any]]:
+    """Each adapter: ``id``, ``path``, ``scale`` (global), ``task_name``, ``prompt_prefix``
+    (llama-server's fields) and ``alias`` where --lora-alias names it."""
+    return state_of(request).adapters.describe()
+
+
+@router.post("/lora-adapters")
+async def post_lora_adapters(request: Request) -> dict[str, Any]:
+    """Set the global scales: ``[{"id": 0, "scale": 0.5}]``; an adapter left out gets 0
+    (llama-server's rule). 400 for a malformed body or an unknown id. Runs already started
+    keep the scales they started with; cached states stay keyed by theirs."""
+    st = state_of(request)
+    try:
+        items = _ITEMS.validate_python(await request.json())
+    except (ValidationError, ValueError) as e:
+        raise APIError(400, f"expected a list of {{id, scale}} items: {e}") from None
+    st.adapters.set_global(items)
+    return {"success": True}

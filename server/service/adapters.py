@@ -1,0 +1,150 @@
+"""LoRA adapters as the API sees them (issue 32): the loaded files, their global scales
+(``GET``/``POST /lora-adapters``), and what one request runs under.
+
+Contracts:
+
+- Adapter ids are the load order: ``--lora`` and ``--lora-scaled`` files as given, then
+  ``--lora-alias`` files not among them (loaded at scale 0: they run only when a request
+  names them).
+- A request runs under (``resolve``), first match wins: its non-empty ``lora`` field (llama-server's:
+  an adapter it leaves out runs at 0; an unknown id is a 400); else a ``model`` naming an
+  alias (that adapter at its ``--lora-scaled`` scale, 1.0 by default or when that is 0,
+  every other at 0);
+  else the global scales.
+- ``key(scales)`` names an adapter set for the caches: ``""`` when every scale is 0 (the
+  base model), else a digest of each active adapter's file content and scale, the same in
+  every process, so disk-tier entries and slot files keep their meaning across restarts
+  and replicas (cache/tenancy.py ``with_adapters``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from ..api.errors import APIError
+
+
+@dataclass
+class Adapter:
+    id: int
+    path: str
+    digest: str  # sha256 of the file, 32 hex digits
+    scale: float  # the global scale (POST /lora-adapters changes it)
+    default_scale: float  # its --lora-scaled scale (1.0 for --lora): an alias runs it so
+    alias: str | None = None
+
+
+@dataclass(frozen=True)
+class AdapterChoice:
+    """What one request runs under: one scale per adapter, and the set's cache key."""
+
+    scales: tuple[float, ...] = ()
+    key: str = ""
+
+
+def file_digest(path: str) -> str:
+    """sha256 of the file's bytes (read in 1 MiB blocks), 32 hex digits."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()[:32]
+
+
+class AdapterRegistry:
+    def __init__(self, adapters: list[Adapter]) -> None:
+        self.adapters = adapters
+        self.by_alias = {a.alias: a for a in adapters if a.alias}
+
+    @classmethod
+    def from_files(
+        cls, files: list[tuple[str, float]], aliases: dict[str, str], apply: bool = True
+    ) -> AdapterRegistry:
+        """``files``: (path, scale) in id order; ``aliases``: name -> path (a path not in
+        ``files`` is added at scale 0); ``apply`` False: every global scale starts at 0
+        (--lora-init-without-apply)."""
+        out: list[Adapter] = []
+        paths: dict[str, Adapter] = {}
+        for path, scale in files:
+            a = Adapter(len(out), path, file_digest(path), scale if apply else 0.0, scale)
+            out.append(a)
+            paths.setdefault(path, a)
+        for name, path in aliases.items():
+            if path not in paths:
+                paths[path] = Adapter(len(out), path, file_digest(path), 0.0, 1.0)
+                out.append(paths[path])
+            paths[path].alias = name
+        return cls(out)
+
+    @property
+    def paths(self) -> list[str]:
+        return [a.path for a in self.adapters]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """GET /lora-adapters: llama-server's list (``alias`` added where one is set)."""
+        out = []
+        for a in self.adapters:
+            d: dict[str, Any] = {
+                "id": a.id,
+                "path": a.path,
+                "scale": a.scale,
+                "task_name": "",
+                "prompt_prefix": "",
+            }
+            if a.alias:
+                d["alias"] = a.alias
+            out.append(d)
+        return out
+
+    def scales_of(self, items: list[Any]) -> tuple[float, ...]:
+        """llama-server's ``[{"id", "scale"}]`` as one scale per adapter (left out: 0);
+        APIError 400 for an id no adapter has."""
+        scales = [0.0] * len(self.adapters)
+        for it in items:
+            if not 0 <= it.id < len(scales):
+                raise APIError(400, f"invalid adapter id {it.id}: {len(scales)} adapters loaded")
+            scales[it.id] = float(it.scale)
+        return tuple(scales)
+
+    def set_global(self, items: list[Any]) -> None:
+        """POST /lora-adapters: the new global scales (an adapter left out: 0)."""
+        for a, s in zip(self.adapters, self.scales_of(items), strict=True):
+            a.scale = s
+
+    def resolve(self, lora: list[Any] | None, model: str | None) -> AdapterChoice:
+        """What a request with these fields runs under (module docstring)."""
+        if not self.adapters:
+            if lora:
+                raise APIError(400, "no LoRA adapter is loaded (start the server with --lora)")
+            return AdapterChoice()
+        if lora:  # llama-server: an empty list is no list
+            scales = self.scales_of(lora)
+        elif model is not None and model in self.by_alias:
+            a = self.by_alias[model]
+            on = a.default_scale or 1.0
+            scales = tuple(on if b is a else 0.0 for b in self.adapters)
+        else:
+            scales = tuple(a.scale for a in self.adapters)
+        return AdapterChoice(scales, self.key(scales))
+
+    def key(self, scales: tuple[float, ...]) -> str:
+        """The cache key of an adapter set (module docstring)."""
+        active = [f"{a.digest}*{s!r}" for a, s in zip(self.adapters, scales, strict=False) if s]
+        if not active:
+            return ""
+        return hashlib.sha256(";".join(active).encode()).hexdigest()[:24]
+
+
+def registry_of(
+    lora: list[str], scaled: list[str], aliases: list[str], apply: bool
+) -> AdapterRegistry:
+    """The registry the flags describe (--lora, --lora-scaled FILE:SCALE, --lora-alias
+    NAME=FILE, not --lora-init-without-apply). OSError for a file that cannot be read."""
+    files = [(p, 1.0) for p in lora]
+    for item in scaled:
+        path, _, scale = item.rpartition(":")
+        files.append((path, float(scale)))
+    names = dict(x.split("=", 1) for x in aliases)
+    return AdapterRegistry.from_files(files, names, apply)

@@ -1,0 +1,172 @@
+"""LoRA adapters end to end (issue 32): generated random low-rank adapters for the default
+model (tests/lora_gen.py), real servers, real HTTP.
+
+Never generated text: first-token log-probabilities (LOGPROB_TOL, 0.5 nats, the batch-layout
+drift bound of tests/e2e/conftest.py) and token accounting (``cache_n``)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import (
+    LOGPROB_TOL,
+    assert_same_next_token_distribution,
+    first_token,
+    gemma_path,
+    long_text,
+    top_logprobs,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lora_gen import write_adapter  # noqa: E402
+
+NONE = [{"id": 0, "scale": 0.0}]
+A = [{"id": 0, "scale": 1.0}]
+B = [{"id": 1, "scale": 1.0}]
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> tuple[str, str]:
+    d = tmp_path_factory.mktemp("lora")
+    a = write_adapter(gemma_path(), d / "a.gguf", seed=1)
+    b = write_adapter(gemma_path(), d / "b.gguf", seed=2)
+    return str(a), str(b)
+
+
+# A random adapter amplifies llama.cpp's batch-layout drift: the same prompt under one set,
+# alone or beside three others, measured up to 0.75 nats apart on its top tokens (no
+# adapter switch involved). Concurrent runs are held to 1.0 nats of their single-request
+# runs, and must be nearer their own set's distribution than the other set's.
+ADAPTED_TOL = 1.0
+
+
+def _dist(x: dict, y: dict) -> float:
+    """Sum over the union of both top-5 lists of the log-probability differences (a token
+    missing from one list counts at 1 nat below that list's last)."""
+    p, q = top_logprobs(x), top_logprobs(y)
+    fp, fq = min(p.values()) - 1, min(q.values()) - 1
+    return sum(abs(p.get(t, fp) - q.get(t, fq)) for t in p.keys() | q.keys())
+
+
+def _gap(x: dict, y: dict) -> float:
+    """The largest log-probability difference over tokens in both top-5 lists (or a large
+    number when the top tokens differ)."""
+    p, q = top_logprobs(x), top_logprobs(y)
+    if max(p, key=p.__getitem__) != max(q, key=q.__getitem__):
+        return 99.0
+    return max(abs(p[t] - q[t]) for t in p.keys() & q.keys())
+
+
+def _lp(s, lora, prompt=PROMPT, **kw) -> dict:
+    return first_token(s, prompt, lora=lora, cache_prompt=False, **kw)
+
+
+def test_adapters_change_the_distribution_scales_and_choices_apply(make_server, adapters):
+    a, b = adapters
+    s = make_server("-np", "4", "--lora", a, "--lora-scaled", f"{b}:0", "--lora-alias", f"bee={b}")
+    base, with_a, half_a, with_b = (
+        _lp(s, NONE),
+        _lp(s, A),
+        _lp(s, [{"id": 0, "scale": 0.5}]),
+        _lp(s, B),
+    )
+    assert _gap(base, with_a) > 2 * LOGPROB_TOL  # the adapter changes the next token's odds
+    assert _gap(base, with_b) > 2 * LOGPROB_TOL and _gap(with_a, with_b) > 2 * LOGPROB_TOL
+    assert _gap(half_a, base) > LOGPROB_TOL and _gap(half_a, with_a) > LOGPROB_TOL
+    # the global scales: A at 1, B at 0 (--lora-scaled b:0); no field runs under them
+    assert _gap(first_token(s, PROMPT, cache_prompt=False), with_a) <= LOGPROB_TOL
+    assert s.client.post("/lora-adapters", json=B).json() == {"success": True}
+    listed = s.client.get("/lora-adapters").json()
+    assert [(x["id"], x["scale"]) for x in listed] == [(0, 0.0), (1, 1.0)]
+    assert _gap(first_token(s, PROMPT, cache_prompt=False), with_b) <= LOGPROB_TOL
+    # model: "bee" selects adapter 1 whatever the global scales; /v1/models lists it
+    s.client.post("/lora-adapters", json=NONE)
+    chat = {"prompt": PROMPT, "max_tokens": 1, "logprobs": 5, "temperature": 0}
+    r = s.client.post("/v1/completions", json={**chat, "model": "bee", "cache_prompt": False})
+    lp_bee = r.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert (
+        abs(lp_bee[max(lp_bee, key=lp_bee.get)] - max(top_logprobs(with_b).values())) <= LOGPROB_TOL
+    )
+    ids = [m["id"] for m in s.client.get("/v1/models").json()["data"]]
+    assert ids[1:] == ["bee"]
+    assert (
+        s.client.post(
+            "/completion", json={"prompt": "x", "lora": [{"id": 5, "scale": 1}]}
+        ).status_code
+        == 400
+    )
+    s.assert_integrity()
+
+
+def test_two_adapter_sets_served_concurrently(make_server, adapters):
+    a, b = adapters
+    s = make_server("-np", "4", "--lora", a, "--lora", b)
+    prompts = [f"{PROMPT} {w}" for w in ("", "a", "the", "in")]
+    sets = [A, B, A, B]
+    alone = [_lp(s, lo, p, n_predict=1) for lo, p in zip(sets, prompts, strict=True)]
+    other = [
+        _lp(s, B if lo is A else A, p, n_predict=1) for lo, p in zip(sets, prompts, strict=True)
+    ]
+
+    def one(i: int) -> dict:
+        body = {"prompt": prompts[i], "n_predict": 24, "n_probs": 5, "temperature": 0}
+        r = s.client.post(
+            "/completion", json={**body, "lora": sets[i], "cache_prompt": False, "ignore_eos": True}
+        )
+        r.raise_for_status()
+        return r.json()
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(one, range(4)))
+    for x, y in zip(together, alone, strict=True):
+        assert x["timings"]["predicted_n"] == 24
+        assert_same_next_token_distribution(x, y, ADAPTED_TOL)  # its own set's
+    for x, y, z in zip(together, alone, other, strict=True):  # and not the other set's
+        assert _dist(x, y) < _dist(x, z), (top_logprobs(x), top_logprobs(y), top_logprobs(z))
+    s.assert_integrity()
+
+
+def _cached(s, lora, prompt: str) -> tuple[int, int]:
+    r = s.client.post(
+        "/completion", json={"prompt": prompt, "n_predict": 1, "lora": lora, "temperature": 0}
+    )
+    r.raise_for_status()
+    t = r.json()["timings"]
+    return t["cache_n"], t["cache_n"] + t["prompt_n"]
+
+
+def test_a_prompt_cached_under_one_set_serves_only_that_set(make_server, adapters, tmp_path):
+    a, b = adapters
+    disk, saves = tmp_path / "disk", tmp_path / "slots"
+    saves.mkdir()
+    flags = ("-np", "1", "--lora", a, "--lora-scaled", f"{b}:0", "--cache-disk", str(disk))
+    s = make_server(*flags, "--slot-save-path", str(saves))
+    p1, p2 = long_text(1500, seed=1), long_text(1500, seed=3)
+    assert len(s.tokenize(p1)) > 1500 and len(s.tokenize(p2)) > 1500
+    assert _cached(s, A, p1)[0] == 0
+    assert _cached(s, A, p2)[0] == 0  # the slot held A's p1: into the RAM cache
+    # the slot holds A's p2, the RAM cache A's p1 (and later A's p2)
+    assert _cached(s, NONE, p2 + " More.")[0] == 0  # slot tier
+    assert _cached(s, B, p2 + " Again.")[0] == 0  # slot and RAM tiers
+    n, total = _cached(s, A, p2 + " Then.")  # RAM tier: A's own entry
+    assert n >= 0.9 * total, (n, total)
+    # slot files record the set: a restore under another set is a 400
+    assert s.client.post("/slots/0?action=save", json={"filename": "a.bin"}).status_code == 200
+    assert s.client.post("/slots/0?action=restore", json={"filename": "a.bin"}).status_code == 200
+    s.client.post("/lora-adapters", json=B)
+    r = s.client.post("/slots/0?action=restore", json={"filename": "a.bin"})
+    assert r.status_code == 400 and "adapter" in r.text
+    s.client.post("/lora-adapters", json=A)
+    s.assert_integrity()
+    s.stop()  # spills the RAM cache and the slot to the disk tier
+    s2 = make_server(*flags)
+    assert _cached(s2, NONE, p1 + " More.")[0] == 0  # disk tier: only A computed p1
+    assert _cached(s2, B, p1 + " Again.")[0] == 0
+    n, total = _cached(s2, A, p1 + " Then.")
+    assert n >= 0.9 * total, (n, total)
+    s2.assert_integrity()
