@@ -41,7 +41,9 @@ class ReuseChunk:
 def _common(a: Sequence[int], i: int, b: Sequence[int], j: int) -> int:
     """How many tokens ``a[i:]`` and ``b[j:]`` share from their start."""
     n = min(len(a) - i, len(b) - j)
-    k = 0
+    k, step = 0, 64
+    while k + step <= n and a[i + k : i + k + step] == b[j + k : j + k + step]:
+        k += step  # 64-token slices compared at C speed, as types.lcp
     while k < n and a[i + k] == b[j + k]:
         k += 1
     return k
