@@ -18,11 +18,44 @@ from tests.e2e.conftest import (
     smollm2_path,
 )
 
-WORDS = (
-    "river stone garden window market silver lantern harbor meadow copper violin orchard "
-    "engine pocket thunder castle pencil forest bridge candle desert marble rocket velvet "
-    "island ladder mirror saddle tunnel wizard basket canyon feather glacier hammer jungle"
-).split()
+WORDS = [
+    "river",
+    "stone",
+    "garden",
+    "window",
+    "market",
+    "silver",
+    "lantern",
+    "harbor",
+    "meadow",
+    "copper",
+    "violin",
+    "orchard",
+    "engine",
+    "pocket",
+    "thunder",
+    "castle",
+    "pencil",
+    "forest",
+    "bridge",
+    "candle",
+    "desert",
+    "marble",
+    "rocket",
+    "velvet",
+    "island",
+    "ladder",
+    "mirror",
+    "saddle",
+    "tunnel",
+    "wizard",
+    "basket",
+    "canyon",
+    "feather",
+    "glacier",
+    "hammer",
+    "jungle",
+]
 
 
 def text(n_words: int, seed: int) -> str:
