@@ -71,10 +71,10 @@ BODY = text(745, 4)
 FIRST = ("Request id 4711.\n" + BODY, "Request id 9.\n" + BODY)
 
 
-def warm_then(s: ServerProc, first: str, second: str) -> dict:
+def warm_then(s: ServerProc, first: str, second: str, **kw) -> dict:
     """``first`` cached on slot 0, then ``second`` there (top 5 log-probs of its first token)."""
     first_token(s, first, id_slot=0)
-    return first_token(s, second, id_slot=0)
+    return first_token(s, second, id_slot=0, **kw)
 
 
 def reused(r: dict) -> float:
@@ -112,15 +112,38 @@ def test_cache_reuse_reuses_most_of_the_prompt(reuse_server, first, second):
         assert "llamaslot_cache_reuse_tokens_total" in metrics.text
 
 
+def test_per_request_zero_reuses_the_prefix_only(reuse_server):
+    # new (shorter) texts: the RAM cache holds the other tests' prompts whole
+    head, middle, tail = text(60, 5), text(120, 6), text(240, 7)
+    warm = warm_then(reuse_server, head + middle + tail, head + tail, n_cache_reuse=0)
+    assert "cache_reuse_n" not in warm["timings"]
+    assert reused(warm) < 0.4, warm["timings"]
+    r = reuse_server.client.post("/completion", json={"prompt": "x", "n_cache_reuse": -1})
+    assert r.status_code == 400
+
+
 def test_without_cache_reuse_only_the_prefix_is_reused():
     s = ServerProc("-m", smollm2_path(), "-c", "4096", "-np", "2")
     try:
-        for first, second in [(HEAD + MIDDLE + TAIL, HEAD + TAIL), FIRST]:
-            warm = warm_then(s, first, second)
-            t = warm["timings"]
-            assert "cache_reuse_n" not in t
-            assert reused(warm) < 0.4, t
+        body = text(240, 8)  # shorter than FIRST's: the same change, less to compute
+        warm = warm_then(s, "Request id 4711.\n" + body, "Request id 9.\n" + body)
+        t = warm["timings"]
+        assert "cache_reuse_n" not in t
+        assert t["cache_n"] < 10, t  # "Request id " and the BOS
         s.assert_integrity()
+    finally:
+        s.stop()
+
+
+def test_swa_full_lets_the_default_model_reuse():
+    s = ServerProc(
+        "-m", gemma_path(), "-c", "4096", "-np", "2", "--cache-reuse", "64", "--swa-full"
+    )
+    try:
+        warm = warm_then(s, *FIRST)
+        assert reused(warm) >= 0.8, warm["timings"]
+        s.assert_integrity()
+        assert_agrees_with_cold(s, FIRST[1], warm)
     finally:
         s.stop()
 
@@ -128,7 +151,8 @@ def test_without_cache_reuse_only_the_prefix_is_reused():
 def test_default_model_warns_and_reuses_the_prefix_only():
     s = ServerProc("-m", gemma_path(), "-c", "4096", "-np", "2", "--cache-reuse", "64")
     try:
-        warm = warm_then(s, HEAD + MIDDLE + TAIL, HEAD + TAIL)
+        head, middle, tail = text(60, 9), text(120, 10), text(240, 11)  # short: less to compute
+        warm = warm_then(s, head + middle + tail, head + tail)
         assert "cache_reuse_n" not in warm["timings"]
         assert reused(warm) < 0.4, warm["timings"]
         s.assert_integrity()
