@@ -147,6 +147,8 @@ class Round:
     tokens: int
     events: int
     foreign: float | None
+    loop_cpu_s: float = 0.0  # of cpu_s: the event loop's thread
+    steps: int = 0  # the engine's decode steps
 
     @property
     def us_per_token(self) -> float:
@@ -172,16 +174,31 @@ async def _round(
 
     foreign = ForeignCpu(lambda: [pid])
     foreign.start()
-    j0, t0 = _proc_jiffies(pid), time.perf_counter()
+    s0 = await _n_steps(port)
+    j0, m0, t0 = _proc_jiffies(pid), _thread_jiffies(pid), time.perf_counter()
     got = await asyncio.gather(*(client() for _ in range(streams)))
-    wall, j1 = time.perf_counter() - t0, _proc_jiffies(pid)
+    wall, j1, m1 = time.perf_counter() - t0, _proc_jiffies(pid), _thread_jiffies(pid)
+    steps = await _n_steps(port) - s0
     return Round(
         (j1 - j0) / _TICK,
         wall,
         sum(t for t, _ in got),
         sum(e for _, e in got),
         foreign.stop(),
+        (m1 - m0) / _TICK,
+        steps,
     )
+
+
+def _thread_jiffies(pid: int) -> int:
+    """utime + stime of the server's main thread: uvicorn's event loop (the engine and the
+    rest run on other threads)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            tail = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(tail[11]) + int(tail[12])
 
 
 @dataclass
@@ -197,17 +214,21 @@ class Result:
         best = min(self.rounds, key=lambda r: r.us_per_token)
         per_tok = best.events / max(1, best.tokens)
         fg = max((r.foreign or 0.0) for r in self.rounds)
+        loop = best.loop_cpu_s / best.cpu_s * 100 if best.cpu_s else 0.0
+        per_step = best.tokens / max(1, best.steps)
         return (
             f"| `{ENDPOINTS[self.endpoint]}` | {'stream' if self.stream else 'whole'} "
             f"| {self.streams} | {min(us):.1f} | {statistics.median(us):.1f} "
-            f"| {max(ts):,.0f} | {statistics.median(ts):,.0f} | {per_tok:.2f} | {fg:.2f} |"
+            f"| {max(ts):,.0f} | {statistics.median(ts):,.0f} | {per_tok:.2f} | {per_step:.1f} | {loop:.0f} % "
+            f"| {fg:.2f} |"
         )
 
 
 HEADER = (
     "| endpoint | mode | streams | server CPU/token, best µs ↓ | median µs ↓ "
-    "| tok/s, best ↑ | median ↑ | SSE events/token | other load, cores |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| tok/s, best ↑ | median ↑ | SSE events/token | tokens/step "
+    "| event loop's share | other load, cores |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -228,20 +249,32 @@ def _start_server(port: int, slots: int, decode_ms: float) -> subprocess.Popen:
     raise RuntimeError("the ceiling server did not start")
 
 
-async def _get_health(port: int) -> bool:
+async def _get(port: int, path: str) -> bytes | None:
+    """The body of ``GET path``, None unless 200."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
     data = await reader.read(-1)
     writer.close()
-    return data.startswith(b"HTTP/1.1 200")
+    head, _, body = data.partition(b"\r\n\r\n")
+    return body if head.startswith(b"HTTP/1.1 200") else None
+
+
+async def _get_health(port: int) -> bool:
+    return await _get(port, "/health") is not None
+
+
+async def _n_steps(port: int) -> int:
+    """The engine's decode steps so far (/props ``engine.n_steps``)."""
+    body = await _get(port, "/props")
+    return json.loads(body)["engine"]["n_steps"] if body else 0
 
 
 def _profiler(out: str | None, pid: int, streams: int) -> subprocess.Popen | None:
-    """``py-spy record`` of the server (all threads, idle frames left out) into
+    """``py-spy record --gil`` of the server (the thread holding the GIL: where the CPU goes) into
     ``out``-<streams>.txt as collapsed stacks; py-spy from $PY_SPY or PATH (dev only)."""
     if not out:
         return None
-    cmd = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "200"]
+    cmd = [os.environ.get("PY_SPY", "py-spy"), "record", "-p", str(pid), "-r", "200", "--gil"]
     cmd += ["-f", "raw", "-o", f"{out}-{streams}.txt"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
