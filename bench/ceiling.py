@@ -279,6 +279,28 @@ def _profiler(out: str | None, pid: int, streams: int) -> subprocess.Popen | Non
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+_IDLE = ("_worker (concurrent/futures/thread.py", "Condition.wait", "select (selectors.py")
+
+
+def summarise(path: str, top: int = 25) -> str:
+    """The busy samples of a py-spy raw profile: the share of each function, inclusive of
+    what it calls (idle waits left out)."""
+    incl: dict[str, int] = {}
+    total = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip().rpartition(" ")
+            frames = stack.split(";")
+            if not frames or any(frames[-1].startswith(i) for i in _IDLE):
+                continue
+            total += int(n)
+            for fr in set(frames):
+                key = re.sub(r" \(.*/(site-packages|python3\.\d+)/", " (", fr)
+                incl[key] = incl.get(key, 0) + int(n)
+    rows = sorted(incl.items(), key=lambda kv: -kv[1])[:top]
+    return "\n".join(f"{n / max(1, total) * 100:5.1f} %  {fr}" for fr, n in rows)
+
+
 def run_matrix(args: argparse.Namespace) -> list[Result]:
     results: list[Result] = []
     for streams in args.streams:
@@ -299,6 +321,7 @@ def run_matrix(args: argparse.Namespace) -> list[Result]:
             if spy is not None:
                 spy.send_signal(2)  # py-spy writes its profile on SIGINT
                 spy.wait(30)
+                print(summarise(f"{args.profile}-{streams}.txt", 60), flush=True)
             proc.terminate()
             proc.wait(15)
     return results
