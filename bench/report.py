@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -379,3 +380,15 @@ def write_chart(path: Path, results: Results, wids: list[int]) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+_KEPT = re.compile(r"<!-- ([a-z0-9-]+):start -->.*?<!-- \1:end -->\n?", re.S)
+
+
+def with_kept_sections(path: Path, rendered: str) -> str:
+    """``rendered`` followed by the marked sections of the report at ``path`` (those other
+    benchmarks write between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``: the GPU run,
+    bench.ceiling), so a bench.run rewrite keeps them."""
+    old = path.read_text() if path.exists() else ""
+    kept = [m.group(0).rstrip("\n") for m in _KEPT.finditer(old)]
+    return "\n\n".join([rendered.rstrip("\n"), *kept]) + "\n"

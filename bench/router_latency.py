@@ -42,9 +42,14 @@ def start(cmd: list[str], port: int, log: Path) -> tuple[subprocess.Popen, httpx
 
 
 def timed(client: httpx.Client, model: str) -> float:
+    """The request's wall time; NaN when it failed (reported, not hidden)."""
     t0 = time.perf_counter()
-    r = client.post("/completion", json={**BODY, "model": model})
-    r.raise_for_status()
+    try:
+        r = client.post("/completion", json={**BODY, "model": model})
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        print(f"  {model}: request failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return float("nan")
     return time.perf_counter() - t0
 
 
@@ -92,7 +97,13 @@ def measure(kind: str, models: Path, rounds: int, work: Path) -> dict[str, float
             finally:
                 proc.terminate()
                 proc.wait(30)
-    return {k: statistics.median(v) for k, v in out.items()}
+    return {k: _median(v) for k, v in out.items()}
+
+
+def _median(values: list[float]) -> float:
+    """The median of the requests that answered; NaN when more than half failed."""
+    ok = [v for v in values if v == v]
+    return statistics.median(ok) if len(ok) * 2 > len(values) else float("nan")
 
 
 def main() -> None:
@@ -110,7 +121,12 @@ def main() -> None:
     print("|---|---|---|---|")
     for case in ("cold", "sleeping", "switch"):
         a, b = res["llama-server"][case], res["ours"][case]
-        print(f"| {case} | {a:.2f} | {b:.2f} | {b / a:.2f}x |")
+        ratio = f"{b / a:.2f}x" if a == a and b == b else "-"
+        print(f"| {case} | {_fmt(a)} | {_fmt(b)} | {ratio} |")
+
+
+def _fmt(v: float) -> str:
+    return "failed" if v != v else f"{v:.2f}"
 
 
 if __name__ == "__main__":

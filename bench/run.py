@@ -33,7 +33,7 @@ import httpx
 from .client import BenchError, completion_payload, make_client, stream_completion
 from .cpu import NOISY_CORES, ForeignCpu
 from .prompts import PromptBook, http_tokenizer
-from .report import Results, merge_json, write_chart, write_json
+from .report import Results, merge_json, with_kept_sections, write_chart, write_json
 from .report import markdown as render_markdown
 from .servers import (
     LCP,
@@ -430,7 +430,7 @@ def write_outputs(args: argparse.Namespace, results: Results, meta: dict[str, An
         meta["chart"] = os.path.relpath(args.chart, args.output.parent)
         log(f"chart: {args.chart}")
     write_json(json_path, results, meta)
-    args.output.write_text(render_markdown(results, meta))
+    args.output.write_text(with_kept_sections(args.output, render_markdown(results, meta)))
     log(f"wrote {args.output} and {json_path}")
 
 
@@ -443,7 +443,7 @@ def report_only(args: argparse.Namespace) -> int:
     merge_json(args.report_only, results, skip=set())
     if not args.no_chart and write_chart(args.chart, results, meta["workloads"]):
         meta["chart"] = os.path.relpath(args.chart, args.output.parent)
-    args.output.write_text(render_markdown(results, meta))
+    args.output.write_text(with_kept_sections(args.output, render_markdown(results, meta)))
     log(f"wrote {args.output} from {args.report_only}")
     return 0
 

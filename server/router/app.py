@@ -22,6 +22,7 @@ from ..api import errors
 from ..cli.config import Settings, csv_list, load_api_keys
 from ..http.cors import Cors, CorsPolicy, effective_origins
 from ..http.middleware import ApiKeyAuth, BodyLimit, RequestGuard
+from ..routes import webui
 from .manager import Manager, RouterConfig
 from .presets import FlagTable, ModelSpec, PresetError, build_specs, flag_table, parse_argv
 from .routes import RouterState, router
@@ -82,9 +83,12 @@ def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
     app = FastAPI(title="llama-slot-server router", lifespan=lifespan)
     app.state.router = st
     errors.install(app)
+    page = webui.load_assets() if s.webui else {}
+    if page:  # the chat page, with its model picker fed by /models (before the catch-all)
+        app.include_router(webui.make_router(page))
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=int(s.max_body_mb * 1024 * 1024))
-    app.add_middleware(ApiKeyAuth, keys=keys)
+    app.add_middleware(ApiKeyAuth, keys=keys, public=webui.page_paths(page))
     origins = effective_origins(s.cors_origins, s.compat)
     policy = CorsPolicy(origins, s.cors_methods, s.cors_headers, s.cors_credentials)
     app.add_middleware(

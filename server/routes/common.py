@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import uuid
+from json.encoder import encode_basestring
 from typing import Any
 
 from fastapi import Request
@@ -28,6 +30,54 @@ def state_of(request: Request) -> ServerState:
 def sse(obj: Any) -> str:
     """One server-sent event carrying ``obj`` as JSON (non-ASCII text kept as is)."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# json.dumps(s, ensure_ascii=False) of a str, without the encoder's set-up: the function
+# json.dumps itself uses for every string (so a frame built with it is byte-identical).
+json_str = encode_basestring
+
+
+def json_ints(values: list[int]) -> str:
+    """``json.dumps(values)`` of a list of ints, byte-identical."""
+    return "[" + ", ".join(map(str, values)) + "]" if values else "[]"
+
+
+class Frame:
+    """A prebuilt SSE frame with holes: ``sse(obj)`` where ``obj`` holds ``Frame.hole(k)``
+    strings, cut at them, so ``fill(*fragments)`` gives ``sse(obj)`` with hole k replaced by
+    the JSON text ``fragments[k]`` (``json_str(text)``, ``json_ints(tokens)``): the bytes of
+    ``sse`` on the same object, without building or encoding it per token. ``None`` from
+    ``of`` when a hole is not found exactly once (the caller takes the slow path)."""
+
+    _MARK = f"\x00hole-{uuid.uuid4().hex}-"  # random: no client text can hold it
+
+    def __init__(self, parts: list[str]) -> None:
+        self.parts = parts
+
+    @staticmethod
+    def hole(k: int) -> str:
+        return f"{Frame._MARK}{k}\x00"
+
+    @classmethod
+    def of(cls, obj: Any, holes: int) -> Frame | None:
+        text = sse(obj)
+        parts: list[str] = []
+        for k in range(holes):
+            head, *rest = text.split(json_str(cls.hole(k)))
+            if len(rest) != 1:
+                return None
+            parts.append(head)
+            text = rest[0]
+        parts.append(text)
+        return cls(parts)
+
+    def fill(self, *fragments: str) -> str:
+        if len(fragments) == 1:
+            return self.parts[0] + fragments[0] + self.parts[1]
+        out = [self.parts[0]]
+        for frag, part in zip(fragments, self.parts[1:], strict=True):
+            out += (frag, part)
+        return "".join(out)
 
 
 def sse_error(err: TaskError) -> str:

@@ -28,7 +28,10 @@ from ..types import (
 )
 from .common import (
     SSE_HEADERS,
+    Frame,
     generation_settings,
+    json_ints,
+    json_str,
     llama_version,
     sse,
     sse_error,
@@ -282,28 +285,42 @@ async def _stream(
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed /completion: text chunks, then the final object or an
     error event, each with its prompt's ``index`` (the prompts run interleaved). Unlike the
-    OpenAI streams there is no [DONE] (llama-server sends none)."""
-    async for i, ev in group.events():
-        task = group.tasks[i]
-        if isinstance(ev, TextChunk):
-            chunk: dict[str, Any] = {
-                "index": i,
-                "content": ev.text,
-                "stop": False,
-                "id_slot": -1,
-                "tokens": ev.tokens,
-            }
-            if task.gen.n_probs:
-                chunk["completion_probabilities"] = completion_probs(st, task, ev.logprobs)
-            if ev.timings is not None:
-                chunk["timings"] = ev.timings.as_dict()
-            yield sse(chunk)
-        elif isinstance(ev, PromptProgress):
-            yield sse({**progress_chunk(ev), "index": i})
-        elif isinstance(ev, TaskResult):
-            yield sse(pick_fields(completion_object(st, task, ev, "", echoes[i], index=i), fields))
-        elif isinstance(ev, TaskError):
-            yield sse_error(ev)
+    OpenAI streams there is no [DONE] (llama-server sends none). The events delivered
+    together go out in one write; a reader far behind gets its text coalesced
+    (``TaskGroup.batches``)."""
+    plain: dict[int, Frame | None] = {}
+    async for batch in group.batches(coalesce=True):
+        out: list[str] = []
+        for i, ev in batch:
+            task = group.tasks[i]
+            if isinstance(ev, TextChunk):
+                if ev.timings is None and not task.gen.n_probs:
+                    if i not in plain:
+                        plain[i] = Frame.of(_text_chunk(i, Frame.hole(0), Frame.hole(1)), 2)
+                    frame = plain[i]
+                    if frame is not None:
+                        out.append(frame.fill(json_str(ev.text), json_ints(ev.tokens)))
+                        continue
+                chunk = _text_chunk(i, ev.text, ev.tokens)
+                if task.gen.n_probs:
+                    chunk["completion_probabilities"] = completion_probs(st, task, ev.logprobs)
+                if ev.timings is not None:
+                    chunk["timings"] = ev.timings.as_dict()
+                out.append(sse(chunk))
+            elif isinstance(ev, PromptProgress):
+                out.append(sse({**progress_chunk(ev), "index": i}))
+            elif isinstance(ev, TaskResult):
+                obj = completion_object(st, task, ev, "", echoes[i], index=i)
+                out.append(sse(pick_fields(obj, fields)))
+            elif isinstance(ev, TaskError):
+                out.append(sse_error(ev))
+        if out:
+            yield "".join(out)
+
+
+def _text_chunk(index: int, text: str, tokens: Any) -> dict[str, Any]:
+    """A streamed /completion text chunk (before its optional probabilities and timings)."""
+    return {"index": index, "content": text, "stop": False, "id_slot": -1, "tokens": tokens}
 
 
 def progress_chunk(ev: PromptProgress) -> dict[str, Any]:

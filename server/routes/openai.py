@@ -37,10 +37,12 @@ from ..service.submit import Prompt, Submission, submit
 from ..service.tasks import TaskGroup
 from ..service.usage import finish_reason, merged_timings, usage_of
 from ..service.validation import constraint_of
-from ..types import PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
+from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,
     SSE_HEADERS,
+    Frame,
+    json_str,
     sse,
     sse_error,
     state_of,
@@ -194,7 +196,8 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
 class Shape:
     """How one OpenAI endpoint shapes its responses.
 
-    ``text_choice(index, chunk)`` is a streamed text delta; ``final_choice(index, result,
+    ``text_choice(index, chunk)`` is a streamed text delta (a str: ``plain_choice``'s
+    text); ``final_choice(index, result,
     whole)`` ends a choice, holding the whole text when ``whole`` (not streaming) and only
     the finish reason otherwise. ``opening`` chunks start a stream. Streamed, either may
     give a list (chat: a parser releases none or several deltas; the last final one holds
@@ -204,12 +207,20 @@ class Shape:
     id_prefix: str
     obj: str
     chunk_obj: str
-    text_choice: Callable[[int, TextChunk], Choice | list[Choice]]
+    text_choice: Callable[[int, TextChunk], Choice | list[Choice] | str]
     final_choice: Callable[[int, TaskResult, bool], Choice | list[Choice]]
     opening: list[Choice] = field(default_factory=list)
     progress_choice: Callable[[int], Choice] = lambda index: {
         "index": index,
         "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    # ``text_choice`` may give a str: the text of ``plain_choice(index, text)``, the common
+    # case, which the stream fills into a prebuilt frame instead of building the choice.
+    plain_choice: Callable[[int, str], Choice] = lambda index, text: {
+        "index": index,
+        "text": text,
         "logprobs": None,
         "finish_reason": None,
     }
@@ -234,7 +245,10 @@ class _CompletionChoices:
         head, self.echo[index] = self.echo[index], ""
         return head
 
-    def text(self, index: int, ev: TextChunk) -> Choice:
+    def text(self, index: int, ev: TextChunk) -> Choice | str:
+        if not self.logprobs and not self.echo[index]:
+            self.offsets[index] += len(ev.text)
+            return ev.text  # the plain choice
         lp = (
             completion_logprobs(self.b, ev.logprobs, self.offsets[index]) if self.logprobs else None
         )
@@ -418,10 +432,12 @@ def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan)
             for i, x in enumerate(deltas)
         ]
 
-    def text_choice(index: int, ev: TextChunk) -> list[Choice]:
+    def text_choice(index: int, ev: TextChunk) -> list[Choice] | str:
         lp = chat_logprobs(backend, ev.logprobs) if want_lp else None
         d = Delta(content=ev.text) if plan.plain else parsers[index].feed(ev.text)
         said[index] = said[index] or bool(d.content)
+        if d.content and not d.reasoning and not d.calls and lp is None:
+            return d.content  # one {"content": ...} delta: the plain choice
         return chunks(index, d, lp)
 
     def final_choice(index: int, r: TaskResult, whole: bool) -> list[Choice] | Choice:
@@ -458,7 +474,12 @@ def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan)
         "chatcmpl-", "chat.completion", "chat.completion.chunk", text_choice, final_choice, opening
     )
     shape.progress_choice = _chat_progress_choice
+    shape.plain_choice = _chat_plain_choice
     return shape
+
+
+def _chat_plain_choice(index: int, text: str) -> Choice:
+    return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
 
 
 def _chat_progress_choice(index: int) -> Choice:
@@ -616,6 +637,64 @@ def _listed(choices: Choice | list[Choice]) -> list[Choice]:
     return choices if isinstance(choices, list) else [choices]
 
 
+def _choices(shape: Shape, index: int, c: Choice | list[Choice] | str) -> list[Choice]:
+    """``text_choice``'s result as choices (a str is the plain choice's text)."""
+    return [shape.plain_choice(index, c)] if isinstance(c, str) else _listed(c)
+
+
+class _Frames:
+    """The SSE frames of one streamed OpenAI response, event by event: ``base`` is every
+    chunk's envelope. Plain text chunks are filled into one prebuilt frame per choice."""
+
+    def __init__(self, shape: Shape, base: dict[str, Any], verbose: Verbose | None) -> None:
+        self.shape = shape
+        self.base = base
+        self.verbose = verbose
+        self.results: list[TaskResult] = []
+        self.plain: dict[int, Frame | None] = {}
+
+    def _plain_frame(self, index: int) -> Frame | None:
+        if index not in self.plain:
+            choice = self.shape.plain_choice(index, Frame.hole(0))
+            self.plain[index] = Frame.of({**self.base, "choices": [choice]}, 1)
+        return self.plain[index]
+
+    def text(self, out: list[str], index: int, ev: TextChunk) -> None:
+        c = self.shape.text_choice(index, ev)
+        if isinstance(c, str) and ev.timings is None:
+            frame = self._plain_frame(index)
+            if frame is not None:
+                out.append(frame.fill(json_str(c)))
+                return
+        base = self.base
+        chunks = [{**base, "choices": [x]} for x in _choices(self.shape, index, c)]
+        if chunks and ev.timings is not None:  # timings_per_token: on the last one
+            chunks[-1]["timings"] = ev.timings.as_dict()
+        out += map(sse, chunks)
+
+    def result(self, out: list[str], index: int, ev: TaskResult) -> None:
+        self.results.append(ev)
+        *flush, final = _listed(self.shape.final_choice(index, ev, False))
+        out += (sse({**self.base, "choices": [choice]}) for choice in flush)
+        # id_slot: the slot that ran this choice (llama-server's native chunks carry it)
+        chunk = {**self.base, "choices": [final], "timings": ev.timings.as_dict()}
+        chunk["id_slot"] = ev.id_slot
+        if self.verbose is not None:
+            chunk["__verbose"] = self.verbose(index, ev, False)
+        out.append(sse(chunk))
+
+    def add(self, out: list[str], index: int, ev: Event) -> None:
+        if isinstance(ev, TextChunk):
+            self.text(out, index, ev)
+        elif isinstance(ev, TaskResult):
+            self.result(out, index, ev)
+        elif isinstance(ev, PromptProgress):
+            choice = self.shape.progress_choice(index)
+            out.append(sse({**self.base, "choices": [choice], "prompt_progress": ev.as_dict()}))
+        elif isinstance(ev, TaskError):
+            out.append(sse_error(ev))
+
+
 async def _stream(
     group: TaskGroup,
     shape: Shape,
@@ -627,34 +706,21 @@ async def _stream(
     A failed choice sends an error event (the status line went out already) and the stream
     still ends with [DONE], as OpenAI clients expect. A choice's final chunk carries its
     ``timings`` and the ``id_slot`` it ran on; the usage chunk carries the merged timings
-    too (llama-server's last chunk has them)."""
-    for choice in shape.opening:
-        yield sse({**base, "choices": [choice]})
-    results: list[TaskResult] = []
-    async for index, ev in group.events():
-        if isinstance(ev, TextChunk):
-            chunks = [{**base, "choices": [c]} for c in _listed(shape.text_choice(index, ev))]
-            if chunks and ev.timings is not None:  # timings_per_token: on the last one
-                chunks[-1]["timings"] = ev.timings.as_dict()
-            for chunk in chunks:
-                yield sse(chunk)
-        elif isinstance(ev, TaskResult):
-            results.append(ev)
-            *flush, final = _listed(shape.final_choice(index, ev, False))
-            for choice in flush:
-                yield sse({**base, "choices": [choice]})
-            # id_slot: the slot that ran this choice (llama-server's native chunks carry it)
-            chunk = {**base, "choices": [final], "timings": ev.timings.as_dict()}
-            chunk["id_slot"] = ev.id_slot
-            if verbose is not None:
-                chunk["__verbose"] = verbose(index, ev, False)
-            yield sse(chunk)
-        elif isinstance(ev, PromptProgress):
-            choice = shape.progress_choice(index)
-            yield sse({**base, "choices": [choice], "prompt_progress": ev.as_dict()})
-        elif isinstance(ev, TaskError):
-            yield sse_error(ev)
+    too (llama-server's last chunk has them). The events delivered together go out in one
+    write (the same frames, fewer sends); a reader far behind gets its text coalesced
+    (``TaskGroup.batches``)."""
+    frames = _Frames(shape, base, verbose)
+    if shape.opening:
+        yield "".join(sse({**base, "choices": [choice]}) for choice in shape.opening)
+    async for batch in group.batches(coalesce=True):
+        out: list[str] = []
+        for index, ev in batch:
+            frames.add(out, index, ev)
+        if out:
+            yield "".join(out)
+    tail = []
     if include_usage:
+        results = frames.results
         usage = {"usage": usage_of(results), "timings": merged_timings(results).as_dict()}
-        yield sse({**base, "choices": [], **usage})
-    yield SSE_DONE
+        tail.append(sse({**base, "choices": [], **usage}))
+    yield "".join([*tail, SSE_DONE])

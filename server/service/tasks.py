@@ -4,20 +4,26 @@ they end early (client gone, timeout, shutdown, dead engine)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from ..api.errors import APIError
 from ..slots.engine import Engine, EngineDead
-from ..types import Event, GenParams, SamplingParams, Task, TaskError, TaskResult
+from ..types import Event, GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
 
 log = logging.getLogger("server.service")
 
 # Events a streaming reader may lag behind before its tasks stop generating (each is about
 # one token's text): a client that reads nothing holds its slot, not unbounded memory.
 MAX_BACKLOG = 256
+# A streaming reader with more events than this waiting for one task is behind: its adjacent
+# text chunks go out as one (``TaskGroup.batches(coalesce=True)``). Above any one step's
+# output for a task (a speculative step releases at most 1 + --spec-ngram-size-m = 49
+# tokens), so a reader that keeps up never sees a merged chunk.
+COALESCE_AFTER = 64
 
 
 class TaskGroup:
@@ -39,7 +45,9 @@ class TaskGroup:
         self.timeout = timeout
         self.max_queue = max_queue
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        # delivered events not read yet, in order (filled on the loop by ``_deliver``)
+        self.pending: collections.deque[tuple[int, Event]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.tasks: list[Task] = []
         self.n_read: list[int] = []  # events of each task read so far (by ``events``)
 
@@ -54,18 +62,40 @@ class TaskGroup:
 
     def _emitter(self, index: int) -> Callable[[Event], None]:
         """The ``emit`` of the task at ``index``: thread-safe, never blocks."""
-        loop, q = self.loop, self.queue
+        loop, deliver = self.loop, self._deliver
 
         def emit(ev: Event) -> None:
             try:
-                loop.call_soon_threadsafe(q.put_nowait, (index, ev))
+                loop.call_soon_threadsafe(deliver, (index, ev))
             except RuntimeError:  # loop closed: the client is long gone
                 pass
 
         # The engine batches a step's events per loop: one wake-up, then deliver() on the loop.
         emit.loop = loop  # type: ignore[attr-defined]
-        emit.deliver = lambda ev: q.put_nowait((index, ev))  # type: ignore[attr-defined]
+        emit.deliver = lambda ev: deliver((index, ev))  # type: ignore[attr-defined]
         return emit
+
+    def _deliver(self, item: tuple[int, Event]) -> None:
+        """On the loop: queue an event, and wake the reader if it waits (once per hand-off:
+        the wake-up runs after the engine's whole hand-off was delivered)."""
+        self.pending.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def _wait(self, timeout: float) -> None:
+        """Until an event is delivered or ``timeout`` seconds passed (one future and one
+        timer per wait, not a task per event as ``asyncio.wait_for(queue.get())`` costs)."""
+        fut = self.loop.create_future()
+        self._waiter = fut
+        timer = self.loop.call_later(timeout, _wake, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     def add(
         self,
@@ -144,19 +174,23 @@ class TaskGroup:
             )
         return None
 
-    async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        """Events until every task ended. A timeout, a shutdown's end of grace or a dead
-        engine ends the unfinished tasks with a TaskError each (so streams can report it)."""
+    async def batches(
+        self, coalesce: bool = False
+    ) -> AsyncGenerator[list[tuple[int, Event]], None]:
+        """Every event delivered since the last batch, in order, until every task ended: a
+        streaming route shapes and writes a batch at once. A timeout, a shutdown's end of
+        grace or a dead engine ends the unfinished tasks with a TaskError each (so streams
+        can report it). ``coalesce``: a task with more than COALESCE_AFTER events waiting
+        (a reader that far behind) gets its adjacent TextChunks merged into one
+        (``merge_text``); a reader that keeps up gets every event as it was sent."""
         open_ = set(range(len(self.tasks)))
         deadline = time.monotonic() + self.timeout
         try:
             while open_:
                 failure = self._ended(deadline)
-                if failure is None:
-                    try:
-                        wait = max(0.0, min(1.0, deadline - time.monotonic()))
-                        index, ev = await asyncio.wait_for(self.queue.get(), timeout=wait)
-                    except asyncio.TimeoutError:
+                if failure is None and not self.pending:
+                    await self._wait(max(0.0, min(1.0, deadline - time.monotonic())))
+                    if not self.pending:
                         failure = self._ended(deadline)
                         if failure is None and not self.engine.alive:
                             failure = TaskError(500, "the engine stopped", "server_error")
@@ -164,17 +198,37 @@ class TaskGroup:
                             continue
                 if failure is not None:
                     self.cancel()
-                    for i in sorted(open_):
-                        yield i, failure
+                    batch: list[tuple[int, Event]] = [(i, failure) for i in sorted(open_)]
                     open_.clear()
+                    yield batch
                     return
-                if isinstance(ev, TaskResult | TaskError):
-                    open_.discard(index)
-                self.n_read[index] += 1
-                yield index, ev
+                yield self._take(open_, coalesce)
         finally:
             if open_:
                 self.cancel()
+
+    def _take(self, open_: set[int], coalesce: bool) -> list[tuple[int, Event]]:
+        """The pending events, counted as read (backpressure); ended tasks leave ``open_``."""
+        batch = list(self.pending)
+        self.pending.clear()
+        n_read = self.n_read
+        for index, ev in batch:
+            n_read[index] += 1
+            if not isinstance(ev, TextChunk) and isinstance(ev, TaskResult | TaskError):
+                open_.discard(index)
+        if coalesce and len(batch) > COALESCE_AFTER:
+            return coalesced(batch)
+        return batch
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """The events of ``batches`` one at a time (never coalesced)."""
+        batches = self.batches()
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
 
     async def results(self, request: Any = None) -> list[TaskResult]:
         """Wait for every task; the first error becomes an APIError.
@@ -198,6 +252,53 @@ class TaskGroup:
         await until_disconnected(request)
         log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
         self.cancel()
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def merge_text(chunks: list[TextChunk]) -> TextChunk:
+    """Adjacent TextChunks of one task as one: the texts, tokens and log-probs in order;
+    the timings of the last (the run's so far). A stop-string hold-back releases such a
+    chunk too (several tokens at once), so every stream shape already takes one."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return TextChunk(
+        "".join(c.text for c in chunks),
+        [t for c in chunks for t in c.tokens],
+        [lp for c in chunks for lp in c.logprobs],
+        chunks[-1].timings,
+    )
+
+
+def coalesced(batch: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
+    """``batch`` with the adjacent TextChunks of a task merged where that task has more
+    than COALESCE_AFTER events in it (its reader is that far behind); the rest untouched,
+    every other event and the order kept."""
+    counts: collections.Counter[int] = collections.Counter(i for i, _ in batch)
+    behind = {i for i, n in counts.items() if n > COALESCE_AFTER}
+    if not behind:
+        return batch
+    out: list[tuple[int, Event]] = []
+    run: list[TextChunk] = []
+    run_index = -1
+    for index, ev in batch:
+        if index in behind and isinstance(ev, TextChunk):
+            if run and run_index != index:
+                out.append((run_index, merge_text(run)))
+                run = []
+            run.append(ev)
+            run_index = index
+            continue
+        if run:
+            out.append((run_index, merge_text(run)))
+            run = []
+        out.append((index, ev))
+    if run:
+        out.append((run_index, merge_text(run)))
+    return out
 
 
 async def until_disconnected(request: Any, period: float = 0.25) -> None:

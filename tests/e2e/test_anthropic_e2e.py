@@ -427,26 +427,41 @@ def test_error_shapes_of_other_statuses(client, srv):
 
 
 def test_full_queue_is_overloaded(client, srv):
+    # both slots held by streams (ended by closing them once the refusal is in)
+    stop = threading.Event()
     long = {
         "model": "any",
-        "max_tokens": 400,
+        "max_tokens": 4000,
+        "stream": True,
+        "ignore_eos": True,
         "messages": [{"role": "user", "content": "Write a long story"}],
-        "extra_body": {"ignore_eos": True},
     }
-    busy = [threading.Thread(target=client.messages.create, kwargs=long) for _ in range(2)]
+
+    def hold() -> None:
+        with srv.client.stream("POST", "/v1/messages", json=long) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    break
+
+    busy = [threading.Thread(target=hold) for _ in range(2)]
     for t in busy:
         t.start()
-    deadline = time.time() + 30
-    while sum(s["is_processing"] for s in srv.slots()) < 2 and time.time() < deadline:
-        time.sleep(0.05)
-    with pytest.raises(anthropic.APIStatusError) as e:
-        client.messages.create(
-            model="any", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
-        )
-    assert e.value.status_code == 503
-    assert e.value.body["error"]["type"] == "overloaded_error"
-    for t in busy:
-        t.join()
+    try:
+        deadline = time.time() + 60
+        while sum(s["is_processing"] for s in srv.slots()) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(anthropic.APIStatusError) as e:
+            client.messages.create(
+                model="any", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+            )
+        assert e.value.status_code == 503
+        assert e.value.body["error"]["type"] == "overloaded_error"
+        assert e.value.response.headers["retry-after"] == "1"
+    finally:
+        stop.set()
+        for t in busy:
+            t.join()
+        srv.wait_idle()
 
 
 def scrape(srv: ServerProc) -> dict[str, float]:

@@ -43,8 +43,8 @@ CHROME_FLAGS = [
     "--window-size=1400,900",
 ]
 
-# Keeps a copy of every chat request's raw response body (the bytes the server sent) in
-# window.__sse; the page reads its own branch of the stream as usual.
+# Keeps a copy of every chat request's body and raw response body (the bytes the server
+# sent) in window.__sse; the page reads its own branch of the stream as usual.
 FETCH_HOOK = """
 (() => {
   const orig = window.fetch;
@@ -54,7 +54,8 @@ FETCH_HOOK = """
     const url = String((args[0] && args[0].url) || args[0]);
     if (!url.includes('/v1/chat/completions') || !r.body) return r;
     const [mine, theirs] = r.body.tee();
-    const entry = { url, text: '', done: false };
+    const sent = args[1] && typeof args[1].body === 'string' ? args[1].body : null;
+    const entry = { url, text: '', done: false, body: sent };
     window.__sse.push(entry);
     (async () => {
       const reader = mine.getReader(), dec = new TextDecoder();
@@ -462,3 +463,61 @@ def test_page_behind_an_api_key(driver, make_server):
     page.wait(lambda: page.find("model-name").text != "", 10)
     assert not page.find("auth").is_displayed()
     page.wait(lambda: len(page.all("slot-row")) == 1, 10)  # /slots with the key
+
+
+def test_router_mode_picker_switches_models(driver, tmp_path):
+    """Router mode: the picker lists the router's models with their status; each answer
+    comes from the model picked (the router starts it on first use, so /models says which
+    instance answered)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import Select
+
+    from tests.e2e.conftest import gemma_path, smollm2_path
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "gemma.gguf").symlink_to(gemma_path())
+    (models / "smollm2.gguf").symlink_to(smollm2_path())
+    r = ServerProc("--models-dir", str(models), "-c", "2048", "-np", "1")
+    try:
+        page = Page(driver, r).open()
+
+        def options() -> dict[str, str]:  # read at once: the live view relabels them
+            return dict(
+                page.d.execute_script(
+                    "return [...document.querySelector('[data-testid=model-picker]').options]"
+                    ".map(o => [o.value, o.dataset.status])"
+                )
+            )
+
+        def pick(name: str) -> None:  # as a user does; the list may be rebuilt meanwhile
+            for _ in range(10):
+                try:
+                    Select(page.find("model-picker")).select_by_value(name)
+                    return
+                except StaleElementReferenceException:
+                    time.sleep(0.1)
+            raise AssertionError(f"could not pick {name}")
+
+        page.wait(lambda: options() == {"gemma": "unloaded", "smollm2": "unloaded"}, 30)
+
+        def status() -> dict[str, str]:
+            return {m["id"]: m["status"]["value"] for m in r.client.get("/models").json()["data"]}
+
+        page.settings(max_tokens=8, extra={"ignore_eos": True})
+        pick("smollm2")
+        page.send("Hello, small model")
+        assert page.wait_answer(180).get_attribute("data-state") == "done"
+        assert status() == {"gemma": "unloaded", "smollm2": "loaded"}  # it answered
+        page.wait(lambda: options()["smollm2"] == "loaded", 30, "picker status")
+        pick("gemma")
+        page.send("Hello, gemma")
+        assert page.wait_answer(180).get_attribute("data-state") == "done"
+        assert status() == {"gemma": "loaded", "smollm2": "loaded"}
+        page.wait(lambda: options()["gemma"] == "loaded", 30, "picker status")
+        # each request named its model, and the panel's live view reads that model's slots
+        sent = [json.loads(e["body"]) for e in page.captured()]
+        assert [b["model"] for b in sent] == ["smollm2", "gemma"]
+        page.wait(lambda: len(page.all("slot-row")) == 1, 10)
+    finally:
+        r.stop()

@@ -24,7 +24,7 @@ async def _lagging_reader() -> tuple[int, int, int, TaskResult | None]:
         run = e.slots[0].run
         decoded_early = run.n_decoded
         await asyncio.sleep(0.3)
-        decoded_later, queued = run.n_decoded, group.queue.qsize()
+        decoded_later, queued = run.n_decoded, len(group.pending)
         result = None
         async for _, ev in group.events():  # the client reads again: it finishes
             if isinstance(ev, TaskResult):

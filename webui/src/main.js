@@ -89,8 +89,10 @@ function setupAuth() {
   });
 }
 
+// The live view's query (router mode): the picked model's slots and cache, without starting
+// it (only a chat request may load a model; a page left open must not).
 function modelQuery() {
-  return router && state.model ? `?model=${encodeURIComponent(state.model)}` : '';
+  return router && state.model ? `?model=${encodeURIComponent(state.model)}&autoload=false` : '';
 }
 
 async function refreshModels() {

@@ -1,0 +1,220 @@
+"""The per-token fast path of the streams (issue 33): prebuilt frames give byte for byte the
+SSE the per-event path builds (dicts through ``json.dumps``), for every stream shape; a
+reader far behind gets its adjacent text merged, one that keeps up never does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
+from server.api.tools.plan import plan_chat
+from server.routes import common, native, openai
+from server.routes.common import Frame, json_ints, json_str, sse
+from server.service.tasks import COALESCE_AFTER, coalesced, merge_text
+from server.types import FinishReason, TaskResult, TextChunk, Timings, TokenLogprob
+from tests.tool_cases import TEST_TOOL
+
+TEXTS = [
+    "Hello",
+    " wörld",
+    "",
+    "日本語のテキスト",
+    "emoji 😀👍🏽",
+    'quotes " and \\ backslash',
+    "control \x00\x01\x1f\t\n\r",
+    "separators \u2028\u2029 and \x7f",
+    "<think>",
+    "</script>",
+    '{"json": [1, 2]}',
+]
+
+
+def _chunks(with_lp: bool = False) -> list[TextChunk]:
+    lps = [TokenLogprob(7, -0.25, [(7, -0.25), (8, -1.5)])] if with_lp else []
+    return [TextChunk(t, [i, i + 1] if i % 2 else [i], list(lps)) for i, t in enumerate(TEXTS)]
+
+
+def test_frames_fill_as_json_dumps() -> None:
+    base = {"id": "x\u00e9", "model": Frame.hole(0), "n": 1}
+    frame = Frame.of({**base, "tokens": Frame.hole(1)}, 2)
+    assert frame is not None
+    for i, text in enumerate(TEXTS):
+        toks = list(range(i))
+        want = sse({"id": "x\u00e9", "model": text, "n": 1, "tokens": toks})
+        assert frame.fill(json_str(text), json_ints(toks)) == want
+        assert json_str(text) == json.dumps(text, ensure_ascii=False)
+        assert json_ints(toks) == json.dumps(toks)
+    # a hole that is missing (or repeated) gives no frame: the caller takes the slow path
+    assert Frame.of({"a": "b"}, 1) is None
+    assert Frame.of({"a": Frame.hole(0), "b": Frame.hole(0)}, 1) is None
+
+
+class _Backend:
+    def token_to_piece(self, tok: int, special: bool = False) -> bytes:
+        return "éa😀"[tok % 3].encode()
+
+
+BASE = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 1,
+    "model": "m ü",
+    "system_fingerprint": "b0-slot",
+}
+
+
+def _frames(shape_of: Any, events: list[TextChunk], slow: bool, mp: pytest.MonkeyPatch) -> str:
+    """The frames of ``events`` through ``openai._Frames``; ``slow``: no prebuilt frame."""
+    with mp.context() as m:
+        if slow:
+            m.setattr(openai.Frame, "of", classmethod(lambda cls, obj, holes: None))
+        frames = openai._Frames(shape_of(), dict(BASE), None)
+        out: list[str] = []
+        for ev in events:
+            frames.add(out, 0, ev)
+        result = TaskResult(0, FinishReason.STOP, "", [], 3, Timings(predicted_n=len(events)))
+        frames.add(out, 0, result)
+    return "".join(out)
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_frames_as_the_per_event_path(
+    monkeypatch: pytest.MonkeyPatch, logprobs: int | None, echo: bool
+) -> None:
+    body = SimpleNamespace(logprobs=logprobs, echo=echo, prompt="Say ünï", n=1)
+    group = SimpleNamespace(tasks=[SimpleNamespace(prompt=[1, 2])])
+
+    def shape() -> openai.Shape:
+        choices = openai._CompletionChoices(_Backend(), body, group)  # type: ignore[arg-type]
+        return openai.Shape(
+            "cmpl-", "text_completion", "text_completion", choices.text, choices.final
+        )
+
+    events = _chunks(with_lp=logprobs is not None)
+    events[3].timings = Timings(predicted_n=4)  # timings_per_token on one chunk
+    fast, slow = (_frames(shape, events, s, monkeypatch) for s in (False, True))
+    assert fast == slow
+    assert fast.count("data: ") == len(events) + 1
+
+
+CHAT_CASES = {
+    "plain": {"reasoning_format": "none"},
+    "reasoning": {"reasoning_format": "deepseek"},
+    "auto": {},
+    "tools": {"tools": [TEST_TOOL]},
+}
+CHAT_TEXT = [
+    "<think>",
+    "hmm ü",
+    "</think>",
+    "Hé",
+    "llo 😀",
+    ' {"tool_calls": [{"name": "test", ',
+    '"arguments": {"success": true}}]}',
+]
+
+
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_chat_frames_as_the_per_event_path(
+    monkeypatch: pytest.MonkeyPatch, case: str, logprobs: bool
+) -> None:
+    tpl = ChatTemplate(BUILTIN_TEMPLATES["chatml"])
+    body = SimpleNamespace(logprobs=logprobs)
+
+    def shape() -> openai.Shape:
+        plan = plan_chat(tpl, **CHAT_CASES[case])  # type: ignore[arg-type]
+        return openai._chat_shape(_Backend(), body, 1, plan)  # type: ignore[arg-type]
+
+    lps = [TokenLogprob(1, -0.5, [(1, -0.5)])] if logprobs else []
+    events = [TextChunk(t, [1], list(lps)) for t in [*TEXTS, *CHAT_TEXT]]
+    fast, slow = (_frames(shape, events, s, monkeypatch) for s in (False, True))
+    assert fast == slow
+
+
+def _native_stream(events: list[Any], n_probs: int, slow: bool, mp: pytest.MonkeyPatch) -> str:
+    class Group:
+        tasks = [SimpleNamespace(gen=SimpleNamespace(n_probs=n_probs), sampling=None)]
+
+        async def batches(self, coalesce: bool = False):  # noqa: ANN202
+            yield [(0, ev) for ev in events[:4]]
+            yield [(0, ev) for ev in events[4:]]
+
+    async def collect() -> str:
+        return "".join([s async for s in native._stream(None, Group(), [""])])  # type: ignore[arg-type]
+
+    with mp.context() as m:
+        if slow:
+            m.setattr(native.Frame, "of", classmethod(lambda cls, obj, holes: None))
+        m.setattr(native, "completion_probs", lambda st, task, lps: [{"n": len(lps)}])
+        return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("n_probs", [0, 2])
+def test_native_frames_as_the_per_event_path(monkeypatch: pytest.MonkeyPatch, n_probs: int) -> None:
+    events = _chunks(with_lp=n_probs > 0)
+    events[5].timings = Timings(predicted_n=6)
+    fast, slow = (_native_stream(events, n_probs, s, monkeypatch) for s in (False, True))
+    assert fast == slow
+    assert fast.count("data: ") == len(events)
+    first = json.loads(fast.split("\n\n")[0].removeprefix("data: "))
+    assert first == {
+        "index": 0,
+        "content": "Hello",
+        "stop": False,
+        "id_slot": -1,
+        "tokens": [0],
+    } | ({"completion_probabilities": [{"n": 1}]} if n_probs else {})
+
+
+# ---- coalescing a reader that is behind --------------------------------------------------
+
+
+def _text(i: int) -> TextChunk:
+    return TextChunk(f"t{i}", [i], [TokenLogprob(i, -1.0, [])], Timings(predicted_n=i))
+
+
+def test_a_reader_that_keeps_up_gets_every_chunk() -> None:
+    batch = [(0, _text(i)) for i in range(COALESCE_AFTER)]
+    assert coalesced(batch) == batch
+
+
+def test_a_reader_far_behind_gets_its_text_merged_in_order() -> None:
+    n = COALESCE_AFTER + 10
+    result = TaskResult(0, FinishReason.STOP, "", [], 1, Timings())
+    batch: list[Any] = [(0, _text(i)) for i in range(n)]
+    batch.insert(5, (1, _text(99)))  # another choice's chunk splits the run
+    batch.append((0, result))
+    out = coalesced(batch)
+    assert [i for i, _ in out] == [0, 1, 0, 0]
+    first, other, rest, end = (ev for _, ev in out)
+    assert other == _text(99) and end is result  # the other choice keeps up: untouched
+    merged = merge_text([first, rest])
+    assert merged.text == "".join(f"t{i}" for i in range(n))
+    assert merged.tokens == list(range(n))
+    assert [lp.token for lp in merged.logprobs] == list(range(n))
+    assert rest.timings == Timings(predicted_n=n - 1)  # the last chunk's timings
+
+
+def test_common_json_helpers_are_the_ones_sse_uses() -> None:
+    assert common.json_str("é\n") == '"é\\n"'
+    assert common.json_ints([]) == "[]" and common.json_ints([3, 1]) == "[3, 1]"
+
+
+def test_plain_text_takes_the_prebuilt_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    filled: list[str] = []
+    fill = Frame.fill
+    monkeypatch.setattr(Frame, "fill", lambda self, *f: filled.append(f[0]) or fill(self, *f))
+    tpl = ChatTemplate(BUILTIN_TEMPLATES["chatml"])
+    plan = plan_chat(tpl)  # the default: reasoning parsed ("auto"), no tools
+    shape = openai._chat_shape(_Backend(), SimpleNamespace(logprobs=False), 1, plan)  # type: ignore[arg-type]
+    frames = openai._Frames(shape, dict(BASE), None)
+    frames.add([], 0, TextChunk("Hé", [1], []))
+    frames.add([], 0, TextChunk("llo", [2], []))
+    assert filled == ['"Hé"', '"llo"']
