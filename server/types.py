@@ -156,6 +156,8 @@ class GenParams:
     # and how many after them it drops (0: half of the rest), llama-server's fields
     n_keep: int = 0
     n_discard: int = 0
+    # --cache-reuse: least chunk of cached tokens reused by a KV shift (-1: the server's)
+    n_cache_reuse: int = -1
 
 
 class FinishReason(str, enum.Enum):
@@ -180,6 +182,8 @@ class Timings:
     predicted_ms: float = 0.0
     draft_n: int = 0  # speculative decoding: tokens drafted, and of them accepted
     draft_n_accepted: int = 0
+    cache_reuse_n: int = 0  # --cache-reuse: cached tokens moved into place (in cache_n)
+    cache_reuse_chunks: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
         """llama-server's ``timings``: the generation rate counts decode steps, one fewer
@@ -201,6 +205,11 @@ class Timings:
             **(
                 {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}
                 if self.draft_n
+                else {}
+            ),
+            **(
+                {"cache_reuse_n": self.cache_reuse_n, "cache_reuse_chunks": self.cache_reuse_chunks}
+                if self.cache_reuse_chunks
                 else {}
             ),
         }

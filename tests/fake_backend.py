@@ -86,8 +86,11 @@ class FakeBackend:
         swa_slack: int = 16,
         kv_unified: bool = True,
         n_vocab: int = 1000,
+        scratch: bool = False,
     ) -> None:
         self.n_seq = n_seq
+        # --cache-reuse's extra sequence (server.slots.cache_reuse; -1: none)
+        self.scratch_seq = n_seq if scratch else -1
         self.n_ctx = n_ctx
         self.kv_unified = kv_unified
         self.n_ctx_slot = n_ctx if kv_unified else n_ctx // n_seq
@@ -101,7 +104,7 @@ class FakeBackend:
         self.n_vocab = n_vocab
         self.is_recurrent = False
         self.batch = FakeBatch(n_batch)
-        self.kv: dict[int, dict[int, int]] = {s: {} for s in range(n_seq)}
+        self.kv: dict[int, dict[int, int]] = {s: {} for s in range(n_seq + (1 if scratch else 0))}
         self.decodes: list[list[tuple[int, int, int]]] = []  # per call: (seq, pos, token)
         self.outputs: dict[int, tuple[int, int, int]] = {}
         self.scripts: dict[int, list[int]] = {}  # prompt length -> scripted tokens (by first task)

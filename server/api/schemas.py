@@ -112,6 +112,8 @@ class SamplingFields(_Req):
     # after them (0: half of the rest), as llama-server's n_keep / n_discard
     n_keep: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     n_discard: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    # --cache-reuse for this request (0: off; default: the server's); llama-server's field
+    n_cache_reuse: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
     # llama-server's per-request adapter scales; an adapter left out runs at 0 (issue 32)
     lora: Annotated[list[LoraScale], Field(max_length=1024)] | None = None
 

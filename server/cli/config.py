@@ -83,6 +83,8 @@ class Settings(BaseModel):
     cache_type_k_draft: str = "f16"
     cache_type_v_draft: str = "f16"
     context_shift: bool = False  # a full generating slot drops half after n_keep, goes on
+    # --cache-reuse N: reuse cached chunks of >= N tokens found later in a prompt (0: off)
+    cache_reuse: int = Field(0, ge=0, le=1_000_000)
     # model placement and loading (llama_model_params)
     split_mode: str = "layer"
     tensor_split: list[float] | None = None

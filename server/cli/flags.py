@@ -343,6 +343,7 @@ OPTIONS += [
     _o("-ctv --cache-type-v", "cache_type_v", "LLAMA_ARG_CACHE_TYPE_V", "KV cache data type for V (default: f16); a quantized V needs flash attention (-fa auto turns it on, -fa off refuses it)", choices=CACHE_TYPES),
     _o("--spec-draft-type-k -ctkd --cache-type-k-draft", "cache_type_k_draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K", "KV cache data type for K of the draft model (default: f16)", choices=CACHE_TYPES),
     _o("--spec-draft-type-v -ctvd --cache-type-v-draft", "cache_type_v_draft", "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", "KV cache data type for V of the draft model (default: f16)", choices=CACHE_TYPES),
+    _o("--cache-reuse", "cache_reuse", "LLAMA_ARG_CACHE_REUSE", "min chunk size (tokens) to reuse from the cache by shifting its KV when the prompt changed before it (default: 0 = off; needs a KV cache that can shift)", int),
     _o("--context-shift", "context_shift", "LLAMA_ARG_CONTEXT_SHIFT", "when a generating slot's context is full, drop half of the tokens after n_keep and go on, as llama-server does (default: off; needs a KV cache that can shift)", "bool", neg="--no-context-shift"),
     _o("-sm --split-mode", "split_mode", "LLAMA_ARG_SPLIT_MODE", "how to split the model across GPUs: none, layer, row or tensor (default: layer)", choices=SPLIT_MODES),
     _o("-ts --tensor-split", "tensor_split", "LLAMA_ARG_TENSOR_SPLIT", "fraction of the model to offload to each GPU, comma-separated proportions, e.g. 3,1 (default: none)", floats),
@@ -420,7 +421,6 @@ COMPAT: list[Compat] = [
         ("-dt --defrag-thold", "LLAMA_ARG_DEFRAG_THOLD", float, ANY),  # deprecated there too
         ("--kv-unified-per-slot", "LLAMA_ARG_KV_UNIFIED_PER_SLOT", int),
         ("--cache-prompt | --no-cache-prompt", "LLAMA_ARG_CACHE_PROMPT", BOOL, True),
-        ("--cache-reuse", "LLAMA_ARG_CACHE_REUSE", int, 0),
         ("-cb --cont-batching | -nocb --no-cont-batching", "LLAMA_ARG_CONT_BATCHING", BOOL, True),
     ),
     *_group(

@@ -89,6 +89,7 @@ def model_options(s: Settings, path: str) -> Any:
         n_gpu_layers=s.n_gpu_layers,
         kv_unified=s.kv_unified,
         swa_full=s.swa_full,
+        scratch_seq=s.cache_reuse > 0 and s.kv_unified,
         flash_attn=s.flash_attn,
         seed=s.seed,
         backend_sampling=s.backend_sampling,
@@ -187,6 +188,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
         sample_threads=s.sample_threads,
         spec=spec_config(s),
         context_shift=s.context_shift,
+        cache_reuse=s.cache_reuse,
     )
 
 
@@ -352,6 +354,8 @@ def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
     if s.context_shift and not engine.shifts:
         # llama-server's words: its ctx_shift goes off the same way
         log.warning("ctx_shift is not supported by this context, it will be disabled")
+    if s.cache_reuse > 0 and not engine.reuses:
+        log.warning("cache_reuse is not supported by this context, it will be disabled")
 
 
 def close_engine(st: ServerState) -> None:

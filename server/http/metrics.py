@@ -156,6 +156,20 @@ def _protocol(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
         )
 
 
+def _reuse(st: Any) -> Iterator[Metric]:
+    """--cache-reuse: cached tokens, and chunks, moved into place instead of recomputed."""
+    yield _counter(
+        "llamaslot_cache_reuse_tokens",
+        "Cached prompt tokens moved into place by --cache-reuse (not recomputed)",
+        st.cache_reuse_tokens,
+    )
+    yield _counter(
+        "llamaslot_cache_reuse_chunks",
+        "Chunks moved into place by --cache-reuse",
+        st.cache_reuse_chunks,
+    )
+
+
 def _beyond(st: Any) -> Iterator[Metric]:
     """Engine counters llama-server lacks: cancellations, checkpoints, slot files, sharing."""
     yield _counter(
@@ -177,6 +191,7 @@ def _beyond(st: Any) -> Iterator[Metric]:
         "Context checkpoints restored",
         st.checkpoints_restored,
     )
+    yield from _reuse(st)
     yield _counter(
         "llamaslot_decode_seconds", "Time spent inside llama_decode", st.decode_seconds_total
     )

@@ -68,6 +68,8 @@ class ModelOptions:
     n_gpu_layers: int = -1
     kv_unified: bool = True
     swa_full: bool = False
+    # one sequence more than the slots, --cache-reuse's scratch (unified KV only)
+    scratch_seq: bool = False
     flash_attn: str = "auto"  # on | off | auto
     seed: int = -1
     # -bs: a slot's sampler chain runs inside the decode graph when every stage of it can
@@ -269,13 +271,23 @@ class Sampler:
             self.ptr = None  # type: ignore[assignment]  # freed: the chain is not used again
 
 
-def _context_params(opts: ModelOptions, n_ctx_train: int) -> tuple[Any, int]:
-    """llama_context_params from the options, and the decode thread count."""
+def _wants_scratch(model: Any, opts: ModelOptions) -> bool:
+    """Whether to allocate --cache-reuse's scratch sequence (``scratch_seq``: the sequence
+    id slots/cache_reuse.py parks chunks in; -1: none): only under unified KV and where
+    positions can move (full attention or --swa-full, not recurrent), so that a
+    sliding-window cache keeps its size (it grows with the sequence count)."""
+    n_swa, recurrent, _ = memory_layout(model, opts.swa_full)
+    return opts.scratch_seq and opts.kv_unified and n_swa == 0 and not recurrent
+
+
+def _context_params(opts: ModelOptions, n_ctx_train: int, scratch: bool) -> tuple[Any, int]:
+    """llama_context_params from the options, and the decode thread count; ``scratch``: one
+    sequence more than the slots (--cache-reuse)."""
     cparams = L.llama_context_default_params()
     cparams.n_ctx = opts.n_ctx if opts.n_ctx > 0 else n_ctx_train
     cparams.n_batch = opts.n_batch
     cparams.n_ubatch = min(opts.n_ubatch, opts.n_batch)
-    cparams.n_seq_max = opts.n_parallel
+    cparams.n_seq_max = opts.n_parallel + (1 if scratch else 0)
     threads = opts.n_threads if opts.n_threads > 0 else max(1, (os.cpu_count() or 2))
     cparams.n_threads = threads
     cparams.n_threads_batch = opts.n_threads_batch if opts.n_threads_batch > 0 else threads
@@ -343,8 +355,8 @@ class LlamaBackend(SeqMemory):
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
-
-        cparams, threads = _context_params(opts, self.n_ctx_train)
+        self.scratch_seq = opts.n_parallel if _wants_scratch(self.model, opts) else -1
+        cparams, threads = _context_params(opts, self.n_ctx_train, self.scratch_seq >= 0)
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError("failed to create llama context (out of memory?)")

@@ -76,7 +76,7 @@ class DraftContext(SeqMemory):
             if o.n_threads_batch > 0
             else target.opts.n_threads_batch,
         )
-        cparams, _ = _context_params(opts, L.llama_model_n_ctx_train(self.model))
+        cparams, _ = _context_params(opts, L.llama_model_n_ctx_train(self.model), False)
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             self.close()

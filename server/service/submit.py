@@ -85,6 +85,7 @@ def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenPa
         spec_p_min=-1.0 if body.spec_p_min is None else body.spec_p_min,
         n_keep=st.settings.keep if body.n_keep is None else body.n_keep,
         n_discard=body.n_discard,
+        n_cache_reuse=-1 if body.n_cache_reuse is None else body.n_cache_reuse,
     )
 
 

@@ -74,6 +74,7 @@ class Backend(SeqMemory, Protocol):
     n_batch: int
     n_ubatch: int
     n_seq: int
+    scratch_seq: int  # --cache-reuse's extra sequence id (-1: none; slots/cache_reuse.py)
     n_swa: int
     n_vocab: int
     kv_unified: bool

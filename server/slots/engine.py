@@ -24,6 +24,7 @@ from ..cache.prompt_cache import PromptCache
 from ..types import Event, FinishReason, Task, TaskError
 from . import ram
 from .backend_api import Backend
+from .cache_reuse import CacheReuse
 from .checkpoints import CheckpointPolicy
 from .commands import Command
 from .draft_kv import DraftMemory
@@ -101,6 +102,7 @@ class Engine:
         """The step's phases (slots/plan.py): decide (admit, schedule), change memory
         (place, execute), account (update)."""
         self.scheduler = Scheduler(self.ckpt, self.spec, self.b, self.opts)
+        self.reuse = CacheReuse(self.b, self.store, self.stats, self.opts)
         self.executor = Executor(
             self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv
         )
@@ -118,6 +120,7 @@ class Engine:
             self.opts,
             self._send,
             self.updater.progress,
+            self.reuse if self.reuse.available else None,
         )
 
     @property
@@ -355,6 +358,12 @@ class Engine:
         if out.n_tokens:
             self.stats.on_batch(out.n_tokens, time.perf_counter() - t0)
         return bool(out.outputs or out.ended)
+
+    @property
+    def reuses(self) -> bool:
+        """--cache-reuse is on and can work: the KV cache can move positions and the
+        scratch sequence exists (llama-server turns it off otherwise, with a warning)."""
+        return self.opts.cache_reuse > 0 and self.reuse.available
 
     @property
     def shifts(self) -> bool:

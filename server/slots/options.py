@@ -24,6 +24,7 @@ class EngineOptions:
     sample_parallel_min: int = 4
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-*)
     context_shift: bool = False  # --context-shift: a full slot shifts (SlotStore.shift)
+    cache_reuse: int = 0  # --cache-reuse N: least chunk reused by a KV shift (slots/reuse.py)
 
 
 __all__ = ["EngineOptions"]

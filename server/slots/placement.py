@@ -19,9 +19,11 @@ from ..cache.prompt_cache import PromptCache
 from ..types import Event, Task, TaskError
 from . import disk_glue, ram
 from .backend_api import Backend
+from .cache_reuse import CacheReuse
 from .options import EngineOptions
 from .plan import Placement
 from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
+from .reuse import ReuseChunk
 from .sampling import cpu_reason
 from .sharing import PrefixSharing
 from .slot import Slot, SlotRun
@@ -45,8 +47,10 @@ class Placer:
         opts: EngineOptions,
         send: Callable[[Task, Event], None],
         progress: Callable[[Slot], None],
+        reuse: CacheReuse | None = None,
     ) -> None:
-        """``send(task, event)`` queues an event; ``progress(slot)`` sends prompt progress."""
+        """``send(task, event)`` queues an event; ``progress(slot)`` sends prompt progress;
+        ``reuse``: --cache-reuse (None: off)."""
         self.b = backend
         self.store = store
         self.sharing = sharing
@@ -57,6 +61,7 @@ class Placer:
         self.opts = opts
         self.send = send
         self.progress = progress
+        self.reuse = reuse
 
     def place(self, placements: list[Placement]) -> None:
         """Start every placement in order; then, once per admission pass, the slots left
@@ -104,21 +109,17 @@ class Placer:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest,
         take what another sequence holds, then start the run."""
         plan = self._reuse_plan(slot, task, n_lcp)
-        if plan.checkpoint >= 0:
-            c = slot.checkpoints[plan.checkpoint]
-            n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
-            if n_past > 0:
-                self.stats.checkpoints_restored += 1
-                self.spec.resumed(slot, c)
-        else:
-            n_past = self.store.cut(slot, plan.n_past)
+        n_past, chunks = self._keep(slot, task, plan)
         wait = None
-        if task.cache_prompt:
+        if task.cache_prompt and not chunks:
             held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant)
             if held is not None:
                 n_past = self.sharing.copy(self.store.slots[held.slot], slot, held.n_tokens)
             wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
         run = slot.start(task, n_past)
+        if chunks:
+            assert self.reuse is not None
+            self.reuse.place(slot, chunks)
         if task.return_progress:  # llama-server's first (0 %) progress event
             self.progress(slot)
         if wait is not None:
@@ -131,10 +132,30 @@ class Placer:
             slot.id,
             task.id,
             len(task.prompt),
-            n_past,
+            run.n_cached,
             plan.reason,
             t_wait,
         )
+
+    def _keep(self, slot: Slot, task: Task, plan: ReusePlan) -> tuple[int, list[ReuseChunk]]:
+        """Carry out ``plan``: a cut (with --cache-reuse, the chunks found beyond it parked
+        first), or a resume at a checkpoint. Returns the tokens kept and the parked chunks
+        (``CacheReuse.place`` moves them in once the run started)."""
+        chunks: list[ReuseChunk] = []
+        if self.reuse is not None and plan.checkpoint < 0:
+            chunks = self.reuse.plan(slot, task, plan.n_past)
+        if chunks:
+            assert self.reuse is not None
+            n_past = self.reuse.park(slot, chunks, plan.n_past)
+            return n_past, chunks if n_past == plan.n_past else []
+        if plan.checkpoint >= 0:
+            c = slot.checkpoints[plan.checkpoint]
+            n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
+            if n_past > 0:
+                self.stats.checkpoints_restored += 1
+                self.spec.resumed(slot, c)
+            return n_past, []
+        return self.store.cut(slot, plan.n_past), []
 
     def _reuse_plan(self, slot: Slot, task: Task, n_lcp: int | None) -> ReusePlan:
         return plan_reuse(

@@ -43,6 +43,8 @@ class Sequence:
         "_arr",
         "_n_arr",
         "n_stable",
+        "n_reused",
+        "n_reuse_chunks",
     )
 
     def __init__(self) -> None:
@@ -60,6 +62,9 @@ class Sequence:
         # tokens[:n_stable] are unchanged since the KV-event watcher last looked (it sets it
         # back to len(tokens); slots/kv_watch.py): a cut, shift or assign lowers it
         self.n_stable = 0
+        # --cache-reuse: cached tokens of this run moved into place (in n_cached), in chunks
+        self.n_reused = 0
+        self.n_reuse_chunks = 0
 
     # ---- a run -------------------------------------------------------------------
 
@@ -67,6 +72,15 @@ class Sequence:
         """A task starts on the slot holding ``n_cached`` tokens of its prompt."""
         self.n_prompt, self.n_cached, self.n_computed = n_prompt, n_cached, 0
         self.n_sampled, self.generated, self.next_token, self.n_emitted = 0, [], -1, 0
+        self.n_reused = self.n_reuse_chunks = 0
+
+    def reused(self, n_tokens: int, n_chunks: int, n_gap: int) -> None:
+        """--cache-reuse placed ``n_chunks`` chunks of ``n_tokens`` cached tokens (they count
+        as cached) and computed the ``n_gap`` prompt tokens between them."""
+        self.n_cached += n_tokens
+        self.n_computed += n_gap
+        self.n_reused += n_tokens
+        self.n_reuse_chunks += n_chunks
 
     @property
     def usage(self) -> Usage:

@@ -45,6 +45,8 @@ class EngineStats:
     prefix_waits_skipped: int = 0
     prefix_waits_abandoned: int = 0
     kv_exhausted: int = 0  # requests ended because the KV cache had no room left
+    cache_reuse_tokens: int = 0  # --cache-reuse: cached tokens moved into place
+    cache_reuse_chunks: int = 0
     context_shifts: int = 0  # --context-shift: full slots that dropped half and went on
     # -bs: tasks whose chain ran on the backend, and those that fell back to the CPU, by why
     backend_sampled: int = 0

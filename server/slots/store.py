@@ -24,6 +24,7 @@ from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .draft_kv import DraftKV, DraftMemory
 from .policy import window_intact
+from .reuse import ReuseChunk
 from .slot import Slot
 
 log = logging.getLogger("server.slots.store")
@@ -143,6 +144,41 @@ class SlotStore:
             log.warning("slot %d: context shift failed; clearing", slot.id)
             self.clear(slot)
             return False
+        return True
+
+    # ---- --cache-reuse (slots/cache_reuse.py) ------------------------------------
+
+    def park_chunks(self, slot: Slot, chunks: list[ReuseChunk], scratch: int, n_past: int) -> int:
+        """Keep the chunks' cells in the ``scratch`` sequence at their prompt positions and
+        cut the slot to ``n_past`` (as ``cut``); returns what the slot kept. The scratch
+        sequence then owns the chunks' cells alone (the caller never passes cells another
+        slot shares), so moving them touches no slot: first all of them past every position
+        either sequence uses, then each to its place (sources and targets never overlap)."""
+        far = max(len(slot.tokens), chunks[-1].prompt_start + chunks[-1].length) + 1
+        self.b.seq_clear(scratch)
+        for ch in chunks:
+            self.b.seq_cp(slot.id, scratch, ch.cache_start, ch.cache_start + ch.length)
+        kept = self.cut(slot, n_past)
+        self.b.seq_add(scratch, 0, -1, far)
+        for ch in chunks:
+            p0 = ch.cache_start + far
+            self.b.seq_add(scratch, p0, p0 + ch.length, ch.delta - far)
+        return kept
+
+    def place_chunk(self, slot: Slot, ch: ReuseChunk, toks: list[int], scratch: int) -> bool:
+        """Move a parked chunk (``toks``, the prompt's at ch.prompt_start, where the slot
+        ends) from ``scratch`` into the slot; False (the slot unchanged) when llama.cpp did
+        not end where the tokens say."""
+        p0, p1 = ch.prompt_start, ch.prompt_start + ch.length
+        if len(slot.tokens) != p0:
+            return False
+        self.b.seq_cp(scratch, slot.id, p0, p1)
+        self.b.seq_rm(scratch, p0, p1)
+        if self.b.seq_pos_max(slot.id) != p1 - 1:
+            log.warning("slot %d: cache reuse of %d tokens at %d failed", slot.id, ch.length, p0)
+            self.b.seq_rm(slot.id, p0, -1)
+            return False
+        slot.seq.extend(toks)
         return True
 
     # ---- checkpoints --------------------------------------------------------------

@@ -204,6 +204,8 @@ def timings_of(run: SlotRun, now: float) -> Timings:
         predicted_ms=(now - t_first) * 1e3 if run.t_first else 0.0,
         draft_n=run.n_drafted,
         draft_n_accepted=run.n_draft_accepted,
+        cache_reuse_n=run.seq.n_reused,
+        cache_reuse_chunks=run.seq.n_reuse_chunks,
     )
 
 

@@ -1,0 +1,72 @@
+"""--cache-reuse: the two-sided chunk matcher (server.slots.reuse), exact outputs."""
+
+from server.slots.reuse import ReuseChunk, gap_tokens, match_chunks, within_gap_budget
+
+A = list(range(100, 110))  # 10 distinct tokens
+B = list(range(200, 210))
+C = list(range(300, 310))
+
+
+def test_deletion_in_the_prompt():
+    # cached A B C, prompt A C: C moves down by 10
+    assert match_chunks(A + B + C, A + C, 4, start=10) == [ReuseChunk(20, 10, 10)]
+
+
+def test_insertion_in_the_prompt():
+    # cached A C, prompt A B C: C moves up by 10, B is a gap
+    got = match_chunks(A + C, A + B + C, 4, start=10)
+    assert got == [ReuseChunk(10, 20, 10)]
+    assert gap_tokens(got, 10) == 10
+
+
+def test_substitution_near_the_start():
+    # "Request id 4711." -> "Request id 9.": 4 tokens replaced by 1
+    cached = [1, 2, 47, 11, 12, 13] + B + C
+    prompt = [1, 2, 9] + B + C
+    got = match_chunks(cached, prompt, 8, start=2)
+    assert got == [ReuseChunk(6, 3, 20)]
+    assert gap_tokens(got, 2) == 1
+
+
+def test_both_sides_change():
+    # cached X A Y B, prompt A Z B: deletions and insertions on both sides
+    cached = [7, 7] + A + [8, 8, 8] + B
+    prompt = A + [5] + B
+    assert match_chunks(cached, prompt, 5) == [ReuseChunk(2, 0, 10), ReuseChunk(15, 11, 10)]
+
+
+def test_repeated_ngrams_take_the_earliest_in_order():
+    cached = A + B + A + C
+    prompt = B + A + C
+    # B at 10, then the A after it (20, not 0), extended through C
+    assert match_chunks(cached, prompt, 5) == [ReuseChunk(10, 0, 30)]
+
+
+def test_no_match():
+    assert match_chunks(A + B, C + C, 4) == []
+    assert match_chunks([], A, 4) == []
+    assert match_chunks(A, A, 0) == []
+
+
+def test_chunks_shorter_than_n_are_ignored():
+    # A (10 tokens) is shorter than 12: not reused; B + C (20) is
+    cached = A + [1] + B + C
+    prompt = [2] + A + [3] + B + C
+    assert match_chunks(cached, prompt, 12) == [ReuseChunk(11, 12, 20)]
+
+
+def test_order_is_kept():
+    # the prompt swaps B and A: only one of them can be reused (KV order)
+    assert match_chunks(A + B, B + A, 5) == [ReuseChunk(10, 0, 10)]
+
+
+def test_key_longer_than_sixteen():
+    long = list(range(1000, 1100))
+    assert match_chunks([5] + long, [6, 6] + long, 64) == [ReuseChunk(1, 2, 100)]
+
+
+def test_gap_budget():
+    chunks = [ReuseChunk(10, 12, 5), ReuseChunk(20, 30, 5)]
+    assert gap_tokens(chunks, 10) == 2 + 13
+    assert within_gap_budget(chunks, 10, 14) == chunks[:1]
+    assert within_gap_budget(chunks, 10, 15) == chunks
