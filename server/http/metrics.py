@@ -7,6 +7,8 @@ thread writes plain ints/floats, the collector reads them (atomic under the GIL)
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -144,6 +146,7 @@ def _protocol(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
     bs = int(state.settings.kv_block_size)
     info = {"engine": "0", "block_size": str(bs), "num_gpu_blocks": str(n_ctx // bs)}
     yield _labelled("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", info, 1.0)
+    yield from _lora_info(state, engine, slots)
     kv = getattr(state, "kv_events", None)
     if kv is not None:
         pub = kv.publisher
@@ -154,6 +157,43 @@ def _protocol(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
             "gap in the sequence numbers",
             pub.dropped,
         )
+
+
+def _adapter_names(adapters: list[Any], scales: tuple[float, ...]) -> set[str]:
+    """The adapters a task runs under (a non-zero scale), by alias or file name."""
+    return {
+        a.alias or os.path.basename(a.path)
+        for a, scale in zip(adapters, scales, strict=False)
+        if scale != 0.0
+    }
+
+
+def _lora_info(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
+    """vLLM's ``vllm:lora_requests_info`` (with --lora): the adapters of running and of
+    waiting requests as comma-separated labels, the value the time of the reading (as
+    vLLM's); llm-d's LoRA-affinity scorer reads it. Absent without adapters."""
+    adapters = list(getattr(getattr(state, "adapters", None), "adapters", []))
+    if not adapters:
+        return
+    running: set[str] = set()
+    for s in slots:
+        if s.task is not None:
+            running |= _adapter_names(adapters, s.task.lora)
+    try:
+        queued = list(engine.waiting)
+    except RuntimeError:  # the engine changed the queue while it was read: none this time
+        queued = []
+    waiting: set[str] = set()
+    for t in queued:
+        waiting |= _adapter_names(adapters, t.lora)
+    labels = {
+        "max_lora": str(len(adapters)),
+        "running_lora_adapters": ",".join(sorted(running)),
+        "waiting_lora_adapters": ",".join(sorted(waiting)),
+    }
+    yield _labelled(
+        "vllm:lora_requests_info", "Running stats on lora requests.", labels, time.time()
+    )
 
 
 def _reuse(st: Any) -> Iterator[Metric]:

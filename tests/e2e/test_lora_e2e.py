@@ -7,7 +7,10 @@ drift bound of tests/e2e/conftest.py) and token accounting (``cache_n``)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,7 +108,7 @@ def test_adapters_change_the_distribution_scales_and_choices_apply(make_server, 
 
 def test_two_adapter_sets_served_concurrently(make_server, adapters):
     a, b = adapters
-    s = make_server("-np", "4", "--lora", a, "--lora", b)
+    s = make_server("-np", "4", "--lora", a, "--lora", b, "--metrics")
     prompts = [f"{PROMPT} {w}" for w in ("", "a", "the", "in")]
     sets = [A, B, A, B]
     alone = [_lp(s, lo, p, n_predict=1) for lo, p in zip(sets, prompts, strict=True)]
@@ -122,13 +125,30 @@ def test_two_adapter_sets_served_concurrently(make_server, adapters):
         return r.json()
 
     with cf.ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(one, range(4)))
+        running = pool.map(one, range(4))
+        seen = _lora_readings(s)  # while they run: vLLM's lora_requests_info names both sets
+        together = list(running)
+    names = {os.path.basename(a), os.path.basename(b)}
+    assert any(set(r["running_lora_adapters"].split(",")) == names for r in seen), seen
+    assert all(r["max_lora"] == "2" for r in seen)
     for x, y in zip(together, alone, strict=True):
         assert x["timings"]["predicted_n"] == 24
         assert_same_next_token_distribution(x, y, ADAPTED_TOL)  # its own set's
     for x, y, z in zip(together, alone, other, strict=True):  # and not the other set's
         assert _dist(x, y) < _dist(x, z), (top_logprobs(x), top_logprobs(y), top_logprobs(z))
     s.assert_integrity()
+
+
+def _lora_readings(s, n: int = 40) -> list[dict[str, str]]:
+    """``vllm:lora_requests_info``'s labels over ``n`` scrapes, 50 ms apart."""
+    out = []
+    for _ in range(n):
+        for line in s.client.get("/metrics").text.splitlines():
+            if line.startswith("vllm:lora_requests_info{"):
+                labels = line[line.index("{") + 1 : line.rindex("}")]
+                out.append(dict(re.findall(r'(\w+)="([^"]*)"', labels)))
+        time.sleep(0.05)
+    return out
 
 
 def _cached(s, lora, prompt: str) -> tuple[int, int]:
