@@ -190,3 +190,44 @@ def test_a_prompt_cached_under_one_set_serves_only_that_set(make_server, adapter
     n, total = _cached(s2, A, p1 + " Then.")
     assert n >= 0.9 * total, (n, total)
     s2.assert_integrity()
+
+
+def test_adapter_switches_against_llama_server(make_server, adapters):
+    """The same five requests on llama-server and here (one slot, RAM cache on): P under A,
+    Q under A (P goes to the RAM cache), P under A (reused), P under B, then P under A.
+    Neither serves P's state computed under A to B. llama-server drops its reuse when the
+    set changes: P under A is computed again. Here each set keeps its own entries."""
+    import subprocess
+
+    from .conftest import free_port, llama_server_client, terminate
+    from .test_slots_e2e import LLAMA_SERVER
+
+    a, b = adapters
+    A2, B2 = [*A, {"id": 1, "scale": 0.0}], [{"id": 0, "scale": 0.0}, *B]
+    P, Q = long_text(1600, 1), long_text(1600, 3) + " other"
+    steps = [(P, A2), (Q, A2), (P, A2), (P, B2), (P, A2)]
+    port = free_port()
+    cmd = [str(LLAMA_SERVER), "-m", str(gemma_path()), "--port", str(port), "-np", "1"]
+    cmd += ["-c", "8192", "-t", "2", "--lora", a, "--lora", b, "--lora-init-without-apply"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        theirs = _cached_steps(llama_server_client(port), steps)
+    finally:
+        terminate(proc)
+    ours = _cached_steps(make_server("-np", "1", "--lora", a, "--lora", b).client, steps)
+    for side in (theirs, ours):
+        assert side[0][0] == side[1][0] == 0 and side[2][0] >= 0.9 * side[2][1]
+        assert side[3][0] <= 8  # B reads nothing computed under A (a BOS-sized prefix at most)
+    assert theirs[4][0] <= 8  # llama-server: A's own prompt is computed again
+    assert ours[4][0] >= 0.9 * ours[4][1]  # here: A's entry is still there
+
+
+def _cached_steps(client, steps) -> list[tuple[int, int]]:
+    out = []
+    for prompt, lora in steps:
+        body = {"prompt": prompt, "n_predict": 1, "lora": lora, "temperature": 0}
+        r = client.post("/completion", json=body)
+        r.raise_for_status()
+        t = r.json()["timings"]
+        out.append((t["cache_n"], t["cache_n"] + t["prompt_n"]))
+    return out
