@@ -46,12 +46,16 @@ FILES = [
     "test_compat_gcp",
     "test_router",
     "test_sleep",
+    "test_lora",
 ]
 DEPS = ["filelock", "wget"]  # what their utils.py / conftest.py import beyond ours
 DROP_VALUED = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"}
 DROP_SWITCH = {"--offline"}
 # test_speculative's draft model: the default model drafts for itself instead
 DOWNLOAD_STAND_INS = ["stories15M-q4_0.gguf"]
+# test_lora's adapter (for stories15M): a random low-rank adapter for the default model
+# (tests/lora_gen.py) stands in; its regexes expect the hub pair's text, so they fail on both
+ADAPTER_STAND_INS = ["moe_shakespeare15M.gguf"]
 
 WRAPPER = '''#!{python}
 """llama-server's command line for the tests, with the hub model swapped for the default."""
@@ -154,6 +158,11 @@ def side_tree(tests: Path, ours: bool, tag: str) -> Path:
     (tree / "tmp").mkdir()
     for name in DOWNLOAD_STAND_INS:
         (tree / "tmp" / name).symlink_to(assemble())
+    sys.path.insert(0, str(ROOT / "tests"))
+    from lora_gen import write_adapter
+
+    for name in ADAPTER_STAND_INS:
+        write_adapter(assemble(), tree / "tmp" / name, seed=1)
     return tree
 
 

@@ -437,12 +437,16 @@ def test_full_queue_is_overloaded(client, srv):
         "messages": [{"role": "user", "content": "Write a long story"}],
     }
 
+    statuses: list[int] = []
+
     def hold() -> None:
         with srv.client.stream("POST", "/v1/messages", json=long) as r:
+            statuses.append(r.status_code)
             for _ in r.iter_lines():
                 if stop.is_set():
                     break
 
+    srv.wait_idle()  # no slot still ending an earlier test's request: both are taken here
     busy = [threading.Thread(target=hold) for _ in range(2)]
     for t in busy:
         t.start()
@@ -450,6 +454,7 @@ def test_full_queue_is_overloaded(client, srv):
         deadline = time.time() + 60
         while sum(s["is_processing"] for s in srv.slots()) < 2 and time.time() < deadline:
             time.sleep(0.05)
+        assert statuses == [200, 200]
         with pytest.raises(anthropic.APIStatusError) as e:
             client.messages.create(
                 model="any", max_tokens=2, messages=[{"role": "user", "content": "hi"}]

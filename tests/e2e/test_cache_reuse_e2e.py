@@ -1,7 +1,7 @@
 """--cache-reuse on SmolLM2-135M (full attention): cached chunks moved into place after a
 deletion in the middle, and after a changed first line (a substitution llama-server's
 one-sided scan cannot skip: it reuses 3 tokens there), each checked against a cold run by
-first-token log-probabilities (LOGPROB_TOL); without the flag only the common prefix is
+first-token log-probabilities (MOVED_TOL); without the flag only the common prefix is
 reused; on the default model (sliding window) the flag warns and changes nothing."""
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ BODY = text(745, 4)
 FIRST = ("Request id 4711.\n" + BODY, "Request id 9.\n" + BODY)
 
 
+# Moved chunks: llama.cpp re-rotates their stored (f16) keys by the shift (its K-shift), one
+# more rounding per moved cell on top of the batch-layout drift (LOGPROB_TOL, 0.5 nats):
+# 0.53 nats was seen on a near tie. A chunk at a wrong position, or a gap not computed, moves
+# the first token's log-probabilities by several nats.
+MOVED_TOL = 0.8
+
+
 def warm_then(s: ServerProc, first: str, second: str, **kw) -> dict:
     """``first`` cached on slot 0, then ``second`` there (top 5 log-probs of its first token)."""
     first_token(s, first, id_slot=0)
@@ -107,7 +114,7 @@ def test_cache_reuse_reuses_most_of_the_prompt(reuse_server, first, second):
     assert t["cache_reuse_chunks"] >= 1 and t["cache_reuse_n"] >= 0.5 * n, t
     assert t["cache_n"] + t["prompt_n"] == n
     s.assert_integrity()
-    assert_agrees_with_cold(s, second, warm)
+    assert_agrees_with_cold(s, second, warm, MOVED_TOL)
     s.assert_integrity()
     metrics = s.client.get("/metrics").text
     line = next(
@@ -147,7 +154,7 @@ def test_swa_full_lets_the_default_model_reuse():
         warm = warm_then(s, *FIRST)
         assert reused(warm) >= 0.8, warm["timings"]
         s.assert_integrity()
-        assert_agrees_with_cold(s, FIRST[1], warm)
+        assert_agrees_with_cold(s, FIRST[1], warm, MOVED_TOL)
     finally:
         s.stop()
 

@@ -112,12 +112,13 @@ def test_promtool_finds_only_the_llama_server_colon_names(msrv):
     assert abs(int(sent[b"Process-Start-Time-Unix"]) - time.time()) < 3600
     r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     problems = [p for p in (r.stdout + r.stderr).splitlines() if p.strip()]
-    # llama-server's names contain ':' (kept so its dashboards work); promtool's lint flags that
-    # rule only. Everything else must be clean, and the exposition must parse.
+    # llama-server's names and vLLM's (the model-server protocol's, which llm-d reads) contain
+    # ':' (kept so their dashboards and routers work); promtool's lint flags that rule only.
+    # Everything else must be clean, and the exposition must parse.
     other = [
         p
         for p in problems
-        if not re.match(r"^llamacpp:\w+ metric names should not contain ':'$", p)
+        if not re.match(r"^(llamacpp|vllm):\w+ metric names should not contain ':'$", p)
     ]
     assert other == []
     assert any(p.startswith("llamacpp:prompt_tokens_total") for p in problems)
