@@ -18,35 +18,16 @@ import time
 from server.cache.kv_blocks import BlockHasher
 from server.cache.kv_events import KVEvents
 from server.cache.kv_publisher import KVPublisher
-from server.slots.engine import Engine, EngineOptions
 from server.slots.kv_watch import SlotWatcher
-from server.types import GenParams, SamplingParams, Task
 
-from .step_cost import NullBackend
+from .step_cost import busy_engine
 
 REAL_STEP_MS = {1: 24.0, 4: 39.0}
 
 
-def _engine(n_slots: int, prompt_len: int, steps: int) -> tuple[Engine, NullBackend]:
-    b = NullBackend(n_slots)
-    e = Engine(b, EngineOptions(prefix_share=False, cache_idle_slots=False, coalesce_ms=0))
-    for i in range(n_slots):
-        e.waiting.append(
-            Task(
-                prompt=[(i * 31 + j) % 900 for j in range(prompt_len)],
-                sampling=SamplingParams(temperature=0.0),
-                gen=GenParams(max_tokens=steps + 10),
-                emit=lambda ev: None,
-                id_slot=i,
-                stream=True,
-            )
-        )
-    return e, b
-
-
 def per_step_us(n_slots: int, events: bool, steps: int = 2000, prompt_len: int = 1024) -> float:
     """CPU microseconds per generating step (prefill of ``prompt_len`` excluded)."""
-    e, b = _engine(n_slots, prompt_len, steps)
+    e, b = busy_engine(n_slots, prompt_len, steps + 10)
     pub = None
     if events:
         pub = KVPublisher("tcp://127.0.0.1:*", "kv@bench@m", settle_s=0)

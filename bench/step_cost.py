@@ -46,10 +46,9 @@ class StepCost:
     us_per_slot: float
 
 
-def measure(n_slots: int, steps: int = 400, prompt_len: int = 32, rounds: int = 5) -> StepCost:
-    """Python time per step with ``n_slots`` slots generating (prefill excluded): the least
-    of ``rounds`` rounds of ``steps`` steps (on a shared machine other processes only ever
-    add time, so the least disturbed round is the measure)."""
+def busy_engine(n_slots: int, prompt_len: int, max_tokens: int) -> tuple[Engine, NullBackend]:
+    """An engine on the free backend with ``n_slots`` streamed tasks queued, one per slot,
+    each with a ``prompt_len``-token prompt and ``max_tokens`` to generate."""
     b = NullBackend(n_slots)
     e = Engine(b, EngineOptions(prefix_share=False, cache_idle_slots=False, coalesce_ms=0))
     for i in range(n_slots):
@@ -57,12 +56,20 @@ def measure(n_slots: int, steps: int = 400, prompt_len: int = 32, rounds: int = 
             Task(
                 prompt=[(i * 31 + j) % 900 for j in range(prompt_len)],
                 sampling=SamplingParams(temperature=0.0),
-                gen=GenParams(max_tokens=rounds * steps + 10),
+                gen=GenParams(max_tokens=max_tokens),
                 emit=lambda ev: None,
                 id_slot=i,
                 stream=True,
             )
         )
+    return e, b
+
+
+def measure(n_slots: int, steps: int = 400, prompt_len: int = 32, rounds: int = 5) -> StepCost:
+    """Python time per step with ``n_slots`` slots generating (prefill excluded): the least
+    of ``rounds`` rounds of ``steps`` steps (on a shared machine other processes only ever
+    add time, so the least disturbed round is the measure)."""
+    e, b = busy_engine(n_slots, prompt_len, rounds * steps + 10)
     for _ in range(3):  # admission and prefill, then warm up
         e.step()
     dt = float("inf")
