@@ -85,6 +85,7 @@ def serve(port: int, slots: int, decode_ms: float) -> None:
     from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
     from server.cli.config import Settings
     from server.http import app as app_module
+    from server.http.heap import settle_heap
     from server.slots.engine import Engine
 
     def load(st) -> None:  # noqa: ANN001
@@ -101,6 +102,7 @@ def serve(port: int, slots: int, decode_ms: float) -> None:
     app_module.load = load  # type: ignore[assignment]
     settings = Settings(parallel=slots, cache_ram=0, webui=False, port=port, prefix_share=False)
     app = app_module.create_app(settings)
+    settle_heap()  # as server.cli.main does
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

@@ -301,7 +301,8 @@ class Task:
     lora: tuple[float, ...] = ()
     # True while the task's reader lags too far behind its events (a slow client): the
     # engine then skips the task's next tokens, so its queue stays bounded. Any thread.
-    lagging: Callable[[], bool] | None = None
+    # Called with ``n_sent``, so it needs no reference to the task (no cycle).
+    lagging: Callable[[int], bool] | None = None
     n_sent: int = 0  # events the engine has sent (engine thread only writes it)
 
     def cancel(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from ..http.app import create_app
+from ..http.heap import settle_heap
 from ..router.app import router_mode
 from ..router.app import serve as serve_router
 from .config import Settings, csv_list, parse_settings, warn_ignored
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     state = app.state.server
     server = DrainingServer(config, state)
     state.on_load_failed = lambda: setattr(server, "should_exit", True)
+    settle_heap()
     server.run(sockets=sockets)
     if state.load_error:
         sys.exit(1)

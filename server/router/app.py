@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from ..api import errors
 from ..cli.config import Settings, csv_list, load_api_keys
 from ..http.cors import Cors, CorsPolicy, effective_origins
+from ..http.heap import settle_heap
 from ..http.middleware import ApiKeyAuth, BodyLimit, RequestGuard
 from ..routes import webui
 from .manager import Manager, RouterConfig
@@ -115,4 +116,5 @@ def serve(s: Settings, argv: list[str], uvicorn_options: dict[str, Any]) -> None
         handle_exit(sig, frame)
 
     server.handle_exit = on_exit  # type: ignore[method-assign]
+    settle_heap()
     server.run()

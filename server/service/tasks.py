@@ -45,24 +45,25 @@ class TaskGroup:
         self.timeout = timeout
         self.max_queue = max_queue
         self.loop = asyncio.get_running_loop()
-        # delivered events not read yet, in order (filled on the loop by ``_deliver``)
-        self.pending: collections.deque[tuple[int, Event]] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
+        # The engine's side of the group: its emitters and lagging checks reach the box
+        # only, never the group or its tasks, so a finished request has no reference cycle
+        # and is freed at once (not left to the garbage collector's next full pass).
+        self.box = _Mailbox()
         self.tasks: list[Task] = []
-        self.n_read: list[int] = []  # events of each task read so far (by ``events``)
 
-    def _lagging(self, index: int) -> Callable[[], bool]:
-        """Whether the reader is more than MAX_BACKLOG of task ``index``'s events behind
-        (called on the engine thread; each counter has one writer)."""
+    @property
+    def pending(self) -> collections.deque[tuple[int, Event]]:
+        """Delivered events not read yet, in order."""
+        return self.box.pending
 
-        def lagging() -> bool:
-            return self.tasks[index].n_sent - self.n_read[index] > MAX_BACKLOG
-
-        return lagging
+    @property
+    def n_read(self) -> list[int]:
+        """Events of each task read so far."""
+        return self.box.n_read
 
     def _emitter(self, index: int) -> Callable[[Event], None]:
         """The ``emit`` of the task at ``index``: thread-safe, never blocks."""
-        loop, deliver = self.loop, self._deliver
+        loop, deliver = self.loop, self.box.deliver
 
         def emit(ev: Event) -> None:
             try:
@@ -75,27 +76,18 @@ class TaskGroup:
         emit.deliver = lambda ev: deliver((index, ev))  # type: ignore[attr-defined]
         return emit
 
-    def _deliver(self, item: tuple[int, Event]) -> None:
-        """On the loop: queue an event, and wake the reader if it waits (once per hand-off:
-        the wake-up runs after the engine's whole hand-off was delivered)."""
-        self.pending.append(item)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
     async def _wait(self, timeout: float) -> None:
         """Until an event is delivered or ``timeout`` seconds passed (one future and one
         timer per wait, not a task per event as ``asyncio.wait_for(queue.get())`` costs)."""
         fut = self.loop.create_future()
-        self._waiter = fut
+        box = self.box
+        box.waiter = fut
         timer = self.loop.call_later(timeout, _wake, fut)
         try:
             await fut
         finally:
             timer.cancel()
-            self._waiter = None
+            box.waiter = None
 
     def add(
         self,
@@ -126,10 +118,10 @@ class TaskGroup:
             lora=lora,
             return_progress=return_progress and stream,
             timings_per_token=timings_per_token and stream,
-            lagging=self._lagging(len(self.tasks)) if stream else None,
+            lagging=self.box.lagging(len(self.tasks)) if stream else None,
         )
         self.tasks.append(task)
-        self.n_read.append(0)
+        self.box.n_read.append(0)
         return task
 
     def submit(self) -> None:
@@ -252,6 +244,37 @@ class TaskGroup:
         await until_disconnected(request)
         log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
         self.cancel()
+
+
+class _Mailbox:
+    """What the engine thread reaches of a TaskGroup: delivered events not read yet, the
+    reader's waiter, and how many events of each task were read (backpressure). It holds
+    no reference to the group or its tasks (see ``TaskGroup.__init__``)."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[tuple[int, Event]] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.n_read: list[int] = []  # written on the loop only
+
+    def deliver(self, item: tuple[int, Event]) -> None:
+        """On the loop: queue an event, and wake the reader if it waits (once per hand-off:
+        the wake-up runs after the engine's whole hand-off was delivered)."""
+        self.pending.append(item)
+        w = self.waiter
+        if w is not None:
+            self.waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def lagging(self, index: int) -> Callable[[int], bool]:
+        """Whether the reader of task ``index`` is more than MAX_BACKLOG of its ``n_sent``
+        events behind (called on the engine thread; each counter has one writer)."""
+        n_read = self.n_read
+
+        def lagging(n_sent: int) -> bool:
+            return n_sent - n_read[index] > MAX_BACKLOG
+
+        return lagging
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

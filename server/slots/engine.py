@@ -440,4 +440,4 @@ def _lagging(s: Slot) -> bool:
     run = s.run
     assert run is not None  # a generating slot holds its run (per step: no ``live`` call)
     lagging = run.task.lagging
-    return lagging is not None and lagging()
+    return lagging is not None and lagging(run.task.n_sent)
