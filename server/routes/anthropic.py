@@ -34,7 +34,7 @@ from ..service.state import tenant_of
 from ..service.submit import Submission, submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
-from .common import SSE_HEADERS, sse_batches, sse_named, state_of
+from .common import SSE_HEADERS, Frame, json_str, sse_batches, sse_named, state_of
 from .openai import _plan, chat_constraint, render_chat
 
 router = APIRouter()
@@ -109,6 +109,7 @@ class _MessageStream:
         self.index = -1
         self.open: str | None = None  # the open block's type
         self.n_calls = 0
+        self.frames: dict[int, Frame | None] = {}  # text_delta frames by block index
 
     def run(self, group: TaskGroup) -> AsyncIterator[str]:
         """The message's SSE, one write per batch of engine events (``sse_batches``). A
@@ -124,7 +125,11 @@ class _MessageStream:
             out.append(sse_named(self._start(ev.cache) or [("ping", {"type": "ping"})]))
         elif isinstance(ev, TextChunk):
             d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
-            out.append(sse_named(self._start(0) + self._deltas(d)))
+            frame = self._text_frame(d)
+            if frame is not None:
+                out.append(frame.fill(json_str(d.content)))
+            else:
+                out.append(sse_named(self._start(0) + self._deltas(d)))
         elif isinstance(ev, TaskResult):
             rest = Delta() if self.plan.plain else self.parser.finish()
             out.append(
@@ -133,6 +138,16 @@ class _MessageStream:
         elif isinstance(ev, TaskError):
             body = anthropic_error_body(ev.status, ev.message)
             out.append(sse_named([("error", body)]))
+
+    def _text_frame(self, d: Delta) -> Frame | None:
+        """The prebuilt ``text_delta`` frame of the open text block, where ``d`` is only
+        more of its text (the message started): the bytes ``_deltas(d)`` would give."""
+        if not (self.started and self.open == "text" and d.content) or d.reasoning or d.calls:
+            return None
+        if self.index not in self.frames:
+            delta = self._delta({"type": "text_delta", "text": Frame.hole(0)})
+            self.frames[self.index] = Frame.named(*delta, 1)
+        return self.frames[self.index]
 
     def _start(self, cached: int) -> list[Ev]:
         """``message_start``, once: the message without content, the prompt's usage."""

@@ -105,6 +105,14 @@ class Frame:
         parts.append(text)
         return cls(parts)
 
+    @classmethod
+    def named(cls, name: str, obj: Any, holes: int) -> Frame | None:
+        """``of`` for a named event: the bytes of ``sse_named([(name, obj)])``."""
+        frame = cls.of(obj, holes)
+        if frame is not None:
+            frame.parts[0] = f"event: {name}\n{frame.parts[0]}"
+        return frame
+
     def fill(self, *fragments: str) -> str:
         if len(fragments) == 1:
             return self.parts[0] + fragments[0] + self.parts[1]

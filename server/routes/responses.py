@@ -34,7 +34,7 @@ from ..service.state import tenant_of
 from ..service.submit import Submission, submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
-from .common import SSE_HEADERS, sse_batches, sse_error, sse_named, state_of
+from .common import SSE_HEADERS, Frame, json_str, sse_batches, sse_error, sse_named, state_of
 from .openai import _max_tokens, _plan, chat_constraint, render_chat
 
 router = APIRouter()
@@ -106,6 +106,9 @@ class _ResponseStream:
         self.msg = Message()
         self.created = self.text_started = self.thinking_started = False
         self.fc_ids: dict[int, str] = {}  # call index -> its fc_ item id
+        # the message's text deltas, prebuilt (None: built per event)
+        delta = _ev("response.output_text.delta", item_id=self.msg_id, delta=Frame.hole(0))
+        self.text_frame = Frame.named(*delta, 1)
 
     def run(self, group: TaskGroup) -> AsyncIterator[str]:
         """The response's SSE, one write per batch of engine events (``sse_batches``). A
@@ -123,6 +126,11 @@ class _ResponseStream:
             out.append(sse_named(events))
         elif isinstance(ev, TextChunk):
             d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
+            frame = self._text_frame(d) if ev.timings is None else None
+            if frame is not None:
+                self.msg.add(d)
+                out.append(frame.fill(json_str(d.content)))
+                return
             events = self._head() + self._deltas(d)
             if events and ev.timings is not None:  # timings_per_token
                 events[-1][1]["timings"] = ev.timings.as_dict()
@@ -132,6 +140,13 @@ class _ResponseStream:
             out.append(sse_named(self._head() + self._deltas(rest) + self._done(ev)))
         elif isinstance(ev, TaskError):
             out.append(sse_error(ev))
+
+    def _text_frame(self, d: Delta) -> Frame | None:
+        """The prebuilt ``output_text.delta`` frame, where ``d`` is only more text of the
+        started message: the bytes ``_head() + _deltas(d)`` would give."""
+        if not (self.created and self.text_started and d.content) or d.reasoning or d.calls:
+            return None
+        return self.text_frame
 
     def _status(self, kind: str) -> Ev:
         response = {"id": self.resp_id, "object": "response", "status": "in_progress"}

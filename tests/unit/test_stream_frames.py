@@ -289,6 +289,16 @@ def _named_stream(route: str, case: str, mp: pytest.MonkeyPatch) -> Any:
     return lambda: responses._ResponseStream(plan_chat(tpl, **NAMED_CASES[case]), "m ü")  # type: ignore[arg-type]
 
 
+def _per_event(stream: Any, events: list[Any]) -> list[str]:
+    """The SSE text of each event rendered alone (``add``), in order."""
+    out: list[str] = []
+    for ev in events:
+        frames: list[str] = []
+        stream.add(frames, 0, ev)
+        out.append("".join(frames))
+    return out
+
+
 @pytest.mark.parametrize("route", ["anthropic", "responses"])
 @pytest.mark.parametrize("case", list(NAMED_CASES))
 @pytest.mark.parametrize("error", [False, True])
@@ -298,12 +308,10 @@ def test_named_event_batches_as_the_per_event_stream(
     result = TaskResult(0, FinishReason.STOP, "", [], 9, Timings(predicted_n=18, cache_n=2))
     events = _named_events(TaskError(408, "timed out", "timeout_error") if error else result)
     make = _named_stream(route, case, monkeypatch)
-    one = make()
-    per_event = []  # each event rendered alone, as the stream sent them one by one
-    for ev in events:
-        out: list[str] = []
-        one.add(out, 0, ev)
-        per_event.append("".join(out))
+    per_event = _per_event(make(), events)  # each event alone, as they were sent
+    with monkeypatch.context() as m:  # no prebuilt frame: every event built as a dict
+        m.setattr(common.Frame, "of", classmethod(lambda cls, obj, holes: None))
+        assert _per_event(make(), events) == per_event
     assert _writes(make(), [[ev] for ev in events]) == [w for w in per_event if w]
     cuts = [0, 1, 3, 4, 9, 12, len(events) - 1, len(events)]
     batches = [events[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
@@ -313,3 +321,16 @@ def test_named_event_batches_as_the_per_event_stream(
     assert frames[0].startswith(("event: message_start\n", "event: response.created\n"))
     assert frames[1].startswith(("event: ping\n", "event: response.in_progress\n"))
     assert ("timed out" in frames[-2]) is error and frames[-1] == ""
+
+
+@pytest.mark.parametrize("route", ["anthropic", "responses"])
+def test_named_plain_text_takes_the_prebuilt_frame(
+    monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    filled: list[str] = []
+    fill = Frame.fill
+    monkeypatch.setattr(Frame, "fill", lambda self, *f: filled.append(f[0]) or fill(self, *f))
+    stream = _named_stream(route, "plain", monkeypatch)()
+    texts = ["Hé", "llo", " 😀"]
+    _per_event(stream, [TextChunk(t, [1], []) for t in texts])
+    assert filled == ['"llo"', '" 😀"']  # the first opens the message and its text block
