@@ -8,7 +8,6 @@ under these paths take Anthropic's shape (server.api.errors.error_body_for)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,21 +33,13 @@ from ..api.tools.plan import ChatPlan
 from ..service.state import tenant_of
 from ..service.submit import Submission, submit
 from ..service.tasks import TaskGroup
-from ..types import PromptProgress, TaskError, TaskResult, TextChunk
-from .common import SSE_HEADERS, state_of
+from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
+from .common import SSE_HEADERS, Frame, json_str, sse_batches, sse_named, state_of
 from .openai import _plan, chat_constraint, render_chat
 
 router = APIRouter()
 
 Ev = tuple[str, dict[str, Any]]  # (event type, data)
-
-
-def _sse(events: list[Ev]) -> str:
-    """Events as Anthropic frames them: an ``event:`` line (its SDK reads only named
-    events), then ``data:``."""
-    return "".join(
-        f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n" for name, data in events
-    )
 
 
 def _chat_request(body: CountTokensRequest) -> ChatRequest:
@@ -118,20 +109,45 @@ class _MessageStream:
         self.index = -1
         self.open: str | None = None  # the open block's type
         self.n_calls = 0
+        self.frames: dict[int, Frame | None] = {}  # text_delta frames by block index
 
-    async def run(self, group: TaskGroup) -> AsyncIterator[str]:
-        async for _, ev in group.events():
-            if isinstance(ev, PromptProgress):
-                yield _sse(self._start(ev.cache) or [("ping", {"type": "ping"})])
-            elif isinstance(ev, TextChunk):
-                d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
-                yield _sse(self._start(0) + self._deltas(d))
-            elif isinstance(ev, TaskResult):
-                rest = Delta() if self.plan.plain else self.parser.finish()
-                yield _sse(self._start(ev.timings.cache_n) + self._deltas(rest) + self._end(ev))
-            elif isinstance(ev, TaskError):
-                body = anthropic_error_body(ev.status, ev.message)
-                yield _sse([("error", body)])
+    def run(self, group: TaskGroup) -> AsyncIterator[str]:
+        """The message's SSE, one write per batch of engine events (``sse_batches``). A
+        reader far behind gets its text merged: one ``text_delta`` (or parser delta) for
+        the run, which these events carry as well as many (no log-probs, no timings)."""
+        return sse_batches(group, self.add, coalesce=True)
+
+    def add(self, out: list[str], _index: int, ev: Event) -> None:
+        """Append the events of one engine event to ``out``: the first progress or text
+        opens the message (``message_start``), later progress is a ``ping``; an error
+        is Anthropic's ``error`` event."""
+        if isinstance(ev, PromptProgress):
+            out.append(sse_named(self._start(ev.cache) or [("ping", {"type": "ping"})]))
+        elif isinstance(ev, TextChunk):
+            d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
+            frame = self._text_frame(d)
+            if frame is not None:
+                out.append(frame.fill(json_str(d.content)))
+            else:
+                out.append(sse_named(self._start(0) + self._deltas(d)))
+        elif isinstance(ev, TaskResult):
+            rest = Delta() if self.plan.plain else self.parser.finish()
+            out.append(
+                sse_named(self._start(ev.timings.cache_n) + self._deltas(rest) + self._end(ev))
+            )
+        elif isinstance(ev, TaskError):
+            body = anthropic_error_body(ev.status, ev.message)
+            out.append(sse_named([("error", body)]))
+
+    def _text_frame(self, d: Delta) -> Frame | None:
+        """The prebuilt ``text_delta`` frame of the open text block, where ``d`` is only
+        more of its text (the message started): the bytes ``_deltas(d)`` would give."""
+        if not (self.started and self.open == "text" and d.content) or d.reasoning or d.calls:
+            return None
+        if self.index not in self.frames:
+            delta = self._delta({"type": "text_delta", "text": Frame.hole(0)})
+            self.frames[self.index] = Frame.named(*delta, 1)
+        return self.frames[self.index]
 
     def _start(self, cached: int) -> list[Ev]:
         """``message_start``, once: the message without content, the prompt's usage."""

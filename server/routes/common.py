@@ -3,10 +3,12 @@ log-probabilities and the generation settings that /props, /slots and /completio
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import uuid
+from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring
 from typing import Any
 
@@ -15,7 +17,8 @@ from fastapi import Request
 from ..api.errors import error_body
 from ..service.sampling import default_sampling
 from ..service.state import ServerState
-from ..types import Task, TaskError, TokenLogprob
+from ..service.tasks import TaskGroup
+from ..types import Event, Task, TaskError, TokenLogprob
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -30,6 +33,37 @@ def state_of(request: Request) -> ServerState:
 def sse(obj: Any) -> str:
     """One server-sent event carrying ``obj`` as JSON (non-ASCII text kept as is)."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_named(events: list[tuple[str, Any]]) -> str:
+    """Named server-sent events, as Anthropic and llama-server's Responses stream frame
+    them: per ``(name, data)`` an ``event:`` line (Anthropic's SDK reads only named
+    events), then ``data:`` with ``data`` as JSON (non-ASCII text kept as is)."""
+    return "".join(
+        f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n" for name, data in events
+    )
+
+
+# How a stream renders one engine event: ``add(out, index, event)`` appends the SSE text of
+# task ``index``'s ``event`` to ``out`` (nothing where the event shows nothing).
+AddEvent = Callable[[list[str], int, Event], None]
+
+
+async def sse_batches(group: TaskGroup, add: AddEvent, coalesce: bool) -> AsyncIterator[str]:
+    """The SSE text of ``group``'s events, one string per batch (``TaskGroup.batches``):
+    the events delivered together go out in one write, each rendered by ``add`` in order,
+    so the bytes are those of rendering them one at a time (a batch that renders to
+    nothing is not written). ``coalesce``: a reader far behind gets its text merged
+    (only for a stream whose text events are valid for any run of text). Leaving the
+    iteration early closes the batches at once, which cancels the unfinished tasks."""
+    async with contextlib.aclosing(group.batches(coalesce=coalesce)) as batches:
+        async for batch in batches:
+            out: list[str] = []
+            for index, ev in batch:
+                add(out, index, ev)
+            text = "".join(out)
+            if text:
+                yield text
 
 
 # json.dumps(s, ensure_ascii=False) of a str, without the encoder's set-up: the function
@@ -70,6 +104,14 @@ class Frame:
             text = rest[0]
         parts.append(text)
         return cls(parts)
+
+    @classmethod
+    def named(cls, name: str, obj: Any, holes: int) -> Frame | None:
+        """``of`` for a named event: the bytes of ``sse_named([(name, obj)])``."""
+        frame = cls.of(obj, holes)
+        if frame is not None:
+            frame.parts[0] = f"event: {name}\n{frame.parts[0]}"
+        return frame
 
     def fill(self, *fragments: str) -> str:
         if len(fragments) == 1:

@@ -18,6 +18,7 @@ from ..service.submit import Prompt, Submission, submit
 from ..service.tasks import TaskGroup
 from ..service.validation import check_tokens, constraint_of
 from ..types import (
+    Event,
     FinishReason,
     PromptProgress,
     Task,
@@ -34,6 +35,7 @@ from .common import (
     json_str,
     llama_version,
     sse,
+    sse_batches,
     sse_error,
     state_of,
     token_logprobs,
@@ -280,7 +282,7 @@ def pick_fields(obj: dict[str, Any], fields: list[str] | None) -> dict[str, Any]
     return out
 
 
-async def _stream(
+def _stream(
     st: ServerState, group: TaskGroup, echoes: list[str], fields: list[str] | None = None
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed /completion: text chunks, then the final object or an
@@ -289,33 +291,32 @@ async def _stream(
     together go out in one write; a reader far behind gets its text coalesced
     (``TaskGroup.batches``)."""
     plain: dict[int, Frame | None] = {}
-    async for batch in group.batches(coalesce=True):
-        out: list[str] = []
-        for i, ev in batch:
-            task = group.tasks[i]
-            if isinstance(ev, TextChunk):
-                if ev.timings is None and not task.gen.n_probs:
-                    if i not in plain:
-                        plain[i] = Frame.of(_text_chunk(i, Frame.hole(0), Frame.hole(1)), 2)
-                    frame = plain[i]
-                    if frame is not None:
-                        out.append(frame.fill(json_str(ev.text), json_ints(ev.tokens)))
-                        continue
-                chunk = _text_chunk(i, ev.text, ev.tokens)
-                if task.gen.n_probs:
-                    chunk["completion_probabilities"] = completion_probs(st, task, ev.logprobs)
-                if ev.timings is not None:
-                    chunk["timings"] = ev.timings.as_dict()
-                out.append(sse(chunk))
-            elif isinstance(ev, PromptProgress):
-                out.append(sse({**progress_chunk(ev), "index": i}))
-            elif isinstance(ev, TaskResult):
-                obj = completion_object(st, task, ev, "", echoes[i], index=i)
-                out.append(sse(pick_fields(obj, fields)))
-            elif isinstance(ev, TaskError):
-                out.append(sse_error(ev))
-        if out:
-            yield "".join(out)
+
+    def add(out: list[str], i: int, ev: Event) -> None:
+        task = group.tasks[i]
+        if isinstance(ev, TextChunk):
+            if ev.timings is None and not task.gen.n_probs:
+                if i not in plain:
+                    plain[i] = Frame.of(_text_chunk(i, Frame.hole(0), Frame.hole(1)), 2)
+                frame = plain[i]
+                if frame is not None:
+                    out.append(frame.fill(json_str(ev.text), json_ints(ev.tokens)))
+                    return
+            chunk = _text_chunk(i, ev.text, ev.tokens)
+            if task.gen.n_probs:
+                chunk["completion_probabilities"] = completion_probs(st, task, ev.logprobs)
+            if ev.timings is not None:
+                chunk["timings"] = ev.timings.as_dict()
+            out.append(sse(chunk))
+        elif isinstance(ev, PromptProgress):
+            out.append(sse({**progress_chunk(ev), "index": i}))
+        elif isinstance(ev, TaskResult):
+            obj = completion_object(st, task, ev, "", echoes[i], index=i)
+            out.append(sse(pick_fields(obj, fields)))
+        elif isinstance(ev, TaskError):
+            out.append(sse_error(ev))
+
+    return sse_batches(group, add, coalesce=True)
 
 
 def _text_chunk(index: int, text: str, tokens: Any) -> dict[str, Any]:

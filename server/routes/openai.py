@@ -44,6 +44,7 @@ from .common import (
     Frame,
     json_str,
     sse,
+    sse_batches,
     sse_error,
     state_of,
     system_fingerprint,
@@ -712,12 +713,8 @@ async def _stream(
     frames = _Frames(shape, base, verbose)
     if shape.opening:
         yield "".join(sse({**base, "choices": [choice]}) for choice in shape.opening)
-    async for batch in group.batches(coalesce=True):
-        out: list[str] = []
-        for index, ev in batch:
-            frames.add(out, index, ev)
-        if out:
-            yield "".join(out)
+    async for text in sse_batches(group, frames.add, coalesce=True):
+        yield text
     tail = []
     if include_usage:
         results = frames.results

@@ -6,7 +6,6 @@ answers as a ``response`` object or llama-server's stream of Responses events
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,20 +33,13 @@ from ..api.tools.plan import ChatPlan
 from ..service.state import tenant_of
 from ..service.submit import Submission, submit
 from ..service.tasks import TaskGroup
-from ..types import PromptProgress, TaskError, TaskResult, TextChunk
-from .common import SSE_HEADERS, sse_error, state_of
+from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
+from .common import SSE_HEADERS, Frame, json_str, sse_batches, sse_error, sse_named, state_of
 from .openai import _max_tokens, _plan, chat_constraint, render_chat
 
 router = APIRouter()
 
 Ev = tuple[str, dict[str, Any]]  # (event type, data)
-
-
-def _sse(events: list[Ev]) -> str:
-    """Events framed as llama-server frames them: an ``event:`` line, then ``data:``."""
-    return "".join(
-        f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n" for name, data in events
-    )
 
 
 def _chat_request(body: ResponsesRequest) -> ChatRequest:
@@ -114,24 +106,47 @@ class _ResponseStream:
         self.msg = Message()
         self.created = self.text_started = self.thinking_started = False
         self.fc_ids: dict[int, str] = {}  # call index -> its fc_ item id
+        # the message's text deltas, prebuilt (None: built per event)
+        delta = _ev("response.output_text.delta", item_id=self.msg_id, delta=Frame.hole(0))
+        self.text_frame = Frame.named(*delta, 1)
 
-    async def run(self, group: TaskGroup) -> AsyncIterator[str]:
-        async for _, ev in group.events():
-            if isinstance(ev, PromptProgress):
-                events = self._head(progress=True)
-                events[-1][1]["prompt_progress"] = ev.as_dict()
-                yield _sse(events)
-            elif isinstance(ev, TextChunk):
-                d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
-                events = self._head() + self._deltas(d)
-                if events and ev.timings is not None:  # timings_per_token
-                    events[-1][1]["timings"] = ev.timings.as_dict()
-                yield _sse(events)
-            elif isinstance(ev, TaskResult):
-                rest = Delta() if self.plan.plain else self.parser.finish()
-                yield _sse(self._head() + self._deltas(rest) + self._done(ev))
-            elif isinstance(ev, TaskError):
-                yield sse_error(ev)
+    def run(self, group: TaskGroup) -> AsyncIterator[str]:
+        """The response's SSE, one write per batch of engine events (``sse_batches``). A
+        reader far behind gets its text merged: one ``output_text.delta`` (or parser
+        delta) for the run, with the run's last timings (no log-probs are streamed)."""
+        return sse_batches(group, self.add, coalesce=True)
+
+    def add(self, out: list[str], _index: int, ev: Event) -> None:
+        """Append the events of one engine event to ``out``: the first one opens the
+        response (created, in_progress); a text chunk's ``timings`` (timings_per_token)
+        go on its last event; an error is llama-server's error event."""
+        if isinstance(ev, PromptProgress):
+            events = self._head(progress=True)
+            events[-1][1]["prompt_progress"] = ev.as_dict()
+            out.append(sse_named(events))
+        elif isinstance(ev, TextChunk):
+            d = Delta(content=ev.text) if self.plan.plain else self.parser.feed(ev.text)
+            frame = self._text_frame(d) if ev.timings is None else None
+            if frame is not None:
+                self.msg.add(d)
+                out.append(frame.fill(json_str(d.content)))
+                return
+            events = self._head() + self._deltas(d)
+            if events and ev.timings is not None:  # timings_per_token
+                events[-1][1]["timings"] = ev.timings.as_dict()
+            out.append(sse_named(events))
+        elif isinstance(ev, TaskResult):
+            rest = Delta() if self.plan.plain else self.parser.finish()
+            out.append(sse_named(self._head() + self._deltas(rest) + self._done(ev)))
+        elif isinstance(ev, TaskError):
+            out.append(sse_error(ev))
+
+    def _text_frame(self, d: Delta) -> Frame | None:
+        """The prebuilt ``output_text.delta`` frame, where ``d`` is only more text of the
+        started message: the bytes ``_head() + _deltas(d)`` would give."""
+        if not (self.created and self.text_started and d.content) or d.reasoning or d.calls:
+            return None
+        return self.text_frame
 
     def _status(self, kind: str) -> Ev:
         response = {"id": self.resp_id, "object": "response", "status": "in_progress"}

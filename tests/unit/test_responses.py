@@ -130,14 +130,14 @@ def test_output_items_order_and_ids() -> None:
 
 
 class _Group:
-    """Stands in for a TaskGroup: the events of one task."""
+    """Stands in for a TaskGroup: the events of one task, each delivered alone."""
 
     def __init__(self, events: list) -> None:
         self._events = events
 
-    async def events(self):  # noqa: ANN201
+    async def batches(self, coalesce: bool = False):  # noqa: ANN201
         for ev in self._events:
-            yield 0, ev
+            yield [(0, ev)]
 
 
 def _stream_events(plan, events: list) -> list[dict]:  # noqa: ANN001

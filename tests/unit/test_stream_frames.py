@@ -13,10 +13,18 @@ import pytest
 
 from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
 from server.api.tools.plan import plan_chat
-from server.routes import common, native, openai
+from server.routes import anthropic, common, native, openai, responses
 from server.routes.common import Frame, json_ints, json_str, sse
 from server.service.tasks import COALESCE_AFTER, coalesced, merge_text
-from server.types import FinishReason, TaskResult, TextChunk, Timings, TokenLogprob
+from server.types import (
+    FinishReason,
+    PromptProgress,
+    TaskError,
+    TaskResult,
+    TextChunk,
+    Timings,
+    TokenLogprob,
+)
 from tests.tool_cases import TEST_TOOL
 
 TEXTS = [
@@ -218,3 +226,111 @@ def test_plain_text_takes_the_prebuilt_frame(monkeypatch: pytest.MonkeyPatch) ->
     frames.add([], 0, TextChunk("Hé", [1], []))
     frames.add([], 0, TextChunk("llo", [2], []))
     assert filled == ['"Hé"', '"llo"']
+
+
+# ---- the named-event streams (Anthropic, Responses): a batch is one write -----------------
+
+
+class _Batches:
+    """Stands in for a TaskGroup: ``batches`` yields the given batches of task 0's events
+    (and records the ``coalesce`` it was asked for)."""
+
+    def __init__(self, batches: list[list[Any]]) -> None:
+        self._batches = batches
+        self.coalesce: bool | None = None
+        self.closed = False
+
+    async def batches(self, coalesce: bool = False):  # noqa: ANN201
+        self.coalesce = coalesce
+        try:
+            for batch in self._batches:
+                yield [(0, ev) for ev in batch]
+        finally:
+            self.closed = True
+
+
+def _writes(stream: Any, batches: list[list[Any]]) -> list[str]:
+    """What ``stream`` writes for ``batches``, write by write."""
+    group = _Batches(batches)
+
+    async def collect() -> list[str]:
+        return [s async for s in stream.run(group)]
+
+    out = asyncio.run(collect())
+    assert group.coalesce is True and group.closed
+    return out
+
+
+NAMED_CASES = {
+    "plain": {"reasoning_format": "none"},
+    "reasoning": {"reasoning_format": "deepseek"},
+    "tools": {"tools": [TEST_TOOL]},
+}
+
+
+def _named_events(end: Any) -> list[Any]:
+    """Progress (the message's opening, then pings), text of every kind, then ``end``."""
+    progress = [PromptProgress(9, 2, p, p) for p in (2, 5, 9)]
+    texts = [*TEXTS, *CHAT_TEXT]
+    timed = {4: Timings(predicted_n=5)}  # timings_per_token on one chunk
+    text = [TextChunk(t, [1], [], timed.get(i)) for i, t in enumerate(texts)]
+    return [*progress, *text, end]
+
+
+def _named_stream(route: str, case: str, mp: pytest.MonkeyPatch) -> Any:
+    """A stream factory of ``route`` (fixed ids: two streams write the same bytes)."""
+    tpl = ChatTemplate(BUILTIN_TEMPLATES["chatml"])
+    if route == "anthropic":
+        mp.setattr(anthropic, "new_id", lambda prefix: prefix + "1")
+        return lambda: anthropic._MessageStream(
+            plan_chat(tpl, **NAMED_CASES[case]), "m ü", False, 9
+        )  # type: ignore[arg-type]
+    mp.setattr(responses, "new_id", lambda prefix: prefix + "1")
+    return lambda: responses._ResponseStream(plan_chat(tpl, **NAMED_CASES[case]), "m ü")  # type: ignore[arg-type]
+
+
+def _per_event(stream: Any, events: list[Any]) -> list[str]:
+    """The SSE text of each event rendered alone (``add``), in order."""
+    out: list[str] = []
+    for ev in events:
+        frames: list[str] = []
+        stream.add(frames, 0, ev)
+        out.append("".join(frames))
+    return out
+
+
+@pytest.mark.parametrize("route", ["anthropic", "responses"])
+@pytest.mark.parametrize("case", list(NAMED_CASES))
+@pytest.mark.parametrize("error", [False, True])
+def test_named_event_batches_as_the_per_event_stream(
+    monkeypatch: pytest.MonkeyPatch, route: str, case: str, error: bool
+) -> None:
+    result = TaskResult(0, FinishReason.STOP, "", [], 9, Timings(predicted_n=18, cache_n=2))
+    events = _named_events(TaskError(408, "timed out", "timeout_error") if error else result)
+    make = _named_stream(route, case, monkeypatch)
+    per_event = _per_event(make(), events)  # each event alone, as they were sent
+    with monkeypatch.context() as m:  # no prebuilt frame: every event built as a dict
+        m.setattr(common.Frame, "of", classmethod(lambda cls, obj, holes: None))
+        assert _per_event(make(), events) == per_event
+    assert _writes(make(), [[ev] for ev in events]) == [w for w in per_event if w]
+    cuts = [0, 1, 3, 4, 9, 12, len(events) - 1, len(events)]
+    batches = [events[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    want = ["".join(per_event[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert _writes(make(), batches) == [w for w in want if w]  # one write per batch
+    frames = "".join(per_event).split("\n\n")
+    assert frames[0].startswith(("event: message_start\n", "event: response.created\n"))
+    assert frames[1].startswith(("event: ping\n", "event: response.in_progress\n"))
+    assert ("timed out" in frames[-2]) is error and frames[-1] == ""
+
+
+@pytest.mark.parametrize("route", ["anthropic", "responses"])
+def test_named_plain_text_takes_the_prebuilt_frame(
+    monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    filled: list[str] = []
+    fill = Frame.fill
+    monkeypatch.setattr(Frame, "fill", lambda self, *f: filled.append(f[0]) or fill(self, *f))
+    stream = _named_stream(route, "plain", monkeypatch)()
+    texts = ["Hé", "llo", " 😀"]
+    _per_event(stream, [TextChunk(t, [1], []) for t in texts])
+    assert filled == ['"llo"', '" 😀"']  # the first opens the message and its text block
