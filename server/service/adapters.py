@@ -57,6 +57,9 @@ class AdapterRegistry:
     def __init__(self, adapters: list[Adapter]) -> None:
         self.adapters = adapters
         self.by_alias = {a.alias: a for a in adapters if a.alias}
+        # the global scales as one tuple, replaced whole (``set_global``, on the event loop):
+        # ``resolve`` may run in a worker thread and never sees half of a change
+        self.global_scales = tuple(a.scale for a in adapters)
 
     @classmethod
     def from_files(
@@ -110,11 +113,14 @@ class AdapterRegistry:
 
     def set_global(self, items: list[Any]) -> None:
         """POST /lora-adapters: the new global scales (an adapter left out: 0)."""
-        for a, s in zip(self.adapters, self.scales_of(items), strict=True):
+        scales = self.scales_of(items)
+        for a, s in zip(self.adapters, scales, strict=True):
             a.scale = s
+        self.global_scales = scales
 
     def resolve(self, lora: list[Any] | None, model: str | None) -> AdapterChoice:
-        """What a request with these fields runs under (module docstring)."""
+        """What a request with these fields runs under (module docstring). Thread-safe
+        against ``set_global``."""
         if not self.adapters:
             if lora:
                 raise APIError(400, "no LoRA adapter is loaded (start the server with --lora)")
@@ -126,7 +132,7 @@ class AdapterRegistry:
             on = a.default_scale or 1.0
             scales = tuple(on if b is a else 0.0 for b in self.adapters)
         else:
-            scales = tuple(a.scale for a in self.adapters)
+            scales = self.global_scales
         return AdapterChoice(scales, self.key(scales))
 
     def key(self, scales: tuple[float, ...]) -> str:

@@ -12,7 +12,9 @@ from typing import Any, NamedTuple
 from ..api.schemas import SamplingFields
 from ..cache import tenancy
 from ..constrained import Constraint
+from ..slots.engine import Engine
 from ..types import GenParams
+from .adapters import AdapterChoice
 from .sampling import sampling_from, stops_from
 from .state import ServerState
 from .tasks import TaskGroup
@@ -70,6 +72,25 @@ def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
     return prompts
 
 
+class _Prepared(NamedTuple):
+    engine: Engine
+    adapters: AdapterChoice
+    prompts: list[Prompt]
+    constraint: Constraint | None
+
+
+def _prepare(st: ServerState, body: SamplingFields, job: Submission) -> _Prepared:
+    """The slow checks of ``submit``, in one worker thread (one hand-off per request), in
+    the order they always ran (a request with several faults reports the same one): the
+    constraint (checking a schema or grammar may take a compile child
+    --constraint-timeout seconds), the engine, the adapters, then the prompts (tokenizing a
+    long prompt takes a while: off the event loop, so other streams keep flowing)."""
+    constraint = job.constraint()
+    engine = st.require_engine()
+    adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
+    return _Prepared(engine, adapters, _checked_prompts(job, st.backend), constraint)
+
+
 def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenParams:
     """The generation settings of every task of ``job``."""
     return GenParams(
@@ -97,16 +118,10 @@ async def submit(
     Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
     settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
     prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
-    # Checking a schema or grammar may take a compile child --constraint-timeout seconds:
-    # off the event loop. First: a request with several faults reports the same one.
-    constraint = await asyncio.to_thread(job.constraint)
-    engine = st.require_engine()
-    adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
+    ready = await asyncio.to_thread(_prepare, st, body, job)
+    engine, adapters, prompts, constraint = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
     b = st.backend
-    # Tokenizing (and checking) a long prompt takes a while: off the event loop, so the
-    # streams of other requests keep flowing meanwhile.
-    prompts = await asyncio.to_thread(_checked_prompts, job, b)
     sampling = sampling_from(body, b, st.settings)
     if body.ignore_eos:  # as llama-server: every end-of-generation token banned
         sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}

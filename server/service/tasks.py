@@ -131,10 +131,9 @@ class TaskGroup:
             raise APIError(
                 400, f"id_slot must be below the number of slots ({len(self.engine.slots)})"
             )
-        if (
-            self.engine.queue_depth() + len(self.tasks)
-            > self.max_queue + self.engine.n_idle_slots()
-        ):
+        queued = self.engine.queue_depth() + len(self.tasks)
+        # n_idle_slots walks the slots: only asked when the queue alone is over the bound
+        if queued > self.max_queue and queued > self.max_queue + self.engine.n_idle_slots():
             raise APIError(
                 503,
                 f"the server is busy: more than {self.max_queue} requests are waiting",

@@ -49,7 +49,10 @@ class AdapterTurns:
             return [], ()
         groups: dict[tuple[float, ...], list[Slot]] = {}
         for s in active:
-            groups.setdefault(adapters_of(s), []).append(s)
+            run = s.run
+            assert run is not None  # an active slot holds its run
+            lora = run.task.lora  # per slot and step: no call for the usual empty set
+            groups.setdefault(canonical(lora) if lora else (), []).append(s)
         if len(groups) == 1:
             (key,) = groups
         else:

@@ -25,10 +25,9 @@ class TextStream:
         self.held = ""
 
     def push(self, piece: bytes) -> Release:
+        if not self.stops:  # nothing is ever held back then (``held`` stays "")
+            return Release(self._dec.decode(piece), "")
         text = self.held + self._dec.decode(piece)
-        if not self.stops:
-            self.held = ""
-            return Release(text, "")
         first = -1
         word = ""
         for s in self.stops:
