@@ -24,6 +24,8 @@ MAX_BACKLOG = 256
 # output for a task (a speculative step releases at most 1 + --spec-ngram-size-m = 49
 # tokens), so a reader that keeps up never sees a merged chunk.
 COALESCE_AFTER = 64
+# How often a non-streaming request asks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
 
 
 class TaskGroup:
@@ -224,9 +226,15 @@ class TaskGroup:
     async def results(self, request: Any = None) -> list[TaskResult]:
         """Wait for every task; the first error becomes an APIError.
 
-        With ``request``, a client that disconnects cancels the tasks (within ~0.25 s).
+        With ``request``, a client that disconnects cancels the tasks (within about
+        2 x DISCONNECT_POLL_S). The watcher starts only once the request has run that long:
+        most requests end before, and then cost no watcher task.
         """
-        watcher = asyncio.create_task(self._watch(request)) if request is not None else None
+        watchers: list[asyncio.Task[None]] = []
+        timer = None
+        if request is not None:
+            start = lambda: watchers.append(asyncio.create_task(self._watch(request)))  # noqa: E731
+            timer = self.loop.call_later(DISCONNECT_POLL_S, start)
         out: list[TaskResult | None] = [None] * len(self.tasks)
         try:
             async for index, ev in self.events():
@@ -235,8 +243,10 @@ class TaskGroup:
                 if isinstance(ev, TaskResult):
                     out[index] = ev
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            if timer is not None:
+                timer.cancel()
+            for w in watchers:
+                w.cancel()
         return [r for r in out if r is not None]
 
     async def _watch(self, request: Any) -> None:
@@ -323,10 +333,9 @@ def coalesced(batch: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
     return out
 
 
-async def until_disconnected(request: Any, period: float = 0.25) -> None:
-    """Returns once the client of ``request`` has gone. Polled: Starlette tells a
-    non-streaming handler of a disconnect only when asked."""
-    while True:
+async def until_disconnected(request: Any, period: float = DISCONNECT_POLL_S) -> None:
+    """Returns once the client of ``request`` has gone (checked at once, then every
+    ``period`` seconds). Polled: Starlette tells a non-streaming handler of a disconnect
+    only when asked."""
+    while not await request.is_disconnected():
         await asyncio.sleep(period)
-        if await request.is_disconnected():
-            return

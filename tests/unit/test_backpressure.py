@@ -9,7 +9,8 @@ import gc
 import time
 import weakref
 
-from server.service.tasks import MAX_BACKLOG, TaskGroup
+from server.api.errors import APIError
+from server.service.tasks import DISCONNECT_POLL_S, MAX_BACKLOG, TaskGroup
 from server.types import GenParams, SamplingParams, TaskResult
 
 from .helpers import make_engine
@@ -90,3 +91,52 @@ def test_a_finished_request_is_freed_without_the_garbage_collector():
     assert counts[:3] == [9, 9, 9]  # 8 chunks and the result, each group
     assert groups == []
     assert tasks == []
+
+
+class _Client:
+    """A request's disconnect probe: gone once ``leave_at`` (monotonic) has passed."""
+
+    def __init__(self, leave_after: float) -> None:
+        self.leave_at = time.monotonic() + leave_after
+        self.asked = 0
+
+    async def is_disconnected(self) -> bool:
+        self.asked += 1
+        return time.monotonic() >= self.leave_at
+
+
+async def _wait_results(max_tokens: int, client: _Client) -> tuple[str, float, int]:
+    """A non-streaming group of one task; how it ended, after how long, and the number of
+    asyncio tasks left running besides this one."""
+    e, _ = make_engine(n_seq=1)
+    e.start()
+    try:
+        group = TaskGroup(e, timeout=30)
+        group.add(
+            list(range(1, 20)), SamplingParams(temperature=0.0), GenParams(max_tokens=max_tokens)
+        )
+        group.submit()
+        t0 = time.monotonic()
+        try:
+            (r,) = await group.results(client)
+            how = r.finish.value
+        except APIError as err:  # cancelled tasks end without a result
+            how = f"error {err.status}"
+        return how, time.monotonic() - t0, len(asyncio.all_tasks()) - 1
+    finally:
+        e.stop()
+
+
+def test_a_quick_request_starts_no_disconnect_watcher():
+    client = _Client(leave_after=60)
+    how, took, left = asyncio.run(_wait_results(4, client))
+    assert how == "length" and took < DISCONNECT_POLL_S
+    assert client.asked == 0 and left == 0  # never asked: no watcher task was started
+
+
+def test_a_gone_client_cancels_a_long_request():
+    client = _Client(leave_after=0.3)
+    how, took, left = asyncio.run(_wait_results(10**6, client))
+    assert how == "cancelled"  # not run to its end
+    assert client.asked >= 1 and left == 0
+    assert 0.3 <= took < 0.3 + 3 * DISCONNECT_POLL_S
