@@ -52,6 +52,7 @@ class TaskGroup:
         # and is freed at once (not left to the garbage collector's next full pass).
         self.box = _Mailbox()
         self.tasks: list[Task] = []
+        self._tick: asyncio.TimerHandle | None = None  # wakes a waiting reader (``_wait``)
 
     @property
     def pending(self) -> collections.deque[tuple[int, Event]]:
@@ -79,17 +80,26 @@ class TaskGroup:
         return emit
 
     async def _wait(self, timeout: float) -> None:
-        """Until an event is delivered or ``timeout`` seconds passed (one future and one
-        timer per wait, not a task per event as ``asyncio.wait_for(queue.get())`` costs)."""
+        """Until an event is delivered or the group's tick fires (at most ``timeout``
+        seconds from now): one future per wait, not a task per event as
+        ``asyncio.wait_for(queue.get())`` costs, and one timer per ``timeout``, not per wait
+        (a reader that keeps up waits once per engine step). A wake-up may come early: the
+        caller checks what it waits for and waits again."""
         fut = self.loop.create_future()
         box = self.box
         box.waiter = fut
-        timer = self.loop.call_later(timeout, _wake, fut)
+        if self._tick is None:
+            self._tick = self.loop.call_later(timeout, self._on_tick)
         try:
             await fut
         finally:
-            timer.cancel()
             box.waiter = None
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        w = self.box.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def add(
         self,
@@ -197,6 +207,9 @@ class TaskGroup:
                     return
                 yield self._take(open_, coalesce)
         finally:
+            if self._tick is not None:
+                self._tick.cancel()
+                self._tick = None
             if open_:
                 self.cancel()
 
@@ -284,11 +297,6 @@ class _Mailbox:
             return n_sent - n_read[index] > MAX_BACKLOG
 
         return lagging
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def merge_text(chunks: list[TextChunk]) -> TextChunk:
