@@ -244,10 +244,13 @@ class TaskGroup:
         most requests end before, and then cost no watcher task.
         """
         watchers: list[asyncio.Task[None]] = []
+
+        def start_watcher() -> None:
+            watchers.append(asyncio.create_task(self._watch(request)))
+
         timer = None
         if request is not None:
-            start = lambda: watchers.append(asyncio.create_task(self._watch(request)))  # noqa: E731
-            timer = self.loop.call_later(DISCONNECT_POLL_S, start)
+            timer = self.loop.call_later(DISCONNECT_POLL_S, start_watcher)
         out: list[TaskResult | None] = [None] * len(self.tasks)
         try:
             async for index, ev in self.events():
