@@ -66,11 +66,18 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
+# The largest LoRA scale, either sign (issue 40): a real adapter runs at 0-2; far beyond,
+# a random one already drives the logits to NaN (at 100: empty text, 500s). llama-server
+# takes any float; here a scale outside [-10, 10] is a 400 (--lora-scaled: refused at start).
+LORA_SCALE_MAX = 10.0
+
+
 class LoraScale(_Req):
-    """llama-server's LoRA item: an adapter id (GET /lora-adapters) and its scale."""
+    """llama-server's LoRA item: an adapter id (GET /lora-adapters) and its scale, within
+    ``LORA_SCALE_MAX`` either way."""
 
     id: Annotated[int, Field(ge=0, le=1023)]
-    scale: Annotated[float, Field(ge=-100.0, le=100.0)] = 0.0
+    scale: Annotated[float, Field(ge=-LORA_SCALE_MAX, le=LORA_SCALE_MAX)] = 0.0
 
 
 class SamplingFields(_Req):
@@ -247,6 +254,7 @@ class NativeCompletionRequest(SamplingFields):
     every form of llama-server's (server.api.prompts checks it)."""
 
     prompt: Any
+    model: str | None = None  # a --lora-alias runs that adapter (service/adapters.py)
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     stream: bool = False
@@ -289,6 +297,7 @@ class InfillRequest(SamplingFields):
     input_suffix: Any = None
     input_extra: Any = None
     prompt: Any = None
+    model: str | None = None  # as /completion's
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     stream: bool = False

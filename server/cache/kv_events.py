@@ -11,6 +11,11 @@ of a medium is exactly the union of what its holders hold. Holders:
   the prefix index registers and forgets them (``added`` / ``discarded``: the index's
   listener, called on whichever thread changed the tree).
 
+Token ids (issue 40): a BlockStored names its blocks' tokens, i.e. the prompt's text.
+``token_ids`` says whose are published: ``ALL``; ``SHARED`` (not those of a tenant's blocks,
+--cache-isolation); ``NONE`` (any key holder's prompt is private: --api-key). A withheld
+block is published with its hashes and an empty ``token_ids``.
+
 Every change's events are handed to ``publish`` (non-blocking: the publisher's bounded
 queue, cache/kv_publisher.py) under one lock, so their order is the ledger's order.
 """
@@ -33,6 +38,10 @@ from .kv_blocks import (
     stored_event,
     tenant_extra,
 )
+from .tenancy import owner
+
+# whose token ids BlockStored carries (module docstring)
+TOKENS_ALL, TOKENS_SHARED, TOKENS_NONE = "all", "shared", "none"
 
 # the prefix index's tiers (Held.TIER) and the medium each publishes as
 TIER_MEDIUM = {"ram": MEDIUM_CPU, "disk": MEDIUM_DISK, "disk-queue": MEDIUM_DISK}
@@ -50,8 +59,14 @@ class Chain:
 
 
 class KVEvents:
-    def __init__(self, hasher: BlockHasher, publish: Callable[[list[Event]], None]) -> None:
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        publish: Callable[[list[Event]], None],
+        token_ids: str = TOKENS_ALL,
+    ) -> None:
         self.hasher = hasher
+        self.token_ids = token_ids
         self.block_size = hasher.block_size
         self._publish = publish
         self._lock = threading.Lock()
@@ -99,8 +114,14 @@ class KVEvents:
     def _run(self, c: Chain, a: int, b: int, medium: str) -> Event:
         bs = self.block_size
         parent = c.parent if a == 0 else c.hashes[a - 1]
-        toks = list(c.tokens[a * bs : b * bs])
+        toks = list(c.tokens[a * bs : b * bs]) if self._shows(c.tenant) else []
         return stored_event(c.hashes[a:b], parent, toks, bs, medium, tenant_extra(c.tenant))
+
+    def _shows(self, tenant: str) -> bool:
+        """Whether a block of ``tenant`` is published with its token ids."""
+        if self.token_ids == TOKENS_ALL:
+            return True
+        return self.token_ids == TOKENS_SHARED and not owner(tenant)
 
     @staticmethod
     def _release(refs: dict[int, int], hashes: list[int]) -> list[int]:

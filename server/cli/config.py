@@ -158,8 +158,10 @@ class Settings(BaseModel):
     cache_disk: str | None = None
     cache_disk_mib: int = Field(16384, ge=0)
     cache_isolation: str = "none"
-    kv_events_endpoint: str | None = None  # ZMQ PUB bind address (server.cache.kv_publisher)
+    kv_events_endpoint: str | None = None  # ZMQ XPUB bind address (server.cache.kv_publisher)
     kv_events_topic: str | None = None  # None: kv@<hostname>@<model alias>
+    kv_events_allow_remote: bool = False  # bind beyond the loopback (server.http.kv_setup)
+    kv_events_token_ids: bool = False  # token ids also under --api-key / --cache-isolation
     kv_block_size: int = Field(16, ge=1, le=4096)
     ctx_checkpoints: int = Field(32, ge=0)
     checkpoint_min_step: int = Field(8192, ge=0)

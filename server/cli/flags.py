@@ -114,7 +114,9 @@ OPTIONS: list[Opt] = [
     _o("--prefix-share-min", "prefix_share_min", "LLAMA_ARG_PREFIX_SHARE_MIN", "least shared prefix (tokens) worth waiting for while another request computes it (default: 128; 0 = never wait)", int),
     _o("--slot-save-path", "slot_save_path", "LLAMA_ARG_SLOT_SAVE_PATH", "directory for POST /slots/{id}?action=save|restore (default: off)"),
     _o("--cache-isolation", "cache_isolation", "LLAMA_ARG_CACHE_ISOLATION", "keep cached prompts apart: none, per API key, or per cache salt (default: none)", choices=("none", "key", "salt")),
-    _o("--kv-events-endpoint", "kv_events_endpoint", "LLAMA_ARG_KV_EVENTS_ENDPOINT", "publish KV-cache events (vLLM's ZMQ wire format, for llm-d's precise prefix-cache scorer) on this ZMQ PUB bind address, e.g. tcp://*:5557 (default: off)"),
+    _o("--kv-events-endpoint", "kv_events_endpoint", "LLAMA_ARG_KV_EVENTS_ENDPOINT", "publish KV-cache events (vLLM's ZMQ wire format, for llm-d's precise prefix-cache scorer) on this ZMQ bind address, e.g. tcp://127.0.0.1:5557; a bare port binds the loopback; another interface needs --kv-events-allow-remote (default: off)"),
+    _o("--kv-events-allow-remote", "kv_events_allow_remote", "LLAMA_ARG_KV_EVENTS_ALLOW_REMOTE", "allow --kv-events-endpoint to bind beyond the loopback (tcp://*:5557): anyone who reaches it reads the events, unauthenticated (default: off)", "bool"),
+    _o("--kv-events-token-ids", "kv_events_token_ids", "LLAMA_ARG_KV_EVENTS_TOKEN_IDS", "publish the token ids of every block, also under --api-key or --cache-isolation, where they are withheld by default (block hashes only) (default: off)", "bool"),
     _o("--kv-events-topic", "kv_events_topic", "LLAMA_ARG_KV_EVENTS_TOPIC", "topic of the KV-cache events (default: kv@<hostname>@<model alias>)"),
     _o("--kv-block-size", "kv_block_size", "LLAMA_ARG_KV_BLOCK_SIZE", "tokens per KV-cache block in the events and in vllm:cache_config_info; llm-d's indexer takes the same blockSize (default: 16)", int),
     # --- speculative decoding ---

@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 
+from ..http import kv_setup
 from ..http.app import create_app
 from ..http.heap import settle_heap
 from ..router.app import router_mode
@@ -75,6 +76,10 @@ def bind(hosts: list[str], port: int) -> list[socket.socket]:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
+    problem = kv_setup.check(settings)
+    if problem:  # before the model loads: exits 2, as a malformed flag does
+        sys.stderr.write(f"error: --kv-events-endpoint: {problem}\n")
+        sys.exit(2)
     setup_logging(settings)
     warn_ignored(settings)
     options: dict[str, Any] = {

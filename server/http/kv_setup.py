@@ -5,6 +5,11 @@ Order at load: ``start`` before the disk tier scans its directory (its files are
 as they are indexed) and publishes AllBlocksCleared first; ``attach`` once the engine
 exists; ``close_tiers`` at shutdown publishes AllBlocksCleared (the model is unloaded) and sends
 what is queued.
+
+Exposure (issue 40): ``check`` refuses, before anything loads, an endpoint that binds
+beyond the loopback unless --kv-events-allow-remote confirms it; ``token_policy`` withholds
+token ids under --api-key (every block) or --cache-isolation (tenants' blocks) unless
+--kv-events-token-ids allows them.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache.kv_blocks import BlockHasher
-from ..cache.kv_events import KVEvents
-from ..cache.kv_publisher import KVPublisher
+from ..cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, KVEvents
+from ..cache.kv_publisher import KVPublisher, endpoint_problem, normalize_endpoint
 from ..cli.config import Settings
 from ..slots.kv_watch import SlotWatcher
 
@@ -35,24 +40,48 @@ def default_topic(model: str) -> str:
     return f"kv@{socket.gethostname()}@{model}"
 
 
+def check(s: Settings) -> str:
+    """Why the KV-event flags cannot start ("" when they can): an endpoint that binds
+    beyond the loopback without --kv-events-allow-remote."""
+    if not s.kv_events_endpoint or s.kv_events_allow_remote:
+        return ""
+    return endpoint_problem(normalize_endpoint(s.kv_events_endpoint))
+
+
+def token_policy(s: Settings) -> str:
+    """Whose token ids the events carry (cache/kv_events.py): all of them unless prompts are
+    private: none under --api-key, none of a tenant's under --cache-isolation."""
+    if s.kv_events_token_ids:
+        return TOKENS_ALL
+    if s.api_key or s.api_key_file:
+        return TOKENS_NONE
+    return TOKENS_SHARED if s.cache_isolation != "none" else TOKENS_ALL
+
+
 def start(s: Settings, model: str, cache: Any) -> KVEventsRuntime | None:
     """The publisher bound and started, AllBlocksCleared queued, and the RAM cache's prefix
     index (shared with the disk tier) reporting to the ledger. None when the events are off.
-    Raises when the endpoint cannot be bound."""
+    Raises when the endpoint cannot be bound, or may not be (``check``)."""
     if not s.kv_events_endpoint:
         return None
+    problem = check(s)
+    if problem:
+        raise RuntimeError(f"--kv-events-endpoint: {problem}")
+    endpoint = normalize_endpoint(s.kv_events_endpoint)
     topic = s.kv_events_topic or default_topic(model)
-    pub = KVPublisher(s.kv_events_endpoint, topic)
+    pub = KVPublisher(endpoint, topic)
     pub.start()
-    events = KVEvents(BlockHasher(s.kv_block_size, model), pub.publish)
+    tokens = token_policy(s)
+    events = KVEvents(BlockHasher(s.kv_block_size, model), pub.publish, tokens)
     events.cleared()
     if cache is not None:
         cache.index.listener = events
     log.info(
-        "KV events on %s, topic %r, blocks of %d tokens",
-        s.kv_events_endpoint,
+        "KV events on %s, topic %r, blocks of %d tokens, token ids: %s",
+        endpoint,
         topic,
         s.kv_block_size,
+        tokens,
     )
     return KVEventsRuntime(pub, events)
 

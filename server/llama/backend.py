@@ -26,6 +26,7 @@ from ..types import (
     VocabCompiler,
 )
 from .greedy import GreedyBias
+from .logits import check_pick, check_row
 from .lora import LoraAdapters
 from .memory import SeqMemory, memory_layout
 from .params import KV_TYPES, load_model
@@ -575,12 +576,22 @@ class LlamaBackend(SeqMemory):
         return smp
 
     def sample(self, sampler: Sampler, idx: int) -> int:
+        """The token ``sampler`` picks from output ``idx``. NonFiniteLogits (a client error,
+        server.llama.logits) when the row holds NaN or +inf, or nothing above -inf."""
         if sampler.n_post:
             return self._sample_post(sampler, idx)
         if sampler.greedy and sampler._ctx is None:
             return self.argmax(idx, sampler.bias)
-        # a chain attached to the backend returns the token the graph sampled
+        if sampler._ctx is None:  # on the CPU: refuse a row nothing can be sampled from
+            check_row(self._row(idx))
+        # a chain attached to the backend returns the token the graph sampled (its logits
+        # never leave the device: not checked)
         return L.llama_sampler_sample(sampler.ptr, self.ctx, idx)
+
+    def _row(self, idx: int) -> np.ndarray:
+        """Output ``idx``'s logits row, a view of the context's buffer (no copy)."""
+        ptr = L.llama_get_logits_ith(self.ctx, idx)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def _sample_post(self, sampler: Sampler, idx: int, logits: np.ndarray | None = None) -> int:
         """``sample`` (from ``logits`` when given, else output ``idx``'s row) on the server's
@@ -591,8 +602,8 @@ class LlamaBackend(SeqMemory):
             tok = self.argmax(idx, sampler.bias)
         else:
             if logits is None:
-                ptr = L.llama_get_logits_ith(self.ctx, idx)
-                logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+                logits = self._row(idx)
+                check_row(logits)
             if self._candidates is None:
                 self._candidates = _Candidates(self.n_vocab)
             tok = self._candidates.sample(sampler.ptr, logits)
@@ -616,9 +627,9 @@ class LlamaBackend(SeqMemory):
         argmax does). ~30x cheaper than ``llama_sampler_sample``, which first copies the whole
         vocabulary (262k entries on the default model) into a candidates array: that was ~1 ms
         per row, and a speculative verify of a 48-token draft samples up to 49 rows."""
-        ptr = L.llama_get_logits_ith(self.ctx, idx)
-        row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        row = self._row(idx)
         best = int(row.argmax())
+        check_pick(row, best)  # NaN is numpy's argmax; +inf a maximum
         return best if bias is None else bias.pick(row, best)
 
     def attach_sampler(self, sampler: Sampler, seq: int) -> bool:
@@ -660,8 +671,10 @@ class LlamaBackend(SeqMemory):
         not advanced. As llama.cpp's common_sampler does: sample without the constraint first
         and compute the full mask only when that token is refused (the result has the same
         distribution); ``full_mask`` masks first, so that the logits that ``top_logprobs``
-        reads afterwards are the constrained ones."""
-        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+        reads afterwards are the constrained ones. NonFiniteLogits (server.llama.logits)
+        for a row nothing can be sampled from, as ``sample``."""
+        logits = self._row(idx)
+        check_row(logits)  # before masking: a NaN row would admit no token
         if sampler.n_post:  # post_sampling_probs: report the constrained chain's distribution
             if matcher.mask_logits(logits) == 0:
                 return -1

@@ -20,6 +20,7 @@ from fastapi.routing import APIRoute
 from starlette.types import Message
 
 from ..api.errors import APIError, error_body
+from ..api.json_body import parse_json_body
 from ..cli.config import GcpCompat
 
 log = logging.getLogger("server.gcp")
@@ -138,10 +139,7 @@ def install(app: FastAPI, gcp: GcpCompat) -> None:
         raise ValueError(f"AIP_PREDICT_ROUTE={gcp.predict_route} is one of this server's routes")
 
     async def predict(request: Request) -> Response:
-        try:
-            data = json.loads(await request.body())
-        except ValueError as e:
-            raise APIError(400, f"malformed JSON in request body: {e}") from None
+        data = parse_json_body(await request.body())  # depth-bounded: a 400, never a 500
         if not isinstance(data, dict) or not isinstance(data.get("instances"), list):
             raise APIError(400, "request body must include an array field named instances")
         instances = data["instances"]

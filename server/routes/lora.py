@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from pydantic import TypeAdapter, ValidationError
 
 from ..api.errors import APIError
+from ..api.json_body import parse_json_body
 from ..api.schemas import LoraScale
 from .common import state_of
 
@@ -30,8 +31,9 @@ async def post_lora_adapters(request: Request) -> dict[str, Any]:
     (llama-server's rule). 400 for a malformed body or an unknown id. Runs already started
     keep the scales they started with; cached states stay keyed by theirs."""
     st = state_of(request)
+    body = parse_json_body(await request.body())  # depth-bounded: a 400, never a 500
     try:
-        items = _ITEMS.validate_python(await request.json())
+        items = _ITEMS.validate_python(body)
     except (ValidationError, ValueError) as e:
         raise APIError(400, f"expected a list of {{id, scale}} items: {e}") from None
     st.adapters.set_global(items)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from ..api.errors import APIError
+from ..api.json_body import parse_json_body
 from ..api.schemas import SlotActionBody
 from ..cache import slot_file, tenancy
 from ..service.state import ServerState, tenant_of
@@ -139,8 +139,9 @@ def _slot_id(id_slot: str, engine: Engine) -> int:
 
 
 def _filename(raw: bytes) -> str:
+    body = parse_json_body(raw, empty={})  # depth-bounded: a 400, never a RecursionError
     try:
-        return SlotActionBody.model_validate(json.loads(raw or b"{}")).filename
+        return SlotActionBody.model_validate(body).filename
     except (ValueError, ValidationError):
         raise APIError(400, 'the body must be JSON like {"filename": "name"}') from None
 

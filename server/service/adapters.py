@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..api.errors import APIError
+from ..api.schemas import LORA_SCALE_MAX
 
 
 @dataclass
@@ -143,14 +144,26 @@ class AdapterRegistry:
         return hashlib.sha256(";".join(active).encode()).hexdigest()[:24]
 
 
+def lora_scale(text: str) -> float:
+    """A --lora-scaled scale; ValueError unless a finite number within ``LORA_SCALE_MAX``
+    either way (the bound requests are held to: api/schemas.py)."""
+    scale = float(text)
+    if not abs(scale) <= LORA_SCALE_MAX:  # NaN fails too
+        raise ValueError(
+            f"LoRA scale {text!r} is outside [-{LORA_SCALE_MAX:g}, {LORA_SCALE_MAX:g}]"
+        )
+    return scale
+
+
 def registry_of(
     lora: list[str], scaled: list[str], aliases: list[str], apply: bool
 ) -> AdapterRegistry:
     """The registry the flags describe (--lora, --lora-scaled FILE:SCALE, --lora-alias
-    NAME=FILE, not --lora-init-without-apply). OSError for a file that cannot be read."""
+    NAME=FILE, not --lora-init-without-apply). OSError for a file that cannot be read,
+    ValueError for a scale that is not a number within ``LORA_SCALE_MAX``."""
     files = [(p, 1.0) for p in lora]
     for item in scaled:
         path, _, scale = item.rpartition(":")
-        files.append((path, float(scale)))
+        files.append((path, lora_scale(scale)))
     names = dict(x.split("=", 1) for x in aliases)
     return AdapterRegistry.from_files(files, names, apply)

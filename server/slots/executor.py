@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ..types import FinishReason
 from .backend_api import Backend
 from .plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
-from .sampling import ParallelSampling
+from .sampling import ConstraintDeadEnd, ParallelSampling
 from .slot import Slot, SlotRun
 from .spec_step import DraftDropError, Speculation
 from .stats import EngineStats
@@ -196,10 +196,17 @@ class Executor:
             try:
                 self._sample(o, picked.get(s.id, -1))
             except Exception as e:
-                log.exception("sampling failed on slot %d", s.id)
+                # a fault of the request's own (non-finite logits, a dead-end constraint)
+                # carries a 4xx ``status``: issue 40
+                status = getattr(e, "status", 500)
+                if status < 500:
+                    log.warning("slot %d: %s", s.id, e)
+                else:
+                    log.exception("sampling failed on slot %d", s.id)
                 o.tokens, o.logprobs = [], None
-                why = str(e) if isinstance(e, DraftDropError) else f"sampling failed: {e}"
-                out.ended.append(Ended(s, FinishReason.ERROR, why))
+                plain = isinstance(e, DraftDropError) or status < 500
+                why = str(e) if plain else f"sampling failed: {e}"
+                out.ended.append(Ended(s, FinishReason.ERROR, why, status))
 
     def _sample(self, o: SlotOutput, tok: int) -> None:
         w = o.work
@@ -222,7 +229,8 @@ class Executor:
         """The run's next token: sampled, and for a constrained run one its matcher allows
         (the matcher is advanced over it). Costs a constrained slot about 0.2 ms per token,
         1-2 ms when the sampled token is refused (full-vocabulary mask): it never holds up
-        the batch for long. Raises RuntimeError when the constraint admits no token."""
+        the batch for long. Raises ConstraintDeadEnd (a 400) when the constraint admits no
+        token."""
         m = run.matcher
         if m is None:
             return self.b.sample(run.sampler, idx)
@@ -230,7 +238,7 @@ class Executor:
         # with log-probs wanted, always mask: they report the constrained distribution
         tok = self.b.sample_constrained(run.sampler, idx, m, gen.logprobs or gen.n_probs > 0)
         if tok < 0 or not m.accept(tok):
-            raise RuntimeError(f"the constraint admits no token: {m.error() or 'dead end'}")
+            raise ConstraintDeadEnd(f"the constraint admits no token: {m.error() or 'dead end'}")
         return tok
 
 

@@ -119,6 +119,7 @@ class Ended:
     slot: Slot
     reason: FinishReason
     error: str = ""
+    status: int = 500  # an error's HTTP status: 4xx when the request caused it
 
 
 @dataclass

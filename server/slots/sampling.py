@@ -13,6 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..types import Task
 
+
+class ConstraintDeadEnd(RuntimeError):
+    """The request's grammar or schema admits no token where its run stands: the request's
+    fault (``status``), answered as a 400 (issue 40), never a 500."""
+
+    status = 400
+
+
 # Why a task samples on the CPU under -bs (the label of the fallback counter).
 CONSTRAINT = "constraint"  # grammar / json_schema / response_format: needs the token mask
 LOGPROBS = "logprobs"  # logprobs / n_probs read the full logits row

@@ -56,7 +56,7 @@ class Updater:
                 self._account(o, now)
         for e in out.ended:
             if not e.slot.idle:
-                self.finish(e.slot, e.reason, error=e.error)
+                self.finish(e.slot, e.reason, error=e.error, status=e.status)
 
     def _account(self, o: SlotOutput, now: float) -> None:
         s = o.work.slot
@@ -151,10 +151,16 @@ class Updater:
         run.out_text.append(text)
 
     def finish(
-        self, s: Slot, reason: FinishReason, *, stop_word: str = "", error: str = ""
+        self,
+        s: Slot,
+        reason: FinishReason,
+        *,
+        stop_word: str = "",
+        error: str = "",
+        status: int = 500,
     ) -> None:
-        """End the slot's run: flush its text, send its result (or error), free its
-        sampler, count it, and make the slot idle."""
+        """End the slot's run: flush its text, send its result (or its error, with
+        ``status``), free its sampler, count it, and make the slot idle."""
         run = s.run
         assert run is not None  # only a slot holding a run finishes one
         task = run.task
@@ -169,7 +175,8 @@ class Updater:
             run.sampler = None
         self.stats.on_finish(result, (now - task.t_enqueued) * 1e3)
         if reason is FinishReason.ERROR:
-            self.send(task, TaskError(500, error or "generation failed"))
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            self.send(task, TaskError(status, error or "generation failed", kind))
         else:
             self.send(task, result)
         _log_finish(s.id, task.id, reason, result.timings)

@@ -115,6 +115,8 @@ def test_pieces_agree_with_each_other_and_the_server():
     assert pp["tokenProcessorConfig"]["blockSize"] == int(env["LLAMA_ARG_KV_BLOCK_SIZE"])
     disc = pp["kvEventsConfig"]["podDiscoveryConfig"]
     assert env["LLAMA_ARG_KV_EVENTS_ENDPOINT"] == f"tcp://*:{disc['socketPort']}"
+    # the router dials the pod: the bind beyond the loopback is confirmed (issue 40)
+    assert env["LLAMA_ARG_KV_EVENTS_ALLOW_REMOTE"] == "1"
     assert ports["kv-events"] == disc["socketPort"]
     key, value = disc["podLabelSelector"].split("=")
     assert labels[key] == value

@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from server.cache.kv_blocks import BlockHasher
+from tests import zmtp_peer
 
 from .conftest import ServerProc, free_port, long_text
 
@@ -246,3 +247,80 @@ def test_events_follow_slots_ram_and_disk_then_a_restart_clears(
         wait_for(lambda: fresh().blocks.get("DISK"), "the disk files", 20)
     finally:
         s2.stop()
+
+
+# ---------------------------------------------------------------- exposure (issue 40)
+
+
+def _refused(*args: str) -> str:
+    """The start-up error of a server that must not start (stopped if it does)."""
+    try:
+        s = ServerProc(*args)
+    except RuntimeError as e:
+        return str(e)
+    s.stop()
+    raise AssertionError(f"the server started with {args}")
+
+
+def test_a_bind_beyond_the_loopback_is_refused_at_start():
+    port = free_port()
+    t0 = time.time()
+    err = _refused("--kv-events-endpoint", f"tcp://*:{port}")
+    assert "exited (2)" in err and "--kv-events-allow-remote" in err
+    err = _refused("--kv-events-endpoint", f"tcp://0.0.0.0:{port}")
+    assert "exited (2)" in err and "every interface" in err
+    assert time.time() - t0 < 60  # refused before the model loads
+
+
+def test_a_keyed_tenants_prompt_is_not_published(make_server, sub_endpoint):
+    sub, port = sub_endpoint
+    key = "tenant-key-1"
+    s = make_server("-np", "1", "--api-key", key, "--cache-isolation", "key",
+                    "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "-a", "gemma")  # fmt: skip
+    s.client.headers["Authorization"] = f"Bearer {key}"
+    wait_for(lambda: sub.msgs, "the start-up message")
+    prompt = f"My secret diary. {long_text(200, seed=3)} The end."
+    toks = s.tokenize(prompt)
+    complete(s, prompt, 4)
+
+    def stored() -> list[list]:
+        return [e for e in sub.events() if e[0] == "BlockStored" and e[6] == "GPU"]
+
+    n_blocks = len(toks) // BS
+    wait_for(lambda: sum(len(e[1]) for e in stored()) >= n_blocks, "the prompt's blocks")
+    for e in stored():  # hashes only: the blocks are there, their tokens are not
+        assert len(e[1]) >= 1 and e[3] == [], e[:4]
+        assert e[8] and all(x[0].startswith("tenant:") for x in e[8])  # the tenant's extra key
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.serial
+def test_oversize_subscriptions_leave_the_server_flat(make_server, sub_endpoint):
+    """A raw ZMTP peer's 1 MiB subscriptions (four rounds of 50) once grew the server by
+    150 MB for good; each is now refused at its frame's header (ZMQ_MAXMSGSIZE) and the
+    real subscriber keeps receiving."""
+    sub, port = sub_endpoint
+    s = make_server("-np", "1", "--kv-events-endpoint", f"tcp://127.0.0.1:{port}")
+    wait_for(lambda: sub.msgs, "the start-up message")
+    complete(s, "Warm up the server once.", 2)
+    before = _rss_mb(s.proc.pid)
+    payload = b"x" * (1 << 20)
+    for r in range(4):  # 50 peers at once, while the server publishes
+        peers = [zmtp_peer.connect(port) for _ in range(50)]
+        for i, peer in enumerate(peers):
+            zmtp_peer.send_quietly(peer, zmtp_peer.subscribe(f"{r}-{i}-".encode() + payload))
+        complete(s, f"Round {r}. {long_text(40, seed=r)}", 2)
+        time.sleep(0.5)
+        for peer in peers:
+            peer.close()
+    time.sleep(2)
+    grown = _rss_mb(s.proc.pid) - before
+    assert grown < 40, f"the server grew by {grown:.0f} MB"
+    n = len(sub.msgs)
+    complete(s, f"After the flood. {long_text(40, seed=4)}", 2)
+    wait_for(lambda: len(sub.msgs) > n, "events after the flood", 20)

@@ -7,6 +7,7 @@ drift bound of tests/e2e/conftest.py) and token accounting (``cache_n``)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import re
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from .conftest import (
     LOGPROB_TOL,
+    ServerProc,
     assert_same_next_token_distribution,
     first_token,
     gemma_path,
@@ -231,3 +233,68 @@ def _cached_steps(client, steps) -> list[tuple[int, int]]:
         t = r.json()["timings"]
         out.append((t["cache_n"], t["cache_n"] + t["prompt_n"]))
     return out
+
+
+# ---------------------------------------------------------------- issue 40
+
+
+def test_an_alias_is_a_model_on_completion_too(make_server, adapters):
+    """``model: <alias>`` on /completion runs that adapter, as on /v1/completions (it used to
+    run the base model there); scales beyond [-10, 10] are 400s wherever they are given."""
+    a, b = adapters
+    s = make_server("-np", "1", "--lora-scaled", f"{a}:0", "--lora-alias", f"bee={b}")
+    base, with_b = _lp(s, NONE), _lp(s, B)
+    assert _gap(base, with_b) > 2 * LOGPROB_TOL
+    bee = first_token(s, PROMPT, model="bee", cache_prompt=False)
+    assert _gap(bee, with_b) <= LOGPROB_TOL and _gap(bee, base) > 2 * LOGPROB_TOL
+    # the range: per request and global, either sign; the edge is accepted
+    for scale in (10.5, -11, 100):
+        r = s.client.post("/completion", json={"prompt": "x", "n_predict": 1,
+                                               "lora": [{"id": 0, "scale": scale}]})  # fmt: skip
+        assert r.status_code == 400, r.text
+        r = s.client.post("/lora-adapters", json=[{"id": 1, "scale": scale}])
+        assert r.status_code == 400, r.text
+    assert s.client.post("/lora-adapters", json=[{"id": 1, "scale": -10}]).status_code == 200
+    assert [x["scale"] for x in s.client.get("/lora-adapters").json()] == [0.0, -10.0]
+    s.assert_integrity()
+
+
+def test_a_scale_beyond_the_range_is_refused_at_start(adapters):
+    a, _ = adapters
+    try:
+        s = ServerProc("--lora-scaled", f"{a}:50")
+    except RuntimeError as e:
+        assert "outside [-10, 10]" in str(e)
+    else:
+        s.stop()
+        raise AssertionError("the server started with a scale of 50")
+
+
+def test_non_finite_logits_are_a_400_on_every_sampling_path(make_server, tmp_path):
+    """An adapter that drives the logits to NaN (entries 100x a real one's, at scale 1;
+    the issue's: a normal one at scale 100): greedy, sampled, n_probs, a JSON schema, chat
+    and a stream each get a 400 (an error event), never empty text or a 500, and the
+    server keeps serving."""
+    wild = write_adapter(gemma_path(), tmp_path / "wild.gguf", seed=3, std=10.0)
+    s = make_server("-np", "2", "--lora-init-without-apply", "--lora", str(wild))
+    on = {"prompt": PROMPT, "n_predict": 4, "lora": [{"id": 0, "scale": 1.0}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for extra in ({"temperature": 0}, {"temperature": 0.8}, {"n_probs": 3},
+                  {"json_schema": schema}, {"grammar": 'root ::= "yes" | "no"'},
+                  {"n_probs": 3, "post_sampling_probs": True}):  # fmt: skip
+        r = s.client.post("/completion", json={**on, **extra})
+        assert r.status_code == 400, (extra, r.status_code, r.text)
+        assert "non-finite logits" in r.json()["error"]["message"], r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "lora": on["lora"]}
+    r = s.client.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    with s.client.stream("POST", "/completion", json={**on, "stream": True}) as r:
+        body = r.read().decode()
+    events = [json.loads(x[6:]) for x in body.split("\n\n") if x.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 400, body
+    assert "non-finite logits" in events[-1]["error"]["message"], body
+    assert not any(e.get("content") for e in events), body  # no text from NaN logits
+    # the server is fine: the same prompt without the adapter
+    r = s.client.post("/completion", json={**on, "lora": [], "temperature": 0})
+    assert r.status_code == 200 and r.json()["content"], r.text
+    s.assert_integrity()

@@ -117,6 +117,8 @@ def test_a_constraint_that_admits_nothing_fails_its_task_only():
     t1, c1 = _constrained(range(10), [])  # complete before the first token: nothing allowed
     t2, c2 = task(range(50, 60), max_tokens=3)
     run(e, t1, t2)
-    assert c1.error is not None and c1.error.status == 500
+    # the request's own constraint: a client error (issue 40), not a 500
+    assert c1.error is not None and c1.error.status == 400
+    assert c1.error.type == "invalid_request_error"
     assert "admits no token" in c1.error.message
     assert c2.result.finish is FinishReason.LENGTH

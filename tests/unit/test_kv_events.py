@@ -5,10 +5,13 @@ drop counting."""
 
 from __future__ import annotations
 
+import socket
 import struct
 import threading
+import time
 
 import msgpack
+import zmq
 
 from server.cache.kv_blocks import (
     FNV_OFFSET,
@@ -19,10 +22,13 @@ from server.cache.kv_blocks import (
     root_hash,
     tenant_extra,
 )
-from server.cache.kv_events import Chain, KVEvents
-from server.cache.kv_publisher import KVPublisher, encode
+from server.cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, Chain, KVEvents
+from server.cache.kv_publisher import KVPublisher, encode, endpoint_problem, normalize_endpoint
+from server.cli.config import Settings
+from server.http import kv_setup
 from server.slots.kv_watch import SlotWatcher
 from server.slots.slot import Slot
+from tests import zmtp_peer
 
 
 def _fnv(data: bytes) -> int:  # the textbook definition, independent of the server's
@@ -244,3 +250,100 @@ def test_publisher_never_blocks_and_counts_drops_with_gaps():
     pub2.publish([])
     pub2.close()
     assert pub2.dropped == 1 and pub2.sent == 0
+
+
+# ---- exposure (issue 40) ---------------------------------------------------------------
+
+
+def test_only_the_loopback_binds_without_confirmation():
+    for ok in ("tcp://127.0.0.1:5557", "tcp://localhost:5557", "tcp://[::1]:5557",
+               "tcp://127.0.0.2:1", "ipc:///tmp/kv.sock", "inproc://kv"):  # fmt: skip
+        assert endpoint_problem(ok) == "", ok
+    for bad in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://10.1.2.3:5557",
+                "tcp://eth0:5557", "tcp://example.com:5557"):  # fmt: skip
+        assert "--kv-events-allow-remote" in endpoint_problem(bad), bad
+    assert normalize_endpoint("5557") == "tcp://127.0.0.1:5557"
+    assert normalize_endpoint("tcp://*:1") == "tcp://*:1"
+    # the flags: refused unless confirmed; a bare port is the loopback
+    assert "every interface" in kv_setup.check(Settings(kv_events_endpoint="tcp://*:5557"))
+    assert (
+        kv_setup.check(Settings(kv_events_endpoint="tcp://*:1", kv_events_allow_remote=True)) == ""
+    )
+    assert kv_setup.check(Settings(kv_events_endpoint="5557")) == ""
+    assert kv_setup.check(Settings()) == ""
+
+
+def test_token_ids_are_withheld_under_a_key_or_isolation():
+    assert kv_setup.token_policy(Settings()) == TOKENS_ALL
+    assert kv_setup.token_policy(Settings(api_key="k")) == TOKENS_NONE
+    assert kv_setup.token_policy(Settings(cache_isolation="salt")) == TOKENS_SHARED
+    both = Settings(api_key="k", cache_isolation="key")
+    assert kv_setup.token_policy(both) == TOKENS_NONE
+    allowed = Settings(api_key="k", cache_isolation="key", kv_events_token_ids=True)
+    assert kv_setup.token_policy(allowed) == TOKENS_ALL
+
+
+def test_ledger_publishes_hashes_only_for_withheld_blocks():
+    for policy, shown in ((TOKENS_ALL, (True, True)), (TOKENS_SHARED, (True, False)),
+                          (TOKENS_NONE, (False, False))):  # fmt: skip
+        out: list[list] = []
+        ev = KVEvents(BlockHasher(2, "m"), out.append, policy)
+        for tenant, show in zip(("", "key:abc"), shown, strict=True):
+            hs = ev.hasher.hashes([1, 2, 3, 4], tenant)
+            ev.change("GPU", [Chain(hs, [1, 2, 3, 4], None, tenant)], [])
+            stored = out[-1][0]
+            assert stored[1] == hs and stored[3] == ([1, 2, 3, 4] if show else []), policy
+        # a tenant's blocks under an adapter set are still the tenant's
+        hs = ev.hasher.hashes([7, 8], "key:abc|lora:00")
+        ev.change("CPU", [Chain(hs, [7, 8], None, "key:abc|lora:00")], [])
+        assert out[-1][0][3] == ([7, 8] if shown[1] else [])
+
+
+def test_publisher_caps_subscription_size_and_count():
+    port = _free_port()
+    pub = KVPublisher(f"tcp://127.0.0.1:{port}", "kv@h@m", settle_s=0)
+    pub.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        _until_received(pub, sub)
+        # a 1 MiB subscription: the peer is dropped at its frame's header
+        big = zmtp_peer.connect(port)
+        zmtp_peer.send_quietly(big, zmtp_peer.subscribe(b"x" * (1 << 20)))
+        assert zmtp_peer.closed(big)
+        big.close()
+        assert pub.resets == 0
+        _until_received(pub, sub)  # the real subscriber is not disturbed
+        # too many distinct small ones: the socket is reset, freeing them all
+        many = zmtp_peer.connect(port)
+        many.sendall(b"".join(zmtp_peer.subscribe(f"junk{i}".encode()) for i in range(200)))
+        deadline = time.time() + 10
+        while pub.resets == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        assert pub.resets == 1 and zmtp_peer.closed(many)
+        many.close()
+        _until_received(pub, sub)  # the real subscriber reconnects by itself
+    finally:
+        sub.close(0)
+        ctx.term()
+        pub.close()
+
+
+def _until_received(pub: KVPublisher, sub: zmq.Socket, timeout: float = 15) -> None:
+    """Publish until ``sub`` receives a batch (it may still be (re)subscribing)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pub.publish([["AllBlocksCleared"]])
+        if sub.poll(100):
+            while sub.poll(0):
+                sub.recv_multipart()
+            return
+    raise AssertionError("the subscriber received nothing")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
