@@ -269,7 +269,6 @@ def test_a_page_elsewhere_can_neither_walk_around_nor_change_state(make_router):
         ("POST", "/x/..%2Fslots/0?action=erase"),
         ("GET", f"/x/..%2Fcors-proxy?model=smollm2&url={target}"),
         ("GET", "/x/%2e%2e/slots?model=smollm2"),
-        ("GET", "//slots?model=smollm2"),
     ]:
         res = r.client.request(method, path, json={"model": "smollm2"}, headers=EVIL)
         assert res.status_code == 400, (path, res.status_code, res.text[:200])
