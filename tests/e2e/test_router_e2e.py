@@ -214,21 +214,34 @@ def test_killed_instance_gives_503_and_restarts(make_router):
     t = threading.Thread(target=lambda: result.append(complete(r, "gemma", 1500)))
     t.start()
     lines: list[str] = []
+    openai: list[str] = []
 
-    def stream() -> None:
-        body = {"model": "gemma", "prompt": "Hi", "n_predict": 1500, "stream": True}
-        with r.client.stream("POST", "/completion", json=body) as res:
-            lines.extend(x for x in res.iter_lines() if x.startswith("data: "))
+    def stream(path: str, out: list[str], **kw) -> None:
+        body = {"model": "gemma", "prompt": "Hi", "stream": True, **kw}
+        with r.client.stream("POST", path, json=body) as res:
+            out.extend(x for x in res.iter_lines() if x.startswith("data: "))
 
-    streamed = threading.Thread(target=stream)
-    streamed.start()
+    streams = [
+        threading.Thread(target=stream, args=("/completion", lines), kwargs={"n_predict": 1500}),
+        threading.Thread(
+            target=stream,
+            args=("/v1/completions", openai),
+            kwargs={"max_tokens": 1500, "ignore_eos": True},
+        ),
+    ]
+    for th in streams:
+        th.start()
     time.sleep(1.0)  # generating
     os.kill(pid, signal.SIGKILL)
     t.join(60)
-    streamed.join(60)
+    for th in streams:
+        th.join(60)
     assert result[0].status_code == 503, result[0].text
-    # a stream cut off by the crash ends with an error event (its 200 went out already)
+    # a stream cut off by the crash ends with an error event (its 200 went out already);
+    # an OpenAI stream then with [DONE], as every OpenAI stream ends
     assert json.loads(lines[-1][6:])["error"]["code"] == 503, lines[-3:]
+    assert openai[-1] == "data: [DONE]", openai[-3:]
+    assert json.loads(openai[-2][6:])["error"]["code"] == 503, openai[-3:]
     st = wait_status(r, "gemma", "unloaded")
     assert st["failed"] is True and st["exit_code"] == -signal.SIGKILL
     assert r.client.get("/health").status_code == 200
