@@ -7,12 +7,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..api.errors import error_body_for
-from .cors import LOCAL_HOSTS, CorsPolicy, hostname, normalize_origin, origin_host
+from .cors import (
+    LOCAL_HOSTS,
+    CorsPolicy,
+    hostname,
+    is_local_origin,
+    normalize_origin,
+    origin_host,
+)
 from .metrics import ServerMetrics, endpoint_label
 
 # Load balancers probe these without credentials.
@@ -45,6 +54,37 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     for k, v in scope.get("headers", []):
         if k == name:
             return v
+    return None
+
+
+# Raw-path text that some later reader (a proxy, httpx, a file system) may decode or fold
+# into a separator: encoded slashes and backslashes.
+_ENCODED_SEPARATORS = ("%2f", "%5c")
+
+
+def path_problem(path: str, raw_path: bytes | None) -> str | None:
+    """Why a request path is refused, or None. Every rule about paths (the local-only
+    endpoints, routing, the router's forward) reads the path as it is; a path another hop
+    could read differently would walk around them: a dot segment (``/x/../slots``, also
+    encoded), an empty one (``//``), a backslash or an encoded slash or backslash (decoded,
+    ``/x/..%2Fslots`` is ``/x/../slots``), a control character. Both the decoded ``path``
+    and the ``raw_path`` the client sent are checked."""
+    raw = raw_path.decode("latin-1") if raw_path is not None else path
+    for text in (path, raw):
+        if not text.startswith("/"):
+            return "the path must start with '/'"
+        if "\\" in text:
+            return "the path may not hold a backslash"
+        if any(ord(c) < 0x20 or c == "\x7f" for c in text):
+            return "the path may not hold a control character"
+        segments = text.split("/")[1:]
+        if any(seg in (".", "..") for seg in segments):
+            return "the path may not hold '.' or '..' segments"
+        if "" in segments[:-1]:
+            return "the path may not hold an empty segment ('//')"
+    lowered = raw.lower()
+    if any(sep in lowered for sep in _ENCODED_SEPARATORS):
+        return "the path may not hold an encoded slash or backslash (%2F, %5C)"
     return None
 
 
@@ -149,9 +189,51 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-# Endpoints that change server state (files, slots, settings) or reach other hosts (the CORS
-# proxy): not for any web page.
-_STATE_PREFIXES = ("/slots", "/cache", "/props", "/cors-proxy")
+@dataclass(frozen=True)
+class LocalOnly:
+    """A family of endpoints only local pages (and clients that send no ``Origin``) may
+    reach: ``path`` and every path under it, for ``methods`` (empty: every method), and, when
+    ``query`` is set, only when the query string names that parameter."""
+
+    path: str
+    methods: frozenset[str] = frozenset()
+    query: str = ""
+
+    def matches(self, method: str, path: str, query_string: bytes) -> bool:
+        if path != self.path and not path.startswith(self.path + "/"):
+            return False
+        if self.methods and method not in self.methods:
+            return False
+        if not self.query:
+            return True
+        pairs = parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)
+        return any(k == self.query for k, _ in pairs)
+
+
+# Endpoints that change server state (files, slots, settings, adapters, which models run) or
+# read what only the machine's user may (other clients' prompts, paths), or reach other hosts
+# (the CORS proxy): not for any web page elsewhere. One table for the server and the router
+# (which proxies every other path to an instance: the same rule holds there). A new endpoint
+# that changes state belongs here; tests/unit/test_guard_routes.py lists every route.
+LOCAL_ONLY = (
+    LocalOnly("/slots"),
+    LocalOnly("/cache"),
+    LocalOnly("/props"),
+    LocalOnly("/cors-proxy"),
+    LocalOnly("/lora-adapters"),
+    LocalOnly("/debug"),
+    LocalOnly("/models/load"),  # the router's
+    LocalOnly("/models/unload"),
+    LocalOnly("/models", query="reload"),
+    LocalOnly("/v1/models", query="reload"),
+)
+
+
+def local_only(scope: Scope) -> bool:
+    """Whether the request is one of ``LOCAL_ONLY``'s."""
+    method, path = scope.get("method", "GET"), scope.get("path", "")
+    query = scope.get("query_string", b"")
+    return any(rule.matches(method, path, query) for rule in LOCAL_ONLY)
 
 
 def referer_origin(referer: str) -> str | None:
@@ -166,6 +248,19 @@ def referer_origin(referer: str) -> str | None:
     return normalize_origin(f"{scheme}://{authority.rsplit('@', 1)[-1]}")
 
 
+def from_foreign_page(scope: Scope) -> bool:
+    """Whether a page on another host sent this request: its ``Origin`` (or, lacking one,
+    its ``Referer``'s origin) names a host that is not local (``null`` included), or, with
+    neither, ``Sec-Fetch-Site`` says cross-site or same-site. curl and SDKs: False."""
+    raw = _header(scope, b"origin")
+    if raw is not None:
+        return not is_local_origin(normalize_origin(raw.decode("latin-1")))
+    referer = referer_origin((_header(scope, b"referer") or b"").decode("latin-1"))
+    if referer is not None:
+        return not is_local_origin(referer)
+    return _header(scope, b"sec-fetch-site") in (b"cross-site", b"same-site")
+
+
 def _json_type(ctype: bytes) -> bool:
     media = ctype.split(b";", 1)[0].strip().lower()
     return media == b"application/json" or media.endswith(b"+json")
@@ -175,13 +270,16 @@ class RequestGuard:
     """What a web page must not do to a server it can reach (DNS rebinding, cross-site
     requests that need no CORS preflight):
 
+    - a path that another hop could read differently (``path_problem``: dot segments,
+      ``//``, backslashes, encoded slashes) is refused (400) before any rule reads it;
     - with ``allowed_hosts``, the Host header must name one of them (403);
     - a request with an ``Origin`` must come from an allowed origin: one of ``cors_origins``
       when set (the item ``localhost``: any local page); when it is ``*`` (the default), any
       origin may generate, but only local pages (localhost, 127.0.0.1, [::1]) may reach the
-      endpoints that change state or the CORS proxy, and a page on another site may not send
-      cookies (403: preflights allow credentials, as llama-server's do, so a browser would
-      otherwise send the user's cookies to a cookie-authenticating proxy in front);
+      endpoints of ``LOCAL_ONLY`` (state, private reads, the CORS proxy), and a page on
+      another site may not send cookies (403: preflights allow credentials, as
+      llama-server's do, so a browser would otherwise send the user's cookies to a
+      cookie-authenticating proxy in front);
     - a request to those endpoints without an ``Origin`` (an ``<img>``, a link: browsers
       send none on such GETs) is judged by its ``Referer``'s origin the same way, and
       refused when ``Sec-Fetch-Site`` says it is cross-site or same-site and no ``Referer``
@@ -204,7 +302,7 @@ class RequestGuard:
             if self.cors.allows(origin):
                 return None
             return 403, f"origin {origin!r} is not allowed (--cors-origins)"
-        if scope.get("path", "").startswith(_STATE_PREFIXES) and not local:
+        if local_only(scope) and not local:
             return 403, f"origin {origin!r} may not change server state; see --cors-origins"
         host = hostname((_header(scope, b"host") or b"").decode("latin-1"))
         if _header(scope, b"cookie") and not local and origin_host(origin) != host:
@@ -217,7 +315,7 @@ class RequestGuard:
         could make the server act with it: ``Sec-Fetch-Site`` says where such a request came
         from, and ``Referer`` which page sent it, judged like an ``Origin``. Without either
         (curl, SDKs) it passes; a cross-site one without a ``Referer`` does not."""
-        if not scope.get("path", "").startswith(_STATE_PREFIXES):
+        if not local_only(scope):
             return None
         site = _header(scope, b"sec-fetch-site")
         if site in (b"same-origin", b"none"):  # the server's own pages, or the user's typing
@@ -258,6 +356,10 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        problem = path_problem(scope.get("path", ""), scope.get("raw_path"))
+        if problem is not None:  # before any rule reads the path
+            await send_json(send, 400, error_body_for("", 400, problem))
             return
         refusal = self._refusal(scope)
         if refusal is not None:

@@ -1,8 +1,9 @@
 """Router mode (``--models-dir`` / ``--models-preset`` without ``-m``): an app that owns no
 model, starts one server process per model on demand and passes requests to it.
 
-The router alone applies the API key, CORS and host rules (its instances listen on
-127.0.0.1 with an internal key and trust it); see ``server.router.manager`` for the life of
+The router applies the API key, CORS and host rules at the front (its instances listen on
+127.0.0.1 with an internal key); each instance judges the cross-site headers the router
+passes on again, by the router's ``--cors-origins``; see ``server.router.manager`` for the life of
 instances and ``server.router.proxy`` for the passing on."""
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
     specs = load_specs(s, argv, table)
     keys = load_api_keys(s)
     internal = secrets.token_urlsafe(24)
-    manager = Manager(specs, RouterConfig(s.models_max, table, [*keys, internal]))
+    origins = effective_origins(s.cors_origins, s.compat)
+    cfg = RouterConfig(s.models_max, table, [*keys, internal], cors_origins=origins)
+    manager = Manager(specs, cfg)
     st = RouterState(
         manager=manager,
         models_max=s.models_max,
@@ -67,6 +70,7 @@ def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
         checks_keys=bool(keys),
         reload=lambda: load_specs(s, argv, table),
         started=time.time(),
+        timeout=s.timeout,
     )
 
     @contextlib.asynccontextmanager
@@ -90,7 +94,6 @@ def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=int(s.max_body_mb * 1024 * 1024))
     app.add_middleware(ApiKeyAuth, keys=keys, public=webui.page_paths(page))
-    origins = effective_origins(s.cors_origins, s.compat)
     policy = CorsPolicy(origins, s.cors_methods, s.cors_headers, s.cors_credentials)
     app.add_middleware(
         RequestGuard,

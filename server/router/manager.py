@@ -4,7 +4,10 @@ for room, watching each process until it exits, and status events for ``/models/
 
 Everything here runs on the router's event loop (no locks: state changes between awaits).
 Starts are served by one dispatcher task, in arrival order; a start whose every waiter left
-before it began is dropped, so it never costs a running model its place."""
+before it began is dropped, so it never costs a running model its place. The dispatcher
+wakes (``kick``) on everything that can make room or change the queue: a start queued or
+dropped, an instance ready (a loading one may not be stopped; a loaded one may), a process
+exited (unload, crash, stop), a request's end (its client finished or left)."""
 
 from __future__ import annotations
 
@@ -76,6 +79,9 @@ class RouterConfig:
     table: FlagTable
     child_keys: list[str]  # the keys an instance accepts (the router's and its own)
     threads_env: dict[str, str] = field(default_factory=dict)
+    # the router's effective --cors-origins: each instance judges the Origin, Referer and
+    # Sec-Fetch-* the router passes on by the same rule (never as a local request's)
+    cors_origins: str = "*"
 
 
 class Manager:
@@ -252,6 +258,7 @@ class Manager:
     def _argv(self, inst: Instance) -> list[str]:
         args = to_argv(inst.spec.args, self.cfg.table)
         local = ["--host", "127.0.0.1", "--port", str(inst.port), "--alias", inst.name]
+        local += ["--cors-origins", self.cfg.cors_origins]
         return [sys.executable, "-m", "server", *args, *local]
 
     # ---- one instance's process ---------------------------------------------------------
@@ -273,6 +280,7 @@ class Manager:
                 inst.status = LOADED
                 self.events.publish(inst.name, "model_status", {"status": LOADED})
                 ready.set_result(True)
+                self.kick()  # a start waiting for room may now stop this one
                 watch = asyncio.create_task(self._watch_sleep(inst))
             code = await proc.wait()
             await pump

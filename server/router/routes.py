@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,13 +18,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..api.errors import APIError
+from ..api.json_body import parse_json_body
+from ..http.middleware import from_foreign_page
 from .instances import LOADING, READY, Instance
 from .manager import Manager
-from .proxy import forward, upstream_headers
+from .proxy import Upstream, forward, upstream_headers
 
 router = APIRouter()
 
 _TRUE = ("1", "true", "yes", "on")
+# Silence past an instance's own time limit before the router gives up on it (it answers
+# its own timeout error within that).
+UPSTREAM_GRACE_S = 5.0
 
 
 @dataclass
@@ -37,6 +43,7 @@ class RouterState:
     checks_keys: bool  # --api-key given: the client's key is passed on
     reload: Any = None  # () -> dict[str, ModelSpec], re-reading the sources
     started: float = 0.0
+    timeout: float = 600.0  # --timeout: an instance's own limit unless its preset sets one
 
 
 def llama_version() -> str:
@@ -70,7 +77,7 @@ async def props(request: Request) -> Response:
     """The router's own properties, or with ``?model=`` the instance's ``/props``."""
     st = state_of(request)
     if request.query_params.get("model"):
-        return await _proxy(request, request.query_params.get("model"), b"")
+        return await _proxy(request, request.query_params.get("model"), RoutedBody(b""))
     return JSONResponse(
         {
             "role": "router",
@@ -85,9 +92,13 @@ async def props(request: Request) -> Response:
     )
 
 
-def model_json(inst: Instance, created: int) -> dict[str, Any]:
-    """One entry of ``GET /models`` (llama-server's fields)."""
-    return {
+def model_json(inst: Instance, created: int, private: bool) -> dict[str, Any]:
+    """One entry of ``GET /models`` (llama-server's fields); the model's file and the
+    instance's command line only when ``private`` (``may_see_paths``)."""
+    status = inst.status_json()
+    if not private:
+        status.pop("args", None)
+    out = {
         "id": inst.name,
         "aliases": [],
         "tags": [],
@@ -95,11 +106,21 @@ def model_json(inst: Instance, created: int) -> dict[str, Any]:
         "owned_by": "llamacpp",
         "created": created,
         "path": inst.spec.path,
-        "status": inst.status_json(),
+        "status": status,
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "source": inst.spec.source,
         "can_remove": False,
     }
+    if not private:
+        del out["path"]
+    return out
+
+
+def may_see_paths(st: RouterState, request: Request) -> bool:
+    """Whether a ``GET /models`` caller sees files and command lines: with ``--api-key``,
+    every caller that got this far holds a key; without, a request that no page elsewhere
+    sent (no non-local ``Origin`` or ``Referer``, no cross-site ``Sec-Fetch-Site``)."""
+    return st.checks_keys or not from_foreign_page(request.scope)
 
 
 @router.get("/models")
@@ -110,25 +131,45 @@ async def models(request: Request) -> dict[str, Any]:
     if request.query_params.get("reload") and st.reload is not None:
         await st.manager.replace_specs(st.reload())
     now = int(time.time())
-    data = [model_json(i, now) for i in st.manager.instances.values()]
+    private = may_see_paths(st, request)
+    data = [model_json(i, now, private) for i in st.manager.instances.values()]
     return {"object": "list", "data": data}
 
 
-async def _body_model(request: Request) -> tuple[bytes, str | None]:
+@dataclass(frozen=True)
+class RoutedBody:
+    """A request body as the router reads it: the bytes passed on, the ``model`` it names
+    and its ``timeout`` (seconds, when a positive number)."""
+
+    raw: bytes
+    model: str | None = None
+    timeout: float | None = None
+
+
+async def _body_model(request: Request) -> RoutedBody:
+    """The body, parsed by the one bounded parser (a 400 for bad or too deep JSON)."""
     body = await request.body()
-    try:
-        parsed = json.loads(body) if body else {}
-    except ValueError:
-        raise APIError(400, "the request body is not valid JSON") from None
-    name = parsed.get("model") if isinstance(parsed, dict) else None
-    return body, name if isinstance(name, str) else None
+    parsed = parse_json_body(body, empty={})
+    if not isinstance(parsed, dict):
+        return RoutedBody(body)
+    name = parsed.get("model")
+    return RoutedBody(
+        body, name if isinstance(name, str) else None, _seconds(parsed.get("timeout"))
+    )
+
+
+def _seconds(value: Any) -> float | None:
+    """``value`` when it is a positive finite number of seconds, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 @router.post("/models/load")
 async def load(request: Request) -> dict[str, bool]:
     """Start a model (in the background; ``GET /models`` tells when it is ``loaded``)."""
     st = state_of(request)
-    _, name = await _body_model(request)
+    name = (await _body_model(request)).model
     inst = st.manager.get(name or "")
     if inst is None:
         raise APIError(404, "model is not found", "not_found_error")
@@ -142,7 +183,7 @@ async def load(request: Request) -> dict[str, bool]:
 async def unload(request: Request) -> dict[str, bool]:
     """Stop a model's instance (waits until its process has exited)."""
     st = state_of(request)
-    _, name = await _body_model(request)
+    name = (await _body_model(request)).model
     inst = st.manager.get(name or "")
     if inst is None:
         raise APIError(400, "model is not found")
@@ -179,7 +220,19 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-async def _proxy(request: Request, name: str | None, body: bytes) -> Response:
+def silence_limit(st: RouterState, inst: Instance, asked: float | None) -> float:
+    """How long ``inst`` may send nothing before the router gives up on it: the instance
+    ends a request itself at its ``--timeout`` (or the request's own ``timeout``), so
+    silence ``UPSTREAM_GRACE_S`` beyond that means it is frozen."""
+    own = inst.spec.args.get("timeout")
+    try:
+        limit = float(own) if own is not None else st.timeout
+    except ValueError:
+        limit = st.timeout
+    return max(limit, asked or 0.0) + UPSTREAM_GRACE_S
+
+
+async def _proxy(request: Request, name: str | None, body: RoutedBody) -> Response:
     """Hold the named instance (starting it when allowed), then pass the request on. A
     client that leaves while waiting gives up its place; the start goes on for others."""
     st = state_of(request)
@@ -201,16 +254,15 @@ async def _proxy(request: Request, name: str | None, body: bytes) -> Response:
         release()
         raise
     headers = upstream_headers(request, st.internal_key, st.checks_keys)
-    return await forward(
-        st.manager.client_for_proxy, request, body, inst.port, headers, release, inst.name
-    )
+    limit = silence_limit(st, inst, body.timeout)
+    up = Upstream(inst.port, inst.name, headers, limit, release)
+    return await forward(st.manager.client_for_proxy, request, body.raw, up)
 
 
 @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 async def proxied(request: Request, path: str) -> Response:
     """Any other endpoint: routed by the body's ``model`` (POST) or ``?model=`` (GET)."""
     if request.method in ("POST", "PUT", "PATCH"):
-        body, name = await _body_model(request)
-    else:
-        body, name = b"", request.query_params.get("model")
-    return await _proxy(request, name, body)
+        body = await _body_model(request)
+        return await _proxy(request, body.model, body)
+    return await _proxy(request, request.query_params.get("model"), RoutedBody(b""))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -213,21 +214,34 @@ def test_killed_instance_gives_503_and_restarts(make_router):
     t = threading.Thread(target=lambda: result.append(complete(r, "gemma", 1500)))
     t.start()
     lines: list[str] = []
+    openai: list[str] = []
 
-    def stream() -> None:
-        body = {"model": "gemma", "prompt": "Hi", "n_predict": 1500, "stream": True}
-        with r.client.stream("POST", "/completion", json=body) as res:
-            lines.extend(x for x in res.iter_lines() if x.startswith("data: "))
+    def stream(path: str, out: list[str], **kw) -> None:
+        body = {"model": "gemma", "prompt": "Hi", "stream": True, **kw}
+        with r.client.stream("POST", path, json=body) as res:
+            out.extend(x for x in res.iter_lines() if x.startswith("data: "))
 
-    streamed = threading.Thread(target=stream)
-    streamed.start()
+    streams = [
+        threading.Thread(target=stream, args=("/completion", lines), kwargs={"n_predict": 1500}),
+        threading.Thread(
+            target=stream,
+            args=("/v1/completions", openai),
+            kwargs={"max_tokens": 1500, "ignore_eos": True},
+        ),
+    ]
+    for th in streams:
+        th.start()
     time.sleep(1.0)  # generating
     os.kill(pid, signal.SIGKILL)
     t.join(60)
-    streamed.join(60)
+    for th in streams:
+        th.join(60)
     assert result[0].status_code == 503, result[0].text
-    # a stream cut off by the crash ends with an error event (its 200 went out already)
+    # a stream cut off by the crash ends with an error event (its 200 went out already);
+    # an OpenAI stream then with [DONE], as every OpenAI stream ends
     assert json.loads(lines[-1][6:])["error"]["code"] == 503, lines[-3:]
+    assert openai[-1] == "data: [DONE]", openai[-3:]
+    assert json.loads(openai[-2][6:])["error"]["code"] == 503, openai[-3:]
     st = wait_status(r, "gemma", "unloaded")
     assert st["failed"] is True and st["exit_code"] == -signal.SIGKILL
     assert r.client.get("/health").status_code == 200
@@ -252,3 +266,113 @@ def test_api_key_is_checked_at_the_router(make_router):
     direct = httpx.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "x", "n_predict": 1})
     assert direct.status_code == 401
     assert "sk-router" not in json.dumps(st)
+
+
+EVIL = {"Origin": "http://evil.example"}
+
+
+def test_a_page_elsewhere_can_neither_walk_around_nor_change_state(make_router):
+    # router defaults (no key, --cors-origins *), the CORS proxy on: the probe's paths are
+    # refused before any rule reads them, and nothing starts
+    r = make_router("--ui-mcp-proxy")
+    target = f"http://127.0.0.1:{r.port}/props"
+    for method, path in [
+        ("GET", "/x/..%2Fslots?model=smollm2"),
+        ("GET", "/x/..%2Fcache?model=smollm2"),
+        ("POST", "/x/..%2Fslots/0?action=erase"),
+        ("GET", f"/x/..%2Fcors-proxy?model=smollm2&url={target}"),
+        ("GET", "/x/%2e%2e/slots?model=smollm2"),
+    ]:
+        res = r.client.request(method, path, json={"model": "smollm2"}, headers=EVIL)
+        assert res.status_code == 400, (path, res.status_code, res.text[:200])
+    # the state changes of the finding, from the same page: 403
+    assert r.client.post("/models/load", json={"model": "smollm2"}, headers=EVIL).status_code == 403
+    assert r.client.get("/models?reload=1", headers=EVIL).status_code == 403
+    res = r.client.post("/lora-adapters", json={"model": "smollm2"}, headers=EVIL)
+    assert res.status_code == 403
+    res = r.client.post("/models/unload", json={"model": "smollm2"}, headers=EVIL)
+    assert res.status_code == 403
+    # the listing is open, with names only
+    listed = r.client.get("/models", headers=EVIL).json()["data"]
+    assert {m["id"] for m in listed} == set(MODELS)
+    assert all("path" not in m and "args" not in m["status"] for m in listed)
+    assert {k: v["value"] for k, v in statuses(r).items()} == dict.fromkeys(MODELS, "unloaded")
+    # a local page still reaches the instance's local-only endpoints (it judges the Origin
+    # the router passes on by the same rule)
+    local = {"Origin": "http://localhost:5173"}
+    res = r.client.get("/slots", params={"model": "smollm2"}, headers=local)
+    assert res.status_code == 200 and isinstance(res.json(), list)
+    assert "path" in r.client.get("/models").json()["data"][0]  # curl: no Origin
+
+
+def test_an_allowed_origin_passes_at_the_router_and_its_instance(make_router):
+    r = make_router("--cors-origins", "https://app.example")
+    app = {"Origin": "https://app.example"}
+    res = complete(r, "smollm2", headers=app)
+    assert res.status_code == 200, res.text
+    assert res.headers["access-control-allow-origin"] == "https://app.example"
+    assert complete(r, "smollm2", headers=EVIL).status_code == 403
+
+
+def _raw_request(port: int, body: dict) -> socket.socket:
+    """A POST sent on a bare socket (closed by the caller, like a client that leaves)."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    s.sendall(head.encode() + data)
+    return s
+
+
+def test_the_start_queue_wakes_when_a_load_finishes(make_router, tmp_path):
+    # --models-max 1: a start waiting for room is served once the loading model is ready
+    # (it may be stopped then), not when some unrelated request to it ends
+    preset = tmp_path / "models.ini"
+    preset.write_text(
+        f"version = 1\n[*]\nc = 1024\n[b]\nmodel = {smollm2_path()}\n"
+        f"[c]\nmodel = {smollm2_path()}\n"
+    )
+    r = make_router("--models-preset", str(preset), "--models-max", "1")
+    assert r.client.post("/models/load", json={"model": "b"}).json() == {"success": True}
+    res = complete(r, "c")  # queued behind b's load; nothing else happens
+    assert res.status_code == 200, res.text
+    assert {k: v["value"] for k, v in statuses(r).items()} == {"b": "unloaded", "c": "loaded"}
+    # a client that leaves while b loads: the next model's request is still served
+    gone = _raw_request(r.port, {"model": "b", "prompt": "Hi", "max_tokens": 2})
+    wait_status(r, "b", "loading")
+    gone.close()
+    res = complete(r, "c")
+    assert res.status_code == 200, res.text
+    assert statuses(r)["c"]["value"] == "loaded"
+
+
+def test_a_frozen_instance_times_out_and_its_stream_ends_with_done(make_router):
+    r = make_router("--timeout", "2")  # instances end requests at 2 s; frozen: 2 + grace
+    assert complete(r, "smollm2").status_code == 200
+    pid = instance_pid(statuses(r)["smollm2"])
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 4000, "stream": True}
+    lines: list[str] = []
+    plain: list[httpx.Response] = []
+    with (
+        httpx.Client(base_url=r.url, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json={**body, "ignore_eos": True}) as s,
+    ):
+        it = s.iter_lines()
+        for line in it:
+            if line.startswith("data: "):
+                break
+        os.kill(pid, signal.SIGSTOP)  # frozen mid-answer
+        try:
+            t = threading.Thread(target=lambda: plain.append(complete(r, "smollm2")))
+            t.start()
+            lines.extend(x for x in it if x.startswith("data: "))
+            t.join(60)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert json.loads(lines[-2][6:])["error"]["code"] == 504, lines[-3:]
+    assert plain[0].status_code == 504, plain[0].text
+    assert "sent nothing" in plain[0].json()["error"]["message"]
+    assert complete(r, "smollm2").status_code == 200  # thawed, it serves again

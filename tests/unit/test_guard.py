@@ -3,6 +3,8 @@ preflight, DNS rebinding), while curl and SDKs (no Origin header) keep working."
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -85,3 +87,105 @@ def test_allowed_hosts_stops_dns_rebinding():
     r = c.get("/v1/completions", headers={"Host": "attacker.example:8080"})
     assert r.status_code == 403 and "attacker.example" in r.json()["error"]["message"]
     assert client().get("/v1/completions", headers={"Host": "anything"}).status_code == 200
+
+
+async def _asgi_status(path: str, raw_path: bytes, headers: list | None = None) -> int:
+    """The status RequestGuard (over an app answering 200) gives a request with this decoded
+    ``path`` and this ``raw_path``, as uvicorn hands them over."""
+    seen: list[int] = []
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            seen.append(message["status"])
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "raw_path": raw_path,
+        "query_string": b"model=b",
+        "headers": [(b"host", b"127.0.0.1:8080"), *(headers or [])],
+    }
+    await RequestGuard(ok, ["*"], [])(scope, receive, send)
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    "path,raw",
+    [
+        ("/x/../slots", b"/x/..%2Fslots"),  # the finding: decoded, it walks up to /slots
+        ("/x/../cache", b"/x/..%2fcache"),
+        ("/x/../slots", b"/x/%2e%2e/slots"),
+        ("/x/../slots", b"/x/../slots"),
+        ("/./slots", b"/./slots"),
+        ("//slots", b"//slots"),
+        ("/x\\..\\slots", b"/x%5C..%5Cslots"),
+        ("/x\\..\\slots", b"/x\\..\\slots"),
+        ("/v1/models/a/b", b"/v1/models/a%2Fb"),  # an encoded slash a later hop may decode
+        ("/slots\x00", b"/slots%00"),
+        ("/v1/completions/..", b"/v1/completions/.."),
+    ],
+)
+def test_a_path_another_hop_could_read_otherwise_is_400_before_any_rule(path, raw):
+    assert asyncio.run(_asgi_status(path, raw)) == 400
+    evil = [(b"origin", b"http://evil.example")]
+    assert asyncio.run(_asgi_status(path, raw, evil)) == 400
+
+
+@pytest.mark.parametrize(
+    "path,raw",
+    [
+        ("/v1/chat/completions", b"/v1/chat/completions"),
+        ("/v1/models/org/m:Q8_0", b"/v1/models/org/m:Q8_0"),
+        ("/v1/models/a b", b"/v1/models/a%20b"),
+        ("/slots/", b"/slots/"),
+        ("/x/..a/b.", b"/x/..a/b."),  # dots inside a name are no segments
+    ],
+)
+def test_plain_paths_pass(path, raw):
+    assert asyncio.run(_asgi_status(path, raw)) == 200
+
+
+def test_the_server_refuses_the_findings_path_from_a_page_elsewhere():
+    from server.cli.config import parse_settings
+    from server.http.app import create_app
+
+    c = TestClient(create_app(parse_settings([], env={})), raise_server_exceptions=False)
+    for path in ("/x/..%2Fslots", "/x/..%2Fcache", "/x/..%2Fslots/0?action=erase"):
+        r = c.get(path, headers={"Origin": "http://evil.example"})
+        assert r.status_code == 400, (path, r.status_code)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("POST", "/lora-adapters"),
+        ("POST", "/models/load"),
+        ("POST", "/models/unload"),
+        ("GET", "/models?reload=1"),
+        ("GET", "/v1/models?reload=yes"),
+        ("GET", "/debug/integrity"),
+    ],
+)
+def test_state_changes_beyond_slots_take_only_local_origins(method, path):
+    from server.http.middleware import local_only
+
+    base, _, query = path.partition("?")
+    scope = {"method": method, "path": base, "query_string": query.encode()}
+    assert local_only(scope)
+    assert not local_only({**scope, "path": "/v1/completions"})
+
+
+def test_listing_models_without_reload_is_no_state_change():
+    from server.http.middleware import local_only
+
+    assert not local_only({"method": "GET", "path": "/models", "query_string": b"x=1"})
+    assert not local_only({"method": "GET", "path": "/models/sse", "query_string": b""})
