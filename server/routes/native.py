@@ -84,6 +84,10 @@ def props_of(st: ServerState) -> dict[str, Any]:
         "model_alias": st.model_name,
         "chat_template": st.template.source if st.template else "",
         "chat_template_name": st.template.name if st.template else "",
+        # a built-in template picked by architecture: the model has none (a base model)
+        "chat_template_fallback": not (
+            b.chat_template or st.settings.chat_template or st.settings.chat_template_file
+        ),
         "bos_token": b.bos_text,
         "eos_token": b.eos_text,
         "build_info": f"llama-cpp-python {llama_version()}",

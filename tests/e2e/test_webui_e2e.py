@@ -215,6 +215,7 @@ def test_answer_streams_in(page: Page):
         time.sleep(0.05)
     answer = page.last_answer()
     assert answer.get_attribute("data-state") == "done"
+    assert answer.find_elements(By.CSS_SELECTOR, '[data-testid="cut-note"]')  # at max_tokens
     assert len({n for n in lengths if n > 0}) >= 2, lengths  # seen growing, not all at once
     assert len(page.all("message-user")) == 1
     (sent,) = page.captured()
@@ -252,6 +253,68 @@ def test_stop_ends_a_long_answer(page: Page):
     # the server stopped generating too: its slots are idle long before 4000 tokens
     slots = page.server.wait_idle(timeout=10)
     assert all(s["n_decoded"] < 1000 for s in slots), slots
+
+
+def test_stopped_answers_are_listed_with_what_they_reused(page: Page):
+    """Two answers stopped by the user (their final chunks never come): each is a row of
+    the panel with the prompt's figures of the last chunk the page got (every chunk carries
+    the run's timings so far); the second reused the first turn's prompt."""
+    page.settings(max_tokens=4000, extra={"ignore_eos": True})
+    for text in ("Count to a thousand.", "Go on counting."):
+        page.send(text)
+        page.wait(lambda: page.answer_state()[1] > 10, 60)
+        page.find("stop").click()
+        page.wait(lambda: page.answer_state()[0] == "stopped", 5, "not stopped")
+    page.wait(lambda: len(page.all("cache-turn")) == 2, 5, "stopped answers not listed")
+    rows = page.all("cache-turn")
+    assert [r.get_attribute("data-state") for r in rows] == ["stopped", "stopped"]
+    assert all(r.find_elements(By.CSS_SELECTOR, '[data-testid="turn-stopped"]') for r in rows)
+    turns = page.turns()
+    for turn, sent in zip(turns, page.captured(), strict=True):
+        body = json.loads(sent["body"])
+        assert body["timings_per_token"] is True and body["return_progress"] is True
+        timed = [o["timings"] for o in sse_objects(sent["text"]) if "timings" in o]
+        assert timed, "no chunk with timings before the stop"
+        assert (turn["cache-n"], turn["prompt-n"]) == (timed[-1]["cache_n"], timed[-1]["prompt_n"])
+    first, second = turns
+    assert second["cache-n"] >= first["cache-n"] + first["prompt-n"], turns
+    assert "No answers yet" not in page.d.find_element(By.ID, "turns-body").text
+
+
+def test_base_model_notice(page: Page):
+    """The default server's Gemma 3 270M is a base model: no chat template of its own (the
+    server formats chats with its built-in gemma template), and the page says so."""
+    props = page.server.client.get("/props").json()
+    assert props["chat_template_fallback"] is True and props["chat_template_name"] == "gemma"
+    notice = page.find("template-notice")
+    page.wait(notice.is_displayed, 10, "no notice for a base model")
+    assert "no chat template of its own" in notice.text and "base model" in notice.text
+
+
+def test_first_chat_on_serve_sh_model(driver, make_server):
+    """./serve.sh's model (SmolLM2-135M-Instruct) has its own template: no notice; a first
+    chat with the page's defaults (greedy here: temperature 0 in the settings) ends by
+    itself well before the page's default max_tokens."""
+    from tests.e2e.conftest import serve_sh_args
+
+    s = make_server(*serve_sh_args("-np", "1", "-c", "4096"))
+    page = Page(driver, s).open()
+    page.wait(lambda: page.find("model-name").text.startswith("SmolLM2"), 10)
+    assert not page.find("template-notice").is_displayed()
+    page.d.find_element(By.ID, "toggle-settings").click()
+    page.d.find_element(By.ID, "set-temperature").send_keys("0")
+    page.d.find_element(By.ID, "toggle-settings").click()
+    page.send("Hello there, who are you?")
+    assert page.wait_answer(120).get_attribute("data-state") == "done"
+    (sent,) = page.captured()
+    body = json.loads(sent["body"])
+    assert body["max_tokens"] == 1024 and body["temperature"] == 0
+    final = final_chunk(sent["text"])
+    assert final["choices"][0]["finish_reason"] == "stop"
+    assert final["timings"]["predicted_n"] < 1024
+    assert page.last_answer().find_elements(By.CSS_SELECTOR, '[data-testid="cut-note"]') == []
+    (turn,) = page.turns()
+    assert turn["prompt-n"] == final["timings"]["prompt_n"]
 
 
 def test_regenerate_reuses_the_prompt(page: Page):
@@ -510,11 +573,17 @@ def test_router_mode_picker_switches_models(driver, tmp_path):
         assert page.wait_answer(180).get_attribute("data-state") == "done"
         assert status() == {"gemma": "unloaded", "smollm2": "loaded"}  # it answered
         page.wait(lambda: options()["smollm2"] == "loaded", 30, "picker status")
+        notice = page.find("template-notice")
+        assert not notice.is_displayed()  # SmolLM2 has a chat template of its own
         pick("gemma")
         page.send("Hello, gemma")
         assert page.wait_answer(180).get_attribute("data-state") == "done"
         assert status() == {"gemma": "loaded", "smollm2": "loaded"}
         page.wait(lambda: options()["gemma"] == "loaded", 30, "picker status")
+        # the picked model's /props, read once it runs: Gemma 3 270M is a base model
+        page.wait(notice.is_displayed, 10, "no notice for the base model")
+        pick("smollm2")
+        page.wait(lambda: not notice.is_displayed(), 10, "the notice stayed")
         # each request named its model, and the panel's live view reads that model's slots
         sent = [json.loads(e["body"]) for e in page.captured()]
         assert [b["model"] for b in sent] == ["smollm2", "gemma"]

@@ -74,7 +74,20 @@ function historyMessages(history) {
   return out;
 }
 
-// The chat request for ``history``: the settings' sampling fields, then the extra fields.
+// Most tokens an answer may have when the setting is empty: a base model (no chat template
+// of its own) may never end its answer, and the server's own default (-n -1) lets it run
+// until the context is full, minutes on a CPU. 0 in the setting: no limit (the server's).
+export const DEFAULT_MAX_TOKENS = 1024;
+
+function maxTokens(setting) {
+  const n = numberSetting(setting, true);
+  if (n === undefined) return DEFAULT_MAX_TOKENS;
+  return n > 0 ? n : undefined;
+}
+
+// The chat request for ``history``: the panel's fields, then the extra fields, then the
+// settings' sampling fields. Every streamed chunk carries the run's timings so far and the
+// prompt's progress, so that an answer stopped before its final chunk still has its figures.
 export function requestBody(history) {
   const s = state.settings;
   let extra = {};
@@ -83,8 +96,15 @@ export function requestBody(history) {
   } catch {
     extra = {};
   }
-  const body = { ...extra, messages: historyMessages(history), stream: true, stream_options: { include_usage: true } };
-  const fields = { temperature: numberSetting(s.temperature), top_p: numberSetting(s.top_p), max_tokens: numberSetting(s.max_tokens, true) };
+  const body = {
+    timings_per_token: true,
+    return_progress: true,
+    ...extra,
+    messages: historyMessages(history),
+    stream: true,
+    stream_options: { include_usage: true },
+  };
+  const fields = { temperature: numberSetting(s.temperature), top_p: numberSetting(s.top_p), max_tokens: maxTokens(s.max_tokens) };
   for (const [k, v] of Object.entries(fields)) if (v !== undefined) body[k] = v;
   if (state.model) body.model = state.model;
   return body;
@@ -92,11 +112,17 @@ export function requestBody(history) {
 
 const STAT_FIELDS = ['cache_n', 'prompt_n', 'predicted_n', 'predicted_per_second', 'prompt_per_second'];
 
-// One streamed chunk into the answer: text, reasoning, tool-call pieces, and the final
-// chunk's timings and id_slot (the slot that ran it).
+// One streamed chunk into the answer: text, reasoning, tool-call pieces, the finish reason,
+// the prompt's progress (its cached and computed tokens: it comes before any text), each chunk's
+// timings and the final chunk's id_slot (the slot that ran it).
 function applyChunk(msg, ev) {
   if (ev.error) throw new ApiError(ev.error.code || 500, ev.error.message || 'error');
+  const p = ev.prompt_progress;
+  if (p && typeof p.total === 'number' && typeof p.cache === 'number') {
+    msg.stats = { ...(msg.stats || {}), cache_n: p.cache, prompt_n: p.total - p.cache };
+  }
   for (const choice of ev.choices || []) {
+    if (choice.finish_reason) msg.finish = choice.finish_reason;
     const d = choice.delta || {};
     if (d.content) msg.content += d.content;
     if (d.reasoning_content) msg.reasoning = (msg.reasoning || '') + d.reasoning_content;

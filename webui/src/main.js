@@ -95,6 +95,32 @@ function modelQuery() {
   return router && state.model ? `?model=${encodeURIComponent(state.model)}&autoload=false` : '';
 }
 
+// A model without a chat template of its own (the server formats the chat with a built-in
+// template it picked by the model's architecture): a base model, which continues text
+// rather than answering, and may not end its answer.
+function showTemplateNotice(props) {
+  const box = $('template-notice');
+  const fallback = Boolean(props && props.chat_template_fallback);
+  box.hidden = !fallback;
+  box.textContent = fallback
+    ? `This model has no chat template of its own: it is likely a base model, not tuned to chat, and its answers may not stop by themselves (each is cut at the max tokens limit, see Settings). The server formats the chat with its built-in "${props.chat_template_name}" template.`
+    : '';
+}
+
+// Router mode: the notice is about the picked model, read from its /props once it runs
+// (never started for it: autoload=false).
+let noticeFor = '';
+
+async function routerNotice(models) {
+  const picked = models.find((m) => m.id === state.model);
+  if (!picked || noticeFor === state.model || !picked.status || picked.status.value !== 'loaded') return;
+  const name = state.model;
+  const props = await getJSON(`/props?model=${encodeURIComponent(name)}&autoload=false`);
+  if (state.model !== name) return;
+  noticeFor = name;
+  showTemplateNotice(props);
+}
+
 async function refreshModels() {
   if (!router) return;
   const picker = $('model-picker');
@@ -110,6 +136,7 @@ async function refreshModels() {
     options.forEach((o, i) => { picker.options[i].textContent = o.textContent; picker.options[i].dataset.status = o.dataset.status; });
   } else picker.replaceChildren(...options);
   picker.value = state.model;
+  await routerNotice(models);
 }
 
 async function loadModel() {
@@ -124,6 +151,7 @@ async function loadModel() {
       await refreshModels();
     } else {
       $('model-name').textContent = props.model_alias || (props.model_path || '').split('/').pop() || '';
+      showTemplateNotice(props);
     }
   } catch (e) {
     $('model-name').textContent = e.status === 401 ? '' : `(${e.message})`;
@@ -133,6 +161,8 @@ async function loadModel() {
 function setupModelPicker() {
   $('model-picker').addEventListener('change', (e) => {
     state.model = e.target.value;
+    noticeFor = '';
+    showTemplateNotice(null);
     state.settings.model = state.model;
     store.saveSettings(state.settings);
     if (state.conv) state.conv.model = state.model;
@@ -151,7 +181,12 @@ function boot() {
   setupModelPicker();
   setupSidebar((conv) => {
     renderTurns(conv);
-    if (router && conv.model) { state.model = conv.model; $('model-picker').value = conv.model; }
+    if (router && conv.model && conv.model !== state.model) {
+      state.model = conv.model;
+      $('model-picker').value = conv.model;
+      noticeFor = '';
+      showTemplateNotice(null);
+    }
   });
   toggle($('toggle-settings'), $('settings'), true);
   toggle($('toggle-sidebar'), $('sidebar'), false);

@@ -67,6 +67,7 @@ export function fillAssistant(art, msg, streaming) {
   parts.push(content);
   if (msg.tool_calls && msg.tool_calls.length) parts.push(toolCallsView(msg.tool_calls));
   if (msg.state === 'stopped') parts.push(el('p', { class: 'note', text: 'Stopped.' }));
+  if (msg.state === 'done' && msg.finish === 'length') parts.push(el('p', { class: 'note', 'data-testid': 'cut-note', text: 'Cut at the max tokens limit (Settings).' }));
   if (msg.state === 'error') parts.push(el('p', { class: 'error', role: 'alert', text: msg.error || 'The request failed.' }));
   parts.push(el('p', { class: 'stats', 'data-testid': 'message-stats', text: statsText(msg.stats) }));
   const actions = art.querySelector('.actions');

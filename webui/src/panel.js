@@ -1,6 +1,6 @@
-// The cache panel: for each answer of the conversation, its prompt tokens served from the
-// cache and computed (the server's timings: cache_n, prompt_n), tokens per second and the
-// slot it ran on; and a live view of GET /slots and GET /cache, refreshed every 2 s while
+// The cache panel: for each answer of the conversation (stopped ones too), its prompt
+// tokens served from the cache and computed (the server's timings: cache_n, prompt_n),
+// tokens per second and the slot it ran on; and a live view of GET /slots and GET /cache, refreshed every 2 s while
 // the page is visible (paused while it is hidden).
 
 import { getJSON } from './api.js';
@@ -8,23 +8,31 @@ import { $, el, fmtBytes, fmtInt } from './dom.js';
 
 const REFRESH_MS = 2000;
 
+// A stopped answer is listed too, with the figures of the last chunk that came before the
+// stop (every chunk carries the run's timings so far); stopped before any: dashes.
 export function renderTurns(conv) {
   const rows = [];
   let turn = 0;
   for (const m of conv ? conv.messages : []) {
     if (m.role !== 'assistant') continue;
     turn++;
-    const s = m.stats;
-    if (!s || s.cache_n === undefined) continue;
-    const total = s.cache_n + s.prompt_n;
+    const s = m.stats || {};
+    const stopped = m.state === 'stopped';
+    const known = typeof s.cache_n === 'number' && typeof s.prompt_n === 'number';
+    if (!known && !stopped) continue;
+    const total = known ? s.cache_n + s.prompt_n : 0;
     const share = total ? s.cache_n / total : 0;
-    const meter = el('meter', { min: 0, max: 1, value: share.toFixed(3), 'aria-label': `turn ${turn}: ${Math.round(share * 100)}% from cache` });
-    rows.push(el('tr', { 'data-testid': 'cache-turn', 'data-turn': turn, 'data-cache-n': s.cache_n, 'data-prompt-n': s.prompt_n, 'data-slot': s.slot ?? '' },
-      el('th', { scope: 'row', text: String(turn) }),
+    const meter = known
+      ? [el('meter', { min: 0, max: 1, value: share.toFixed(3), 'aria-label': `turn ${turn}: ${Math.round(share * 100)}% from cache` }), ` ${Math.round(share * 100)}%`]
+      : ['–'];
+    const label = el('th', { scope: 'row', text: String(turn) });
+    if (stopped) label.append(' ', el('span', { class: 'tag', 'data-testid': 'turn-stopped', text: 'stopped' }));
+    rows.push(el('tr', { 'data-testid': 'cache-turn', 'data-turn': turn, 'data-state': m.state || 'done', 'data-cache-n': known ? s.cache_n : '', 'data-prompt-n': known ? s.prompt_n : '', 'data-slot': s.slot ?? '' },
+      label,
       el('td', { text: s.slot ?? '–' }),
       el('td', { class: 'num', 'data-testid': 'turn-cache-n', text: fmtInt(s.cache_n) }),
       el('td', { class: 'num', 'data-testid': 'turn-prompt-n', text: fmtInt(s.prompt_n) }),
-      el('td', {}, meter, ` ${Math.round(share * 100)}%`),
+      el('td', {}, ...meter),
       el('td', { class: 'num', text: s.predicted_per_second ? s.predicted_per_second.toFixed(1) : '–' })));
   }
   if (!rows.length) rows.push(el('tr', {}, el('td', { colspan: 6, class: 'hint', text: 'No answers yet.' })));
