@@ -10,8 +10,17 @@ worker that runs with a flag (a unit test, the engine thread), ``checkpoint`` do
 from __future__ import annotations
 
 import contextvars
+import time
 from collections.abc import Iterator
 from typing import Any
+
+# A worker holding the GIL makes every other thread that wants it wait up to the switch
+# interval (5 ms) each time it takes it back, and the engine thread takes it back after
+# every llama.cpp call: one heavy render stalled a stream for 1.2 s. So work that checks
+# its flag also lets go of the GIL every YIELD_EVERY_S, for YIELD_S (long enough for a
+# waiting thread to wake and take it): no thread waits on it more than about a millisecond.
+YIELD_EVERY_S = 0.001
+YIELD_S = 0.0001
 
 
 class Cancelled(Exception):
@@ -22,11 +31,12 @@ class Cancelled(Exception):
 class CancelFlag:
     """Set once, from the event loop; read from the worker (a plain attribute: one writer)."""
 
-    __slots__ = ("reason", "set")
+    __slots__ = ("next_yield", "reason", "set")
 
     def __init__(self) -> None:
         self.set = False
         self.reason = ""
+        self.next_yield = 0.0  # perf_counter time of the worker's next GIL yield
 
     def cancel(self, reason: str) -> None:
         if not self.set:
@@ -40,10 +50,18 @@ _CURRENT: contextvars.ContextVar[CancelFlag | None] = contextvars.ContextVar(
 
 
 def checkpoint() -> None:
-    """Raise ``Cancelled`` if the work running in this thread was abandoned."""
+    """Raise ``Cancelled`` if the work running in this thread was abandoned; otherwise let
+    other threads have the GIL for a moment if this one has held it a while."""
     flag = _CURRENT.get()
-    if flag is not None and flag.set:
+    if flag is None:
+        return
+    if flag.set:
         raise Cancelled(flag.reason)
+    now = time.perf_counter()
+    if now >= flag.next_yield:
+        if flag.next_yield:
+            time.sleep(YIELD_S)
+        flag.next_yield = time.perf_counter() + YIELD_EVERY_S
 
 
 def run_with(flag: CancelFlag, fn: Any, args: tuple[Any, ...]) -> Any:

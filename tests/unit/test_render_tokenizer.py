@@ -12,6 +12,7 @@ its special tokens (its fragment-list walks) plus its length.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -211,3 +212,90 @@ def test_cancelled_between_pieces() -> None:
     with pytest.raises(Cancelled):
         run_with(flag, work, ())
     assert b.calls <= 2  # the empty text (BOS) and at most one piece
+
+
+# ---- the real vocabulary ----------------------------------------------------------------
+
+
+class RealVocab:
+    """The default model's tokenizer (vocabulary-only load), as the backend offers it."""
+
+    def __init__(self) -> None:
+        import llama_cpp as L
+
+        from server.http.app import default_model_path
+
+        self.L = L
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.vocab_only = True
+        self.model = L.llama_model_load_from_file(default_model_path().encode(), mp)
+        assert self.model
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode()
+        buf = (self.L.llama_token * (len(data) + 8))()
+        n = self.L.llama_tokenize(
+            self.vocab, data, len(data), buf, len(buf), add_special, parse_special
+        )
+        return list(buf[:n])
+
+
+@pytest.fixture(scope="module")
+def real() -> Any:
+    v = RealVocab()
+    yield v
+    v.L.llama_model_free(v.model)
+
+
+def test_real_vocabulary_same_ids(real: Any) -> None:
+    """The default model's own template markers, other special and user-defined tokens,
+    whitespace runs and non-ASCII text in the messages: the pieces give the ids of the
+    whole, with and without BOS and special-token parsing."""
+    rng = random.Random(7)
+    words = [
+        "hello",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<unused3>",
+        "<b>",
+        "</b>",
+        "<pad>",
+        "日本語",
+        "é",
+        "<",
+        ">",
+        "user",
+        "model",
+    ]
+    turns = []
+    for i in range(1_500):
+        body = "".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        role = "user" if i % 2 == 0 else "model"
+        turns.append(f"<start_of_turn>{role}\n{body}<end_of_turn>\n")
+    text = "".join(turns)
+    assert len(text) > 4 * CHUNK
+
+    class Counting:
+        vocab, n_vocab, add_bos = real.vocab, real.n_vocab, real.add_bos
+        calls: list[int] = []
+
+        def tokenize(self, t: str, a: bool, p: bool) -> list[int]:
+            self.calls.append(len(t))
+            return real.tokenize(t, a, p)
+
+    c = Counting()
+    for add_special in (True, False):
+        for parse_special in (True, False):
+            want = real.tokenize(text, add_special, parse_special)
+            c.calls = []
+            assert tokenize(c, text, add_special, parse_special) == want
+            assert len(c.calls) > 3 and max(c.calls) < 3 * CHUNK
