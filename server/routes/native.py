@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..api.cancel import checkpoint
 from ..api.errors import APIError
 from ..api.prompts import prompt_echo, prompt_tokens, split_prompts
 from ..api.schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
@@ -355,7 +356,9 @@ def _tokenized(b: Any, body: TokenizeRequest) -> dict[str, Any]:
     if not body.with_pieces:
         return {"tokens": toks}
     out = []
-    for t in toks:
+    for i, t in enumerate(toks):
+        if i % 4096 == 0:
+            checkpoint()  # the client may have left
         raw = b.token_to_piece(t, special=True)
         try:
             piece: str | list[int] = raw.decode("utf-8")
