@@ -96,11 +96,21 @@ def _deadline(request: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> 
     return float(deadline)
 
 
+def _timed_out(timeout: float) -> APIError:
+    return APIError(
+        408,
+        f"preparing the request took longer than {timeout:g} s (--request-prep-timeout)",
+        "timeout_error",
+    )
+
+
 async def prepare(request: Any, timeout: float, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on the request's lane (see the module docstring). APIError 408 after
     ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
     loop = asyncio.get_running_loop()
     remaining = _deadline(request, loop, timeout) - loop.time()
+    if remaining <= 0:  # an earlier hand-off of the request used up its time
+        raise _timed_out(timeout)
     flag = CancelFlag()
     cf = pool(lane_of(request)).submit(run_with, flag, fn, args)
     fut = asyncio.wrap_future(cf)
@@ -122,11 +132,7 @@ async def prepare(request: Any, timeout: float, fn: Callable[..., T], *args: Any
             flag.cancel("the client left")
             raise APIError(499, "the client closed the request")
         flag.cancel("time limit")
-        raise APIError(
-            408,
-            f"preparing the request took longer than {timeout:g} s (--request-prep-timeout)",
-            "timeout_error",
-        )
+        raise _timed_out(timeout)
     finally:
         if timer is not None:
             timer.cancel()
