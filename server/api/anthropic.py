@@ -27,6 +27,7 @@ from .anthropic_schemas import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from .cancel import checkpoint
 from .schemas import SamplingFields
 from .tools.parse import Message
 
@@ -151,6 +152,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     out = _system(req.system)
     calls: set[str] = set()
     for i, m in enumerate(req.messages):
+        checkpoint()  # the client may have left: stop between messages
         where = f"messages.{i}"
         if m.role == "user":
             out += _user(m, where, calls)

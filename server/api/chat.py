@@ -12,6 +12,8 @@ import jinja2.meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .cancel import Cancelled, Watched
+
 BUILTIN_TEMPLATES: dict[str, str] = {
     "chatml": (
         "{% for message in messages %}"
@@ -169,7 +171,8 @@ class ChatTemplate:
     ) -> str:
         try:
             return self._tpl.render(
-                messages=messages,
+                # iterating checks the request's cancellation before each message
+                messages=Watched(messages),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -177,7 +180,7 @@ class ChatTemplate:
             )
         except SecurityError as e:
             raise TemplateError(f"chat template tried an unsafe operation: {e}") from e
-        except TemplateError:
+        except (TemplateError, Cancelled):
             raise
         except Exception as e:  # jinja UndefinedError, TypeError inside the template, ...
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e

@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any
 
+from .cancel import checkpoint
 from .tools.parse import Message, ToolCall
 
 
@@ -196,6 +197,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
         messages.append({"role": "user", "content": value})
     elif isinstance(value, list):
         for item in value:
+            checkpoint()  # the client may have left: stop between items
             _add_item(messages, item)
     else:
         raise ResponsesInputError("'input' must be a string or array of objects")

@@ -190,6 +190,7 @@ class Settings(BaseModel):
     constraint_timeout: float = Field(10, gt=0)
     constraint_workers: int = Field(2, gt=0)
     timeout: float = Field(600, gt=0)
+    request_prep_timeout: float = Field(60, gt=0)  # server.service.pools.prepare
     slot_save_path: str | None = None
     verbose: bool = False
     log_verbosity: int = 3

@@ -188,6 +188,7 @@ OPTIONS: list[Opt] = [
     _o("--constraint-max-tools", "constraint_max_tools", "LLAMA_ARG_CONSTRAINT_MAX_TOOLS", "most tools in one request; more: 400 (default: 128)", int),
     _o("--constraint-timeout", "constraint_timeout", "LLAMA_ARG_CONSTRAINT_TIMEOUT", "seconds compiling one schema or grammar may take (in a child process); longer: 400, remembered (default: 10)", float),
     _o("--constraint-workers", "constraint_workers", "LLAMA_ARG_CONSTRAINT_WORKERS", "child processes that compile schemas and grammars (default: 2)", int),
+    _o("--request-prep-timeout", "request_prep_timeout", "LLAMA_ARG_REQUEST_PREP_TIMEOUT", "seconds a request's preparation (rendering, tokenizing, checking tools and schemas) may take, queueing included; longer: 408 (default: 60)", float),
     _o("-to --timeout", "timeout", "LLAMA_ARG_TIMEOUT", 'seconds a request may run before it is ended (default: 600; per request: "timeout")', float),
     # --- logging ---
     _o("-v --verbose --log-verbose", "verbose", "LLAMA_ARG_VERBOSE", "debug logging", "bool"),

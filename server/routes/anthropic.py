@@ -7,7 +7,6 @@ under these paths take Anthropic's shape (server.api.errors.error_body_for)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,11 +29,11 @@ from ..api.errors import APIError, anthropic_error_body
 from ..api.schemas import ChatRequest
 from ..api.tools.parse import Delta, Message, parse_message
 from ..api.tools.plan import ChatPlan
-from ..service.state import tenant_of
+from ..service.state import ServerState, tenant_of
 from ..service.submit import Submission, submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
-from .common import SSE_HEADERS, Frame, json_str, sse_batches, sse_named, state_of
+from .common import SSE_HEADERS, Frame, json_str, prep, sse_batches, sse_named, state_of
 from .openai import _plan, chat_constraint, render_chat
 
 router = APIRouter()
@@ -58,8 +57,8 @@ def _chat_request(body: CountTokensRequest) -> ChatRequest:
 async def messages(body: MessagesRequest, request: Request) -> Response:
     """Create a message: the whole answer, or its event stream."""
     st = state_of(request)
-    chat = await asyncio.to_thread(_chat_request, body)  # a long history: off the loop
-    plan = await asyncio.to_thread(_plan, st, chat)  # checks tool schemas: off the loop
+    # a long history, tool schemas: off the loop, in one hand-off
+    chat, plan = await prep(request, _chat_and_plan, st, body)
     job = Submission(
         prompts=lambda: [render_chat(st, chat, plan)],
         max_tokens=body.max_tokens,
@@ -69,7 +68,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
         # later ones are pings while a long prompt is processed
         return_progress=body.stream,
     )
-    group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt))
+    group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt), request)
     omit = body.thinking is not None and body.thinking.display == "omitted"
     if not body.stream:
         (r,) = await group.results(request)
@@ -87,10 +86,17 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     """The prompt tokens a Messages body feeds the model (system, tools and thinking
     history included): ``input_tokens + cache_read_input_tokens`` of its answer."""
     st = state_of(request)
-    chat = await asyncio.to_thread(_chat_request, body)
-    plan = await asyncio.to_thread(_plan, st, chat)
-    prompt = await asyncio.to_thread(render_chat, st, chat, plan)
-    return {"input_tokens": len(prompt.tokens)}
+    return {"input_tokens": await prep(request, _n_tokens, st, body)}
+
+
+def _chat_and_plan(st: ServerState, body: CountTokensRequest) -> tuple[ChatRequest, ChatPlan]:
+    chat = _chat_request(body)
+    return chat, _plan(st, chat)
+
+
+def _n_tokens(st: ServerState, body: CountTokensRequest) -> int:
+    chat, plan = _chat_and_plan(st, body)
+    return len(render_chat(st, chat, plan).tokens)
 
 
 class _MessageStream:

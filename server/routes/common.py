@@ -10,11 +10,12 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from ..api.errors import error_body
+from ..service.pools import prepare
 from ..service.sampling import default_sampling
 from ..service.state import ServerState
 from ..service.tasks import TaskGroup
@@ -28,6 +29,16 @@ SSE_DONE = "data: [DONE]\n\n"
 def state_of(request: Request) -> ServerState:
     """The ServerState that ``create_app`` attached to the application."""
     return request.app.state.server
+
+
+T = TypeVar("T")
+
+
+async def prep(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` off the event loop, on the request's own preparation pool
+    (server.service.pools): abandoned when the client leaves, 408 once the request's
+    preparation has taken --request-prep-timeout seconds."""
+    return await prepare(request, state_of(request).settings.request_prep_timeout, fn, *args)
 
 
 def sse(obj: Any) -> str:

@@ -32,10 +32,11 @@ from ..api.embeddings import (
 from ..api.errors import APIError
 from ..service.state import ServerState
 from ..service.tasks import until_disconnected
+from ..service.tokenizer import tokenize
 from ..slots.embed import EmbedEvent, EmbedResult, EmbedTask
 from ..slots.engine import EngineDead
 from ..types import TaskError
-from .common import state_of
+from .common import prep, state_of
 
 router = APIRouter()
 
@@ -119,7 +120,7 @@ async def run_embeddings(
 
 def _tokenizer(st: ServerState) -> Any:
     b = st.backend
-    return lambda text, add_special: b.tokenize(text, add_special, True)
+    return lambda text, add_special: tokenize(b, text, add_special, True)
 
 
 def _checked(st: ServerState, make: Any) -> list[list[int]]:
@@ -148,7 +149,7 @@ async def _embeddings(request: Request, body: EmbeddingRequest, oai: bool) -> JS
         raise APIError(400, '"input" or "content" must be provided')
     use_base64 = encoding_base64(body.encoding_format)
     tok = _tokenizer(st)
-    prompts = await asyncio.to_thread(_checked, st, lambda: embedding_prompts(raw, tok))
+    prompts = await prep(request, _checked, st, lambda: embedding_prompts(raw, tok))
     results = await run_embeddings(st, prompts, request)
     mode = st.settings.embd_normalize if body.embd_normalize is None else body.embd_normalize
     if oai:
@@ -185,6 +186,6 @@ async def rerank(request: Request, body: RerankRequest) -> Any:
     parts = RerankParts(*st.backend.rerank_parts())
     tok = _tokenizer(st)
     make = lambda: [rerank_prompt(query, d, parts, tok) for d in docs]  # noqa: E731
-    prompts = await asyncio.to_thread(_checked, st, make)
+    prompts = await prep(request, _checked, st, make)
     results = await run_embeddings(st, prompts, request)
     return JSONResponse(rerank_response(body, body.model or st.model_name, results, docs))

@@ -11,6 +11,7 @@ from ..api.infill import InfillInputError, InfillLimits, check_infill_body, infi
 from ..api.schemas import InfillRequest
 from ..service.state import ServerState
 from ..service.submit import Prompt
+from ..service.tokenizer import tokenize
 from .common import state_of
 from .native import run_native
 
@@ -29,12 +30,14 @@ def _prompt(st: ServerState, body: InfillRequest, extra: list) -> list[Prompt]:
         spm=st.settings.spm_infill,
     )
     bos = b.bos_id if b.add_bos and b.bos_id >= 0 else None
-    tokens = b.tokenize(body.prompt or "", False, True)
+
+    def tok(text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return tokenize(b, text, add_special, parse_special)
+
+    tokens = tok(body.prompt or "", False, True)
     return [
         Prompt(
-            infill_prompt(
-                b.tokenize, b.fim, bos, body.input_prefix, body.input_suffix, extra, tokens, lim
-            )
+            infill_prompt(tok, b.fim, bos, body.input_prefix, body.input_suffix, extra, tokens, lim)
         )
     ]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -10,12 +9,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..api.cancel import checkpoint
 from ..api.errors import APIError
 from ..api.prompts import prompt_echo, prompt_tokens, split_prompts
 from ..api.schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
 from ..service.state import ServerState, tenant_of
 from ..service.submit import Prompt, Submission, submit
 from ..service.tasks import TaskGroup
+from ..service.tokenizer import tokenize as tokenize_text
 from ..service.validation import check_tokens, constraint_of
 from ..types import (
     Event,
@@ -34,6 +35,7 @@ from .common import (
     json_ints,
     json_str,
     llama_version,
+    prep,
     sse,
     sse_batches,
     sse_error,
@@ -200,7 +202,7 @@ def _native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
     b = st.backend
 
     def tokenize(text: str, add_special: bool) -> list[int]:
-        return b.tokenize(text, add_special, True)
+        return tokenize_text(b, text, add_special, True)
 
     return [Prompt(prompt_tokens(p, tokenize)) for p in prompts]
 
@@ -237,7 +239,7 @@ async def run_native(
         timings_per_token=body.timings_per_token,
         post_sampling=body.post_sampling_probs,
     )
-    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
+    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
     if echoes is None:
         echoes = [body.prompt if isinstance(body.prompt, str) else ""] * len(group.tasks)
     if not body.stream:
@@ -349,12 +351,18 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     list where they are not valid UTF-8 alone, e.g. part of a multi-byte character)."""
     st = state_of(request)
     st.require_engine()
-    b = st.backend
-    toks = await asyncio.to_thread(b.tokenize, body.content, body.add_special, body.parse_special)
+    return await prep(request, _tokenized, st.backend, body)
+
+
+def _tokenized(b: Any, body: TokenizeRequest) -> dict[str, Any]:
+    """/tokenize's answer (worker thread: a long text takes a while)."""
+    toks = tokenize_text(b, body.content, body.add_special, body.parse_special)
     if not body.with_pieces:
         return {"tokens": toks}
     out = []
-    for t in toks:
+    for i, t in enumerate(toks):
+        if i % 4096 == 0:
+            checkpoint()  # the client may have left
         raw = b.token_to_piece(t, special=True)
         try:
             piece: str | list[int] = raw.decode("utf-8")
@@ -369,5 +377,10 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     """The text of ``tokens``; APIError 400 for an id outside the vocabulary."""
     st = state_of(request)
     st.require_engine()
-    check_tokens(body.tokens, st.backend)
-    return {"content": st.backend.detokenize(body.tokens)}
+    return await prep(request, _detokenized, st.backend, body.tokens)
+
+
+def _detokenized(b: Any, tokens: list[int]) -> dict[str, Any]:
+    """/detokenize's answer (worker thread: a long list takes a while)."""
+    check_tokens(tokens, b)
+    return {"content": b.detokenize(tokens)}

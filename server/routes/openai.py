@@ -5,7 +5,6 @@ what is their own is how the body becomes prompts and what a choice looks like."
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import time
 import uuid
@@ -16,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..api.cancel import checkpoint
 from ..api.chat import (
     ROLES,
     ChatTemplate,
@@ -35,6 +35,7 @@ from ..constrained import Constraint
 from ..service.state import ServerState, tenant_of
 from ..service.submit import Prompt, Submission, submit
 from ..service.tasks import TaskGroup
+from ..service.tokenizer import tokenize, tokenize_at
 from ..service.usage import finish_reason, merged_timings, usage_of
 from ..service.validation import constraint_of
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
@@ -43,6 +44,7 @@ from .common import (
     SSE_HEADERS,
     Frame,
     json_str,
+    prep,
     sse,
     sse_batches,
     sse_error,
@@ -90,17 +92,16 @@ def _prompts(st: ServerState, prompt: Any) -> list[Prompt]:
     """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each."""
     b = st.backend
     if isinstance(prompt, str):
-        return [Prompt(b.tokenize(prompt, add_special=True, parse_special=True))]
+        return [Prompt(tokenize(b, prompt, True, True))]
     if not prompt:
         raise APIError(400, "the prompt is empty")
     if all(isinstance(x, int) for x in prompt):
         return [Prompt(list(prompt))]
-    return [
-        Prompt(
-            b.tokenize(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p)
-        )
-        for p in prompt
-    ]
+    out = []
+    for p in prompt:
+        checkpoint()
+        out.append(Prompt(tokenize(b, p, True, True) if isinstance(p, str) else list(p)))
+    return out
 
 
 def _prompt_text(backend: Any, raw: Any, tokens: list[int], i: int) -> str:
@@ -292,7 +293,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
     )
-    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
+    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
     choices = _CompletionChoices(st.backend, body, group)
     shape = Shape("cmpl-", "text_completion", "text_completion", choices.text, choices.final)
     return await respond(request, group, body, shape, st.model_name)
@@ -302,6 +303,7 @@ def _messages(req: ChatRequest) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: text parts joined, developer as system."""
     out = []
     for m in req.messages:
+        checkpoint()  # the client may have left: stop between messages
         if m.role not in ROLES:
             raise APIError(400, f"unknown role {m.role!r} in messages")
         if isinstance(m.content, list):
@@ -398,13 +400,16 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
     if has_bos:
         text = text[len(b.bos_text) :]
-    tokens = b.tokenize(text, add_special=True, parse_special=True)
-    user_start = -1
-    if rendered.last_user_offset > 0:
+    # the last user turn's offset in ``text``: tokenized in pieces (linear time, see
+    # service.tokenizer), where a piece starts there its first token is the answer
+    mark = rendered.last_user_offset - (len(b.bos_text) if has_bos else 0)
+    tokens, at = tokenize_at(b, text, True, True, [mark] if mark > 0 else [])
+    user_start = at.get(mark, -1)
+    if rendered.last_user_offset > 0 and mark not in at:
         head = rendered.prompt[: rendered.last_user_offset]
         if has_bos:
             head = head[len(b.bos_text) :]
-        head_tokens = b.tokenize(head, add_special=True, parse_special=True)
+        head_tokens = tokenize(b, head, True, True)
         # The boundary counts only where the head tokenizes alike alone and within the
         # whole prompt (a token may straddle it).
         if tokens[: len(head_tokens)] == head_tokens:
@@ -552,7 +557,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true")
 
-    plan = await asyncio.to_thread(_plan, st, body)  # checks tool schemas: off the loop
+    plan = await prep(request, _plan, st, body)  # checks tool schemas: off the loop
     job = Submission(
         prompts=lambda: [render_chat(st, body, plan)],
         max_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
@@ -565,7 +570,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
     )
-    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt))
+    group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
     shape = _chat_shape(st.backend, body, len(group.tasks), plan)
     return await respond(request, group, body, shape, st.model_name)
 

@@ -11,7 +11,6 @@ input), ``sampling_params``, ``model``, ``stream``, ``stream_options``, ``cache_
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
@@ -19,7 +18,9 @@ from fastapi import APIRouter, Request
 
 from ..api.schemas import ChatRequest, CompletionRequest, SamplingFields
 from ..service.state import ServerState
-from .common import state_of
+from ..service.submit import Prompt
+from ..service.validation import check_tokens
+from .common import prep, state_of
 from .openai import _max_tokens, _plan, _prompts, render_chat
 
 router = APIRouter()
@@ -68,13 +69,27 @@ def generate_request(
     }
 
 
+def _checked_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
+    """The prompts of a completions body, each token id in the vocabulary (APIError 400)."""
+    prompts = _prompts(st, prompt)
+    for p in prompts:
+        check_tokens(p.tokens, st.backend)
+    return prompts
+
+
+def _rendered(st: ServerState, body: ChatRequest) -> Prompt:
+    """The chat body's prompt as /v1/chat/completions renders it (one worker hand-off)."""
+    return render_chat(st, body, _plan(st, body))
+
+
 @router.post("/v1/completions/render")
 async def render_completion(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
     """The completions prompt(s) as token ids (text is tokenized as /v1/completions does,
-    with BOS and special tokens parsed; token lists are taken as they are)."""
+    with BOS and special tokens parsed; token lists are taken as they are, 400 for an id
+    outside the vocabulary)."""
     st = state_of(request)
     st.require_engine()
-    prompts = await asyncio.to_thread(_prompts, st, body.prompt)
+    prompts = await prep(request, _checked_prompts, st, body.prompt)
     limit = _max_tokens(body.max_tokens, body.n_predict)
     return [generate_request(st, body, p.tokens, limit) for p in prompts]
 
@@ -84,7 +99,6 @@ async def render_chat_completion(body: ChatRequest, request: Request) -> dict[st
     """The chat request's prompt, rendered by the chat template (tools, reasoning and a
     continued final message as /v1/chat/completions renders them), as token ids."""
     st = state_of(request)
-    plan = await asyncio.to_thread(_plan, st, body)
-    prompt = await asyncio.to_thread(render_chat, st, body, plan)
+    prompt = await prep(request, _rendered, st, body)
     limit = _max_tokens(body.max_completion_tokens, body.max_tokens)
     return generate_request(st, body, prompt.tokens, limit)

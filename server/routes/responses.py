@@ -5,7 +5,6 @@ answers as a ``response`` object or llama-server's stream of Responses events
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,11 +29,20 @@ from ..api.responses import (
 from ..api.schemas import ChatRequest, ResponsesRequest
 from ..api.tools.parse import Delta, Message, ToolCall, parse_message
 from ..api.tools.plan import ChatPlan
-from ..service.state import tenant_of
+from ..service.state import ServerState, tenant_of
 from ..service.submit import Submission, submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
-from .common import SSE_HEADERS, Frame, json_str, sse_batches, sse_error, sse_named, state_of
+from .common import (
+    SSE_HEADERS,
+    Frame,
+    json_str,
+    prep,
+    sse_batches,
+    sse_error,
+    sse_named,
+    state_of,
+)
 from .openai import _max_tokens, _plan, chat_constraint, render_chat
 
 router = APIRouter()
@@ -59,8 +67,8 @@ def _chat_request(body: ResponsesRequest) -> ChatRequest:
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     """Create a response (never stored): the answer's output items, or their stream."""
     st = state_of(request)
-    chat = _chat_request(body)
-    plan = await asyncio.to_thread(_plan, st, chat)  # checks tool schemas: off the loop
+    # the items mapped, tool schemas checked: off the loop, in one hand-off
+    chat, plan = await prep(request, _chat_and_plan, st, body)
     job = Submission(
         prompts=lambda: [render_chat(st, chat, plan)],
         max_tokens=_max_tokens(chat.max_completion_tokens, chat.max_tokens),
@@ -69,7 +77,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         return_progress=chat.return_progress,
         timings_per_token=chat.timings_per_token,
     )
-    group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt))
+    group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt), request)
     model = chat.model or st.model_name
     if not chat.stream:
         (r,) = await group.results(request)
@@ -87,10 +95,18 @@ async def responses_input_tokens(body: ResponsesRequest, request: Request) -> di
     """llama-server's token count of a Responses body: the tokens its chat prompt feeds the
     model (nothing generated)."""
     st = state_of(request)
+    n = await prep(request, _n_tokens, st, body)
+    return {"input_tokens": n, "object": "response.input_tokens"}
+
+
+def _chat_and_plan(st: ServerState, body: ResponsesRequest) -> tuple[ChatRequest, ChatPlan]:
     chat = _chat_request(body)
-    plan = await asyncio.to_thread(_plan, st, chat)  # checks tool schemas: off the loop
-    prompt = await asyncio.to_thread(render_chat, st, chat, plan)
-    return {"input_tokens": len(prompt.tokens), "object": "response.input_tokens"}
+    return chat, _plan(st, chat)
+
+
+def _n_tokens(st: ServerState, body: ResponsesRequest) -> int:
+    chat, plan = _chat_and_plan(st, body)
+    return len(render_chat(st, chat, plan).tokens)
 
 
 class _ResponseStream:

@@ -5,7 +5,6 @@ chat_template_kwargs included), so the text is what the model would read."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,7 +12,7 @@ from fastapi import APIRouter, Request
 from ..api.schemas import ChatRequest
 from ..api.tools.plan import ChatPlan
 from ..service.state import ServerState
-from .common import state_of
+from .common import prep, state_of
 from .openai import _plan, render_chat, render_prompt
 
 router = APIRouter()
@@ -23,10 +22,14 @@ class ApplyTemplateRequest(ChatRequest):
     """A chat body (``add_generation_prompt`` and ``continue_final_message`` included)."""
 
 
-def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan) -> str:
+def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan | None = None) -> str:
     """The chat template's text for ``body``, as /v1/chat/completions renders it (APIError
     400 when the template rejects the messages, 500 when the template itself fails)."""
-    return render_prompt(st, body, plan).prompt
+    return render_prompt(st, body, plan or _plan(st, body)).prompt
+
+
+def _n_tokens(st: ServerState, body: ChatRequest) -> int:
+    return len(render_chat(st, body, _plan(st, body)).tokens)
 
 
 @router.post("/apply-template")
@@ -34,9 +37,7 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[s
     """``{"prompt": text}``: the rendered conversation, nothing generated."""
     st = state_of(request)
     # requires the engine (the template comes with the model); checks tool schemas: off the loop
-    plan = await asyncio.to_thread(_plan, st, body)
-    text = await asyncio.to_thread(render_text, st, body, plan)
-    return {"prompt": text}
+    return {"prompt": await prep(request, render_text, st, body)}
 
 
 @router.post("/v1/chat/completions/input_tokens")
@@ -44,6 +45,5 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[s
 async def chat_input_tokens(body: ChatRequest, request: Request) -> dict[str, Any]:
     """llama-server's token count of a chat body: the tokens its prompt feeds the model."""
     st = state_of(request)
-    plan = await asyncio.to_thread(_plan, st, body)  # checks tool schemas: off the loop
-    prompt = await asyncio.to_thread(render_chat, st, body, plan)
-    return {"input_tokens": len(prompt.tokens), "object": "response.input_tokens"}
+    n = await prep(request, _n_tokens, st, body)  # checks tool schemas: off the loop
+    return {"input_tokens": n, "object": "response.input_tokens"}

@@ -3,7 +3,6 @@ describes only what is its own in a ``Submission``."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from ..constrained import Constraint
 from ..slots.engine import Engine
 from ..types import GenParams
 from .adapters import AdapterChoice
+from .pools import prepare
 from .sampling import sampling_from, stops_from
 from .state import ServerState
 from .tasks import TaskGroup
@@ -111,14 +111,16 @@ def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenPa
 
 
 async def submit(
-    st: ServerState, body: SamplingFields, job: Submission, tenant: str = ""
+    st: ServerState, body: SamplingFields, job: Submission, tenant: str = "", request: Any = None
 ) -> TaskGroup:
     """The one path from a generating request to running tasks.
 
     Requires the engine, tokenizes and checks the prompts, builds the sampler and generation
     settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
-    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then."""
-    ready = await asyncio.to_thread(_prepare, st, body, job)
+    prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then.
+    The slow checks run on the request's preparation pool (``service.pools.prepare``):
+    with ``request``, abandoned when its client leaves; 408 after --request-prep-timeout."""
+    ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
     b = st.backend

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..cancel import checkpoint
 from ..chat import ChatTemplate, TemplateError
 from .parse import ToolFormat
 from .spec import ToolSpec
@@ -149,6 +150,7 @@ def _native(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, A
     names: dict[str, str] = {}
     out = []
     for m in messages:
+        checkpoint()  # the client may have left: stop between messages
         m = dict(m)
         if m.get("tool_calls"):
             m["tool_calls"] = _calls(m)
@@ -201,9 +203,20 @@ def _rewritten(fmt: ToolFormat, messages: list[dict[str, Any]]) -> list[dict[str
     consecutive ones joined into one so that roles keep alternating)."""
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
+    # the texts that make out[-1]'s content while tool results join into it, joined once
+    # when the run ends (joining one by one copies the growing text each time: quadratic)
+    run: list[str] = []
+
+    def end_run() -> None:
+        if len(run) > 1:
+            out[-1] = {"role": "user", "content": "\n\n".join(run)}
+        run.clear()
+
     joinable = False  # the last message came from tool results
     for m in messages:
+        checkpoint()  # the client may have left: stop between messages
         if m.get("tool_calls"):
+            end_run()
             calls = _calls(m)
             names.update((c["id"], c["function"]["name"]) for c in calls)
             text = _call_text(fmt, calls)
@@ -218,10 +231,12 @@ def _rewritten(fmt: ToolFormat, messages: list[dict[str, Any]]) -> list[dict[str
         else:
             r = {"role": m["role"], "content": m.get("content") or ""}
         if joinable and r["role"] == "user" and out[-1]["role"] == "user":
-            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + r["content"]}
+            run.extend([out[-1]["content"], r["content"]] if not run else [r["content"]])
         else:
+            end_run()
             out.append(r)
         joinable = m["role"] == "tool" and r["role"] == "user"
+    end_run()
     return out
 
 

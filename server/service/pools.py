@@ -1,0 +1,143 @@
+"""The worker pools a request's preparation runs on, and how long it may take.
+
+Rendering a chat template, tokenizing, mapping an Anthropic or Responses body, checking
+tools and compiling a schema run in worker threads so that the event loop keeps serving
+streams. They run here, not on asyncio's default executor, which sleep/wake, slot files and
+the server's own housekeeping share: whatever clients send cannot starve those.
+
+Two lanes, each a bounded pool of its own: requests whose body is over ``HEAVY_BYTES`` (or
+of unknown size) take the heavy lane (``HEAVY_WORKERS`` threads), the rest the light lane
+(``LIGHT_WORKERS``). However many huge bodies arrive, a small chat's preparation never
+waits behind them.
+
+``prepare(request, timeout, fn, *args)`` runs ``fn(*args)`` on the request's lane and
+returns its result, with three guarantees:
+
+- the client leaving (polled every ``POLL_S`` once the work has run ``WATCH_AFTER_S``)
+  abandons the work: queued work is dropped without running, running work stops at its
+  next ``server.api.cancel.checkpoint`` (between messages, items, tokenizer chunks);
+- ``timeout`` seconds (--request-prep-timeout) after the request's first ``prepare`` (the
+  wait in the queue and every later hand-off of the same request count) the work is
+  abandoned the same way and the request is answered 408 ``timeout_error``;
+- the coroutine being cancelled (server shutdown, a middleware) abandons it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..api.cancel import CancelFlag, run_with
+from ..api.errors import APIError
+
+T = TypeVar("T")
+
+HEAVY_BYTES = 256 * 1024  # a body over this (or of unknown length) takes the heavy lane
+_CPUS = os.cpu_count() or 2
+# Threads mostly wait on the GIL or in C (the tokenizer releases it); more light workers
+# than cores keep short requests from queueing behind each other's constraint compiles.
+LIGHT_WORKERS = max(4, min(16, _CPUS + 2))
+HEAVY_WORKERS = max(2, min(8, _CPUS // 2))
+WATCH_AFTER_S = 0.1  # most preparations end before: they cost no watcher
+POLL_S = 0.25  # how often a waiting client is checked for having left
+
+_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_lock = threading.Lock()
+
+
+def pool(lane: str) -> concurrent.futures.ThreadPoolExecutor:
+    """The pool of ``lane`` ("light" or "heavy"), made at first use (one per process)."""
+    with _lock:
+        p = _pools.get(lane)
+        if p is None:
+            n = HEAVY_WORKERS if lane == "heavy" else LIGHT_WORKERS
+            p = _pools[lane] = concurrent.futures.ThreadPoolExecutor(n, f"prep-{lane}")
+        return p
+
+
+def lane_of(request: Any) -> str:
+    """ "heavy" for a body over HEAVY_BYTES or without a length; "light" otherwise (no
+    request, or one without a body: light)."""
+    if request is None:
+        return "light"
+    length = request.headers.get("content-length")
+    if length is None:
+        return "heavy" if request.method in ("POST", "PUT", "PATCH") else "light"
+    return "heavy" if not length.isdigit() or int(length) > HEAVY_BYTES else "light"
+
+
+async def _until_gone(request: Any, gone: asyncio.Future[None]) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(POLL_S)
+    if not gone.done():
+        gone.set_result(None)
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    # an abandoned work's outcome (often Cancelled) is read by nobody: read it here so
+    # asyncio does not log "exception was never retrieved"
+    if not f.cancelled():
+        f.exception()
+
+
+def _deadline(request: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> float:
+    """The request's deadline (loop time): set by its first ``prepare``, so the limit holds
+    for the request's whole preparation, not for each hand-off."""
+    state = getattr(request, "state", None)
+    if state is None:
+        return loop.time() + timeout
+    deadline = getattr(state, "prep_deadline", None)
+    if deadline is None:
+        deadline = state.prep_deadline = loop.time() + timeout
+    return float(deadline)
+
+
+def _timed_out(timeout: float) -> APIError:
+    return APIError(
+        408,
+        f"preparing the request took longer than {timeout:g} s (--request-prep-timeout)",
+        "timeout_error",
+    )
+
+
+async def prepare(request: Any, timeout: float, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the request's lane (see the module docstring). APIError 408 after
+    ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
+    loop = asyncio.get_running_loop()
+    remaining = _deadline(request, loop, timeout) - loop.time()
+    if remaining <= 0:  # an earlier hand-off of the request used up its time
+        raise _timed_out(timeout)
+    flag = CancelFlag()
+    cf = pool(lane_of(request)).submit(run_with, flag, fn, args)
+    fut = asyncio.wrap_future(cf)
+    fut.add_done_callback(_retrieve)
+    gone: asyncio.Future[None] = loop.create_future()
+    watchers: list[asyncio.Task[None]] = []
+
+    def watch() -> None:
+        watchers.append(asyncio.create_task(_until_gone(request, gone)))
+
+    timer = loop.call_later(WATCH_AFTER_S, watch) if request is not None else None
+    try:
+        done, _ = await asyncio.wait(
+            {fut, gone}, timeout=max(0.0, remaining), return_when="FIRST_COMPLETED"
+        )
+        if fut in done:
+            return fut.result()
+        if gone in done:
+            flag.cancel("the client left")
+            raise APIError(499, "the client closed the request")
+        flag.cancel("time limit")
+        raise _timed_out(timeout)
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for w in watchers:
+            w.cancel()
+        if not fut.done():  # abandoned (or this coroutine cancelled): drop or stop it
+            flag.cancel(flag.reason or "abandoned")
+            cf.cancel()
