@@ -4,7 +4,8 @@ touching memory. ``admit`` places waiting tasks on idle slots; ``schedule`` plan
 Generating slots come first, each with its sampled token (and its draft when it speculates:
 an n-gram draft is read off its tokens here; a draft model's proposal is only given room,
 ``execute`` runs it); then the prefilling slots, oldest first, take what is left of the
-budget in chunks that end where a sharing waiter or a checkpoint needs the slot to stop.
+budget in chunks that end where a sharing waiter, a checkpoint or a parked --cache-reuse
+chunk needs the slot to stop (the chunk moves in at the start of the slot's next work).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .checkpoints import CheckpointPolicy
 from .options import EngineOptions
 from .plan import Admission, Placement, SlotWork, StepPlan
 from .policy import SlotView, choose_slot
+from .reuse import due_chunks
 from .slot import Slot, SlotState
 from .spec_step import Speculation
 from .store import shift_span
@@ -108,13 +110,19 @@ class Scheduler:
 
     def _prompt_chunk(self, s: Slot, room: int) -> SlotWork:
         """The slot's next prompt chunk (at most ``room`` tokens). A chunk ends where a
-        sharing waiter or a checkpoint needs the slot to stop; a checkpoint of the state
-        the chunk starts from is taken first when the policy wants one there."""
+        sharing waiter, a checkpoint or a parked --cache-reuse chunk needs the slot to stop;
+        a checkpoint of the state the chunk starts from is taken first when the policy wants
+        one there, and parked chunks that start where the slot ends move in first."""
         cur = len(s.tokens)
         run = s.live
         task = run.task
         prompt = task.prompt
+        n_reuse, nxt = 0, -1
+        if run.reuse:
+            n_reuse, cur, nxt = due_chunks(run.reuse, cur)
         end = min(len(prompt), cur + room)
+        if nxt >= 0:
+            end = min(end, nxt)  # the gap up to the next parked chunk, no further
         marks = run.share_marks
         if marks:
             end = min(end, min((m for m in marks if m > cur), default=end))
@@ -124,7 +132,12 @@ class Scheduler:
             end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
             checkpoint = self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start)
         return SlotWork(
-            s, prompt[cur:end], generating=False, logits=end == len(prompt), checkpoint=checkpoint
+            s,
+            prompt[cur:end],
+            generating=False,
+            logits=end == len(prompt),
+            checkpoint=checkpoint,
+            reuse=n_reuse,
         )
 
     def _wants_prompt_end_checkpoint(self, s: Slot) -> bool:
