@@ -24,6 +24,9 @@ reuses only the common prefix. It is emptied when the last chunk moved in, when 
 failed, and at the next step after the run ended (done, cancelled by a client that left,
 failed): ``reap``. The rest of the prompt, and always its last token, are computed as
 usual. Rules kept simple:
+- with a sliding-window cache (--swa-full), one run of adjacent chunks only (the first
+  one kept, after a gap or not, and those right after it): a chunk parked further than a
+  window before the scratch sequence's end could lose the cells its next token attends to;
 - a chunk holding a cell another slot shares (prefix sharing under unified KV) is not
   reused: moving it would move the other slot's positions too;
 - checkpoints beyond the common prefix go (``SlotStore.cut``); models that can shift
@@ -68,6 +71,11 @@ class CacheReuse:
         self.stats = stats
         self.opts = opts
         self.scratch = backend.scratch_seq
+        # a sliding-window cache (--swa-full): parked cells more than a window below the
+        # scratch sequence's last position count as masked there, and llama.cpp may give
+        # them to any new token (find_slot). One run of adjacent chunks keeps every cell a
+        # later token attends to within the window of the scratch's end.
+        self.windowed = "swa" in (backend.kv_kinds or ())
         # the slot and run whose chunks the scratch sequence holds (None: it is empty)
         self.owner: tuple[Slot, SlotRun] | None = None
         self._parked = False  # the scratch may hold cells (parked, not handed to a run yet)
@@ -94,9 +102,8 @@ class CacheReuse:
         prompt = task.prompt[:-1]  # the last prompt token is always computed
         shared = self._shared_bound(slot)
         found = iter_chunks(slot.tokens, prompt, n_min, start=n_past)
-        return select_chunks(
-            (c for c in found if c.cache_start >= shared), n_past, GAPPED_MIN, MOST_CHUNKS
-        )
+        mine = (c for c in found if c.cache_start >= shared)
+        return select_chunks(mine, n_past, GAPPED_MIN, MOST_CHUNKS, one_run=self.windowed)
 
     def _shared_bound(self, slot: Slot) -> int:
         """Cached positions below this may be cells another slot shares (unified KV)."""

@@ -122,7 +122,7 @@ def gap_tokens(chunks: Sequence[ReuseChunk], start: int) -> int:
 
 
 def select_chunks(
-    chunks: Iterable[ReuseChunk], start: int, gapped_min: int, most: int
+    chunks: Iterable[ReuseChunk], start: int, gapped_min: int, most: int, one_run: bool = False
 ) -> list[ReuseChunk]:
     """The chunks worth moving, in order, at most ``most`` of them (later ones are left to
     be computed, and ``chunks`` is not read further: a lazy scan stops there).
@@ -133,7 +133,10 @@ def select_chunks(
     when it saves at least ``gapped_min`` tokens of prompt processing; a chunk dropped
     joins the gap before the next one. So n_cache_reuse 1 against every other token
     substituted keeps nothing (one step per reused token would cost far more than it
-    saves), and the steps a placement adds are at most ``most``."""
+    saves), and the steps a placement adds are at most ``most``.
+
+    ``one_run``: the first chunk kept and those right after it only (none after a gap), for
+    a memory with a sliding-window cache (see ``CacheReuse.plan``)."""
     out: list[ReuseChunk] = []
     p = start
     if most <= 0:
@@ -141,6 +144,8 @@ def select_chunks(
     for ch in chunks:
         if ch.prompt_start > p and ch.length < gapped_min:
             continue
+        if one_run and out and ch.prompt_start > p:
+            break
         out.append(ch)
         p = ch.prompt_start + ch.length
         if len(out) >= most:

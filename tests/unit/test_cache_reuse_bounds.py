@@ -88,6 +88,22 @@ def test_many_gapped_chunks_are_capped_and_decoded_by_the_step():
     assert_kv_is(b, 0, prompt)
 
 
+def test_a_window_cache_moves_one_run_of_chunks():
+    # --swa-full: parked cells a window below the scratch's end may be given away
+    e, b = engine()
+    b.kv_kinds = ("full", "swa")
+    e = Engine(b, EngineOptions(cache_reuse=64))
+    warm(e)
+    prompt: list[int] = []
+    for i in range(0, N, 47):
+        prompt += [5] + CACHED[i : i + 47]
+    t, c = reuse_task(prompt, 16)
+    per_step = steps_of(e, b, t)
+    assert c.result is not None and c.result.timings.cache_reuse_chunks == 1
+    assert max(per_step) == 1
+    assert_kv_is(b, 0, prompt)
+
+
 def test_another_slot_gets_a_token_in_every_decode_while_chunks_move_in():
     e, b = engine()
     warm(e)

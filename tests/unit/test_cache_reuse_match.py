@@ -88,6 +88,9 @@ def test_select_keeps_gapped_chunks_worth_a_step():
     assert select_chunks(chunks, 10, 8, 16) == [chunks[0], chunks[2], chunks[3]]
     assert select_chunks(chunks, 10, 8, 2) == [chunks[0], chunks[2]]
     assert select_chunks(chunks, 10, 8, 0) == []
+    # a window cache: one run of adjacent chunks (the first kept one and those right after)
+    assert select_chunks(chunks, 10, 8, 16, one_run=True) == [chunks[0]]
+    assert select_chunks(chunks[1:], 10, 8, 16, one_run=True) == [chunks[2], chunks[3]]
 
 
 def test_every_other_token_substituted_keeps_nothing():
