@@ -1,13 +1,12 @@
 """``execute``: the one phase of a step that changes llama.cpp memory.
 
 It runs the plan's memory operations (parked --cache-reuse chunks moved in, context shifts,
-checkpoints, draft-model proposals),
-fills the batch, decodes it (a decode without KV room frees idle slots' KV, then retries
-with a smaller plan, then ends the longest run), commits what was decoded to the slot store
-(so its invariant holds again before anything else runs) and samples every row with
-logits: CPU-sampled slots together (concurrently when the pool pays), constrained and
-backend-sampled ones alone, drafting ones by verification. ``update`` then does the
-accounting from the ``StepOutputs``.
+checkpoints, draft-model proposals), fills the batch, decodes it (a decode without KV room
+frees idle slots' KV, then retries with a smaller plan, then ends the longest run),
+commits what was decoded to the slot store (so its invariant holds again before anything
+else runs) and samples every row with logits: CPU-sampled slots together (concurrently
+when the pool pays), constrained and backend-sampled ones alone, drafting ones by
+verification. ``update`` then does the accounting from the ``StepOutputs``.
 """
 
 from __future__ import annotations
