@@ -183,3 +183,27 @@ def test_integrity_sees_a_stray_scratch_cell():
     warm(e)
     b.kv[b.scratch_seq][5] = 1
     assert any("sequence 2" in p for p in e.check_integrity())
+
+
+def test_a_failed_move_computes_the_rest_and_frees_the_scratch():
+    e, b = engine()
+    warm(e)
+    prompt: list[int] = []
+    for i in range(0, 10 * 47, 47):
+        prompt += [5] + CACHED[i : i + 47]
+    place = e.store.place_chunk
+    calls: list[int] = []
+
+    def fail_second(*args):
+        calls.append(1)
+        return len(calls) != 2 and place(*args)
+
+    e.store.place_chunk = fail_second  # type: ignore[method-assign]
+    t, c = reuse_task(prompt, 16)
+    per_step = steps_of(e, b, t)
+    assert max(per_step) == 1 and len(calls) == 2
+    r = c.result
+    assert r is not None and r.timings.cache_reuse_chunks == 1
+    assert r.timings.cache_n + r.timings.prompt_n == len(prompt)
+    assert b.kv[b.scratch_seq] == {} and e.reuse.owner is None
+    assert_kv_is(b, 0, prompt)
