@@ -74,6 +74,8 @@ class FakeBackend:
     # the KV cache's ggml types: None, unknown (states' types are not checked)
     kv_type_ids: tuple[int, int] | None = None
     pooling = -1  # embeddings off (EmbedBackend in test_embeddings has them)
+    # the caches a state holds; ("full", "swa") acts as --swa-full (a window cache, n_swa 0)
+    kv_kinds: tuple[str, ...] | None = ("full",)
 
     def __init__(
         self,

@@ -8,13 +8,14 @@ no clear of "its" tokens would free. These checks count cells:
 - the full-attention cache holds, for each slot, exactly one cell per position 0..n-1;
 - the sliding-window cache holds, for each slot, distinct positions within 0..n-1 (and the
   last one), and when a state is loaded, the window the next token attends to;
-- no cell belongs to a sequence that is not a slot.
+- no cell belongs to a sequence that is not a slot, but for the --cache-reuse scratch
+  sequence's parked chunks, exactly where they are parked.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..llama.ggml_types import cache_type_name
 from ..types import CacheCells
@@ -54,17 +55,26 @@ def seq_state_problem(caches: Sequence[CacheCells], n: int, n_swa: int) -> str |
     return None
 
 
-def kv_problems(caches: Sequence[CacheCells], n_tokens: Sequence[int | None]) -> list[str]:
+def kv_problems(
+    caches: Sequence[CacheCells],
+    n_tokens: Sequence[int | None],
+    others: Mapping[int, Sequence[int]] | None = None,
+) -> list[str]:
     """Cell-count problems of a whole KV cache: ``n_tokens[s]`` is slot s's token count, or
-    None for a slot whose tokens are changing (a decode in flight) and so not checked."""
+    None for a slot whose tokens are changing (a decode in flight) and so not checked.
+    ``others``: sequences beyond the slots and the positions they hold, one cell each (the
+    --cache-reuse scratch sequence's parked chunks)."""
     problems: list[str] = []
+    extra = others or {}
     for c in caches:
         by_seq: dict[int, list[int]] = defaultdict(list)
         for p, seqs in zip(c.pos, c.seqs, strict=True):
             for s in seqs:
                 by_seq[s].append(p)
         for s in sorted(by_seq):
-            if not 0 <= s < len(n_tokens):
+            if s in extra:
+                problems += _other_problems(s, sorted(by_seq[s]), extra[s], c.kind)
+            elif not 0 <= s < len(n_tokens):
                 problems.append(f"{len(by_seq[s])} {c.kind}-cache cells belong to no slot")
         for s, n in enumerate(n_tokens):
             if n is None:
@@ -77,6 +87,15 @@ def kv_problems(caches: Sequence[CacheCells], n_tokens: Sequence[int | None]) ->
             if problem:
                 problems.append(f"slot {s}: {problem}")
     return problems
+
+
+def _other_problems(seq: int, got: list[int], want: Sequence[int], kind: str) -> list[str]:
+    """A non-slot sequence holds one cell at each position it should (a window cache may
+    have dropped some; none at another position either way)."""
+    exact = sorted(want)
+    if got == exact or (kind != "full" and len(set(got)) == len(got) and set(got) <= set(exact)):
+        return []
+    return [f"sequence {seq}: the {kind} cache holds {_describe(got)}, expected {len(exact)}"]
 
 
 def kv_type_problem(caches: Sequence[CacheCells], want: tuple[int, int] | None) -> str | None:

@@ -54,6 +54,10 @@ class SeqMemory(Protocol):
 
     def kv_cells(self) -> list[CacheCells] | None: ...
 
+    # the caches a sequence's state holds, in llama.cpp's order ("full", "swa": a sliding
+    # window cache, full-size under --swa-full); None: recurrent memory
+    kv_kinds: tuple[str, ...] | None
+
     @property
     def can_shift(self) -> bool:
         """llama_memory_can_shift: whether ``seq_add`` may move positions (else it aborts)."""

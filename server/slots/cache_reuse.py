@@ -1,24 +1,34 @@
 """--cache-reuse N (per request ``n_cache_reuse``): move cached chunks into place.
 
-When a slot's tokens and a new prompt share a prefix and then differ, ``match_chunks``
+When a slot's tokens and a new prompt share a prefix and then differ, ``iter_chunks``
 (slots/reuse.py) finds the chunks of >= N cached tokens that appear later in the prompt, in
-order. Placement then (``Placer._launch``):
+order, and ``select_chunks`` keeps those worth moving (at most ``MOST_CHUNKS``; one after a
+gap only when it holds at least ``GAPPED_MIN`` tokens). Then:
 
-1. ``park``: copies the chunks' cells to a scratch sequence (one sequence more than the
-   slots, allocated with --cache-reuse under unified KV), cuts the slot to the common
-   prefix and moves the parked cells to their prompt positions (seq_add; needs a memory
-   that can shift: full attention, or --swa-full);
-2. ``place`` (after the run started): decodes the prompt tokens before each chunk (the
-   gaps: llama.cpp requires a sequence's positions to stay consecutive, so the chunk
-   cannot sit in the slot's sequence while they are decoded), then moves the chunk from
-   the scratch sequence into the slot. The scratch sequence is empty again afterwards.
+1. ``park`` (placement, before the run starts): copies the chunks' cells to a scratch
+   sequence (one sequence more than the slots, allocated with --cache-reuse under unified
+   KV), cuts the slot to the common prefix and moves the parked cells to their prompt
+   positions (seq_add; needs a memory that can shift: full attention, or --swa-full);
+   ``begin`` hands the chunks to the run (``SlotRun.reuse``). No decode happens here: a
+   placement costs one scan of the two token lists and a few memory operations per chunk.
+2. The step's phases do the rest, in the normal batch budget: ``schedule`` ends the slot's
+   prompt chunks at the next parked chunk (the gap before it is decoded as ordinary prompt
+   tokens, batched with the other slots' tokens), and once the slot holds the tokens up to
+   it, plans the move (``SlotWork.reuse``); ``execute`` carries it out (``place_due``:
+   llama.cpp requires a sequence's positions to stay consecutive, so a chunk joins the
+   slot only when the gap before it is in). Each chunk after a gap so costs its slot one
+   step more; other slots keep streaming meanwhile.
 
-The rest of the prompt is computed by the step as usual; its last token always is (its
-logits are needed). Rules kept simple:
+The scratch sequence serves one run at a time (``owner``): a placement while it is busy
+reuses only the common prefix. It is emptied when the last chunk moved in, when a move
+failed, and at the next step after the run ended (done, cancelled by a client that left,
+failed): ``reap``. The rest of the prompt, and always its last token, are computed as
+usual. Rules kept simple:
+- with a sliding-window cache (--swa-full), one run of adjacent chunks only (the first
+  one kept, after a gap or not, and those right after it): a chunk parked further than a
+  window before the scratch sequence's end could lose the cells its next token attends to;
 - a chunk holding a cell another slot shares (prefix sharing under unified KV) is not
   reused: moving it would move the other slot's positions too;
-- the gaps are decoded synchronously, at most ``n_batch`` tokens in all (later chunks are
-  dropped);
 - checkpoints beyond the common prefix go (``SlotStore.cut``); models that can shift
   take no checkpoints anyway.
 As in llama-server, reused KV was computed under the old context: the answer is close to,
@@ -27,18 +37,29 @@ not the same as, a cold run's.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 from ..types import Task, lcp
-from .adapter_turns import adapters_of
 from .backend_api import Backend
 from .options import EngineOptions
-from .reuse import ReuseChunk, match_chunks, within_gap_budget
-from .slot import Slot
+from .reuse import ReuseChunk, iter_chunks, select_chunks
+from .slot import Slot, SlotRun, SlotState
 from .stats import EngineStats
 from .store import SlotStore
 
 log = logging.getLogger("server.slots.engine")
+
+
+# A chunk after a gap costs its slot one step more (the gap is decoded first); it is moved
+# only when it saves at least this many tokens of prompt processing. A step of one token
+# costs about 15 prompt tokens' time on a 2-core CPU (DESIGN §10: 24 ms vs 1.7 ms), more
+# on a GPU: 32 keeps the 1-token chunks of an adversarial prompt (every other token
+# substituted) from turning one prompt into a thousand steps.
+GAPPED_MIN = 32
+# Chunks moved per placement at most: each is two memory operations over the KV cells at
+# placement and two more when it moves in, and each one after a gap adds a step.
+MOST_CHUNKS = 16
 
 
 class CacheReuse:
@@ -50,6 +71,14 @@ class CacheReuse:
         self.stats = stats
         self.opts = opts
         self.scratch = backend.scratch_seq
+        # a sliding-window cache (--swa-full): parked cells more than a window below the
+        # scratch sequence's last position count as masked there, and llama.cpp may give
+        # them to any new token (find_slot). One run of adjacent chunks keeps every cell a
+        # later token attends to within the window of the scratch's end.
+        self.windowed = "swa" in (backend.kv_kinds or ())
+        # the slot and run whose chunks the scratch sequence holds (None: it is empty)
+        self.owner: tuple[Slot, SlotRun] | None = None
+        self._parked = False  # the scratch may hold cells (parked, not handed to a run yet)
 
     @property
     def available(self) -> bool:
@@ -62,18 +91,19 @@ class CacheReuse:
         return self.opts.cache_reuse if n < 0 else n
 
     def plan(self, slot: Slot, task: Task, n_past: int) -> list[ReuseChunk]:
-        """The chunks to move for ``task`` on ``slot`` after a cut at ``n_past``; none when
-        off, unavailable, or the slot holds another tenant's (or adapter set's) tokens."""
+        """The chunks to move for ``task`` on ``slot`` after a cut at ``n_past`` (see
+        ``select_chunks``); none when off, unavailable, while another run holds the scratch
+        sequence, or when the slot holds another tenant's (or adapter set's) tokens."""
         n_min = self.n_min(task)
         if n_min <= 0 or not task.cache_prompt or slot.tenant != task.tenant:
             return []
-        if not self.available or len(slot.tokens) <= n_past + n_min:
+        if not self.available or self.owner is not None or len(slot.tokens) <= n_past + n_min:
             return []
         prompt = task.prompt[:-1]  # the last prompt token is always computed
-        chunks = match_chunks(slot.tokens, prompt, n_min, start=n_past)
         shared = self._shared_bound(slot)
-        chunks = [c for c in chunks if c.cache_start >= shared]
-        return within_gap_budget(chunks, n_past, self.b.n_batch)
+        found = iter_chunks(slot.tokens, prompt, n_min, start=n_past)
+        mine = (c for c in found if c.cache_start >= shared)
+        return select_chunks(mine, n_past, GAPPED_MIN, MOST_CHUNKS, one_run=self.windowed)
 
     def _shared_bound(self, slot: Slot) -> int:
         """Cached positions below this may be cells another slot shares (unified KV)."""
@@ -85,56 +115,76 @@ class CacheReuse:
     def park(self, slot: Slot, chunks: list[ReuseChunk], n_past: int) -> int:
         """Step 1 (before the run starts): returns the tokens the slot kept (``n_past``, or 0
         when the cut failed: then nothing is reused and the scratch is empty)."""
+        self._parked = True
         kept = self.store.park_chunks(slot, chunks, self.scratch, n_past)
         if kept != n_past:
-            self.b.seq_clear(self.scratch)
+            self._release()
         return kept
 
-    def place(self, slot: Slot, chunks: list[ReuseChunk]) -> None:
-        """Step 2 (the run started at the common prefix): the gaps decoded, the chunks
-        moved in, counted in the run's ``n_cached`` / ``n_computed`` and the stats. Stops
-        at the first failure (the rest of the prompt is then computed as usual)."""
-        run = slot.live
-        prompt = run.task.prompt
-        n_reused = n_chunks = n_gap = 0
-        try:
-            for ch in chunks:
-                gap = prompt[len(slot.tokens) : ch.prompt_start]
-                if gap and not self._decode(slot, gap):
-                    break
-                n_gap += len(gap)
-                toks = prompt[ch.prompt_start : ch.prompt_start + ch.length]
-                if not self.store.place_chunk(slot, ch, toks, self.scratch):
-                    break
-                n_reused += ch.length
-                n_chunks += 1
-        finally:
-            self.b.seq_clear(self.scratch)
-        run.seq.reused(n_reused, n_chunks, n_gap)
-        self.stats.cache_reuse_tokens += n_reused
-        self.stats.cache_reuse_chunks += n_chunks
-        log.debug(
-            "slot %d: cache reuse: %d tokens in %d chunks, %d gap tokens computed",
-            slot.id,
-            n_reused,
-            n_chunks,
-            n_gap,
-        )
+    def begin(self, slot: Slot, run: SlotRun, chunks: list[ReuseChunk]) -> None:
+        """The run (started at the common prefix) takes the parked chunks: the step's
+        phases move them in (``SlotRun.reuse``, ``place_due``)."""
+        run.reuse = collections.deque(chunks)
+        self.owner = (slot, run)
 
-    def _decode(self, slot: Slot, toks: list[int]) -> bool:
-        """Decode ``toks`` at the slot's next positions (no logits), under the run's
-        adapters; False (the slot cut back to its committed tokens) when a decode failed."""
-        self.b.set_adapters(adapters_of(slot))
-        batch = self.b.batch
-        for i in range(0, len(toks), self.b.n_batch):
-            part = toks[i : i + self.b.n_batch]
-            batch.clear()
-            batch.add_span(part, len(slot.tokens), slot.id, False)
-            if self.b.decode(0, batch.n) != 0:
-                self.store.rollback(slot)
+    def place_due(self, slot: Slot, n: int) -> bool:
+        """``execute``: move the run's next ``n`` parked chunks into the slot, which holds
+        the prompt up to the first of them (the scheduler planned it so), counting them in
+        the run's ``n_cached`` and the stats. False when a move failed: the slot is then
+        unchanged from there and every chunk left is dropped (the prompt computed)."""
+        run = slot.live
+        if self.owner is None or self.owner[1] is not run:
+            run.reuse.clear()
+            return n == 0
+        prompt = run.task.prompt
+        for _ in range(n):
+            ch = run.reuse[0]
+            toks = prompt[ch.prompt_start : ch.prompt_start + ch.length]
+            if not self.store.place_chunk(slot, ch, toks, self.scratch):
+                self._release()
                 return False
-            self.store.commit(slot, part)
+            run.reuse.popleft()
+            run.seq.reused(ch.length, 1)
+            self.stats.cache_reuse_tokens += ch.length
+            self.stats.cache_reuse_chunks += 1
+        if not run.reuse:
+            log.debug(
+                "slot %d: cache reuse: %d tokens in %d chunks",
+                slot.id,
+                run.seq.n_reused,
+                run.seq.n_reuse_chunks,
+            )
+            self._release()
         return True
 
+    def reap(self) -> None:
+        """Once per step: empty the scratch sequence when its run no longer prefills (it
+        ended, was cancelled or failed) or was never handed the chunks (a failed start)."""
+        if self.owner is None:
+            if self._parked:
+                self._release()
+            return
+        slot, run = self.owner
+        if slot.run is not run or slot.state is not SlotState.PREFILL or not run.reuse:
+            self._release()
 
-__all__ = ["CacheReuse"]
+    def _release(self) -> None:
+        if self.owner is not None:
+            self.owner[1].reuse.clear()
+        self.owner = None
+        self._parked = False
+        self.b.seq_clear(self.scratch)
+
+    def held(self) -> dict[int, list[int]]:
+        """What the scratch sequence should hold: {its id: the parked chunks' positions}
+        (empty positions when no run holds it); {} without one. For the integrity check."""
+        if self.scratch < 0:
+            return {}
+        pos: list[int] = []
+        if self.owner is not None:
+            for ch in self.owner[1].reuse:
+                pos.extend(range(ch.prompt_start, ch.prompt_start + ch.length))
+        return {self.scratch: pos}
+
+
+__all__ = ["CacheReuse", "GAPPED_MIN", "MOST_CHUNKS"]

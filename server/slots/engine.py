@@ -104,7 +104,7 @@ class Engine:
         self.scheduler = Scheduler(self.ckpt, self.spec, self.b, self.opts)
         self.reuse = CacheReuse(self.b, self.store, self.stats, self.opts)
         self.executor = Executor(
-            self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv
+            self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv, self.reuse
         )
         self.updater = Updater(
             self.b, self.stats, self._send, lambda: self.shifts, self.executor.settle
@@ -277,6 +277,7 @@ class Engine:
         self._drain_inbox()
         self._run_ops()
         self._reap_cancelled()
+        self.reuse.reap()  # a run that ended (a client that left) parks nothing any more
         self._admit()
         self.sharing.resolve_waiters()  # placement too: waiters whose shared prefix is ready
         decoded = False
@@ -286,6 +287,7 @@ class Engine:
             if decoded:
                 self.stats.on_step(time.perf_counter() - t0)
         finally:
+            self.reuse.reap()
             if self.kv_watch is not None:
                 self.kv_watch.sync(self.slots)
             if flush or not decoded:  # no decode ahead to piggyback on
@@ -415,7 +417,7 @@ class Engine:
         context) and the RAM cache's (its accounting and its prefix index); returns
         problems. The disk tier checks its own (DiskTier.check_integrity): its scanner and
         writer threads change it under its lock."""
-        problems = self.store.check_integrity()
+        problems = self.store.check_integrity(self.reuse.held())
         if self.cache is not None:
             problems += [f"RAM cache: {p}" for p in self.cache.check_integrity()]
         return problems

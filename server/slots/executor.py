@@ -1,12 +1,12 @@
 """``execute``: the one phase of a step that changes llama.cpp memory.
 
-It runs the plan's memory operations (context shifts, checkpoints, draft-model proposals),
-fills the batch, decodes it (a decode without KV room frees idle slots' KV, then retries
-with a smaller plan, then ends the longest run), commits what was decoded to the slot store
-(so its invariant holds again before anything else runs) and samples every row with
-logits: CPU-sampled slots together (concurrently when the pool pays), constrained and
-backend-sampled ones alone, drafting ones by verification. ``update`` then does the
-accounting from the ``StepOutputs``.
+It runs the plan's memory operations (parked --cache-reuse chunks moved in, context shifts,
+checkpoints, draft-model proposals), fills the batch, decodes it (a decode without KV room
+frees idle slots' KV, then retries with a smaller plan, then ends the longest run),
+commits what was decoded to the slot store (so its invariant holds again before anything
+else runs) and samples every row with logits: CPU-sampled slots together (concurrently
+when the pool pays), constrained and backend-sampled ones alone, drafting ones by
+verification. ``update`` then does the accounting from the ``StepOutputs``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from ..types import FinishReason
 from .backend_api import Backend
+from .cache_reuse import CacheReuse
 from .plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
 from .sampling import ConstraintDeadEnd, ParallelSampling
 from .slot import Slot, SlotRun
@@ -38,9 +39,12 @@ class Executor:
         stats: EngineStats,
         par: ParallelSampling,
         free_idle_kv: Callable[[], bool],
+        reuse: CacheReuse | None = None,
     ) -> None:
-        """``free_idle_kv()``: clear idle slots' KV (saving them first); whether any was."""
+        """``free_idle_kv()``: clear idle slots' KV (saving them first); whether any was.
+        ``reuse``: moves parked --cache-reuse chunks in (a plan with ``SlotWork.reuse``)."""
         self.b = backend
+        self.reuse = reuse
         self.store = store
         self.spec = spec
         self.stats = stats
@@ -71,9 +75,11 @@ class Executor:
     # ---- before the decode ---------------------------------------------------------
 
     def prepare(self, plan: StepPlan, out: StepOutputs) -> None:
-        """The plan's memory operations: shifts, checkpoints, then draft-model proposals
-        (for the works still in the plan, with the room it reserved)."""
+        """The plan's memory operations: parked chunks moved in, shifts, checkpoints, then
+        draft-model proposals (for the works still in the plan, with the room it reserved)."""
         for w in list(plan.work):
+            if w.reuse:
+                self._move_in(w)
             if w.shift is not None and not self._shift(w.slot, *w.shift):
                 plan.drop(w.slot)
                 out.ended.append(Ended(w.slot, FinishReason.LENGTH))
@@ -88,6 +94,18 @@ class Executor:
         for w in plan.work:
             if w.model_room > 0:
                 w.tokens += drafted.get(w.slot.id, [])[: w.model_room]
+
+    def _move_in(self, w: SlotWork) -> None:
+        """--cache-reuse: the work's parked chunks join the slot before its tokens. When a
+        move failed, the work computes the prompt from where the slot ends instead (as many
+        tokens as planned; logits only if they still end the prompt)."""
+        moved = self.reuse is not None and self.reuse.place_due(w.slot, w.reuse)
+        if moved:
+            return
+        prompt = w.slot.live.task.prompt
+        cur = len(w.slot.tokens)
+        end = min(len(prompt), cur + len(w.tokens))
+        w.tokens, w.logits = prompt[cur:end], end == len(prompt)
 
     def _shift(self, s: Slot, n_keep: int, n_discard: int) -> bool:
         """--context-shift: drop half of what follows n_keep and go on; False: the run

@@ -117,9 +117,9 @@ class Placer:
                 n_past = self.sharing.copy(self.store.slots[held.slot], slot, held.n_tokens)
             wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
         run = slot.start(task, n_past)
-        if chunks:
+        if chunks:  # the step moves them in, the gaps before them decoded as prompt chunks
             assert self.reuse is not None
-            self.reuse.place(slot, chunks)
+            self.reuse.begin(slot, run, chunks)
         if task.return_progress:  # llama-server's first (0 %) progress event
             self.progress(slot)
         if wait is not None:
@@ -140,7 +140,7 @@ class Placer:
     def _keep(self, slot: Slot, task: Task, plan: ReusePlan) -> tuple[int, list[ReuseChunk]]:
         """Carry out ``plan``: a cut (with --cache-reuse, the chunks found beyond it parked
         first), or a resume at a checkpoint. Returns the tokens kept and the parked chunks
-        (``CacheReuse.place`` moves them in once the run started)."""
+        (the run takes them: ``CacheReuse.begin``)."""
         chunks: list[ReuseChunk] = []
         if self.reuse is not None and plan.checkpoint < 0:
             chunks = self.reuse.plan(slot, task, plan.n_past)

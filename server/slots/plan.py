@@ -54,6 +54,7 @@ class SlotWork:
     checkpoint: bool = False  # take a checkpoint of the slot's state before decoding
     shift: tuple[int, int] | None = None  # (n_keep, n_discard): shift the context first
     model_room: int = 0  # draft-simple: most draft-model tokens to propose (execute)
+    reuse: int = 0  # --cache-reuse: parked chunks that move in before ``tokens`` (execute)
     row: int = -1  # the first row of the batch holding this work (execute sets it)
 
     @property

@@ -12,12 +12,16 @@ order), so deletions, insertions and substitutions in either sequence are all sk
 Cost: one pass over the cached tokens to build the index, one dictionary lookup per
 skipped prompt token, and one comparison per matched token (at most ``CANDIDATES``
 candidate positions per lookup), so linear in the two lengths times the key length.
+
+``select_chunks`` then keeps the chunks worth moving (each one after a gap costs its slot
+one more step) and at most a fixed number of them; ``due_chunks`` tells the scheduler which
+of a run's parked chunks move in before its next prompt chunk and where that chunk ends.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 KEY = 16  # tokens of an index key (N when N is smaller)
@@ -64,20 +68,25 @@ def match_chunks(
     ``prompt[start:]`` (both sequences agree before ``start``, the common prefix), as
     described above. Chunks are ordered and disjoint in both sequences; none when
     ``n_min`` <= 0. Pure."""
+    return list(iter_chunks(cached, prompt, n_min, start))
+
+
+def iter_chunks(
+    cached: Sequence[int], prompt: Sequence[int], n_min: int, start: int = 0
+) -> Iterator[ReuseChunk]:
+    """``match_chunks``, lazily: a caller that has enough stops the scan there."""
     if n_min <= 0:
-        return []
+        return
     k = min(n_min, KEY)
     idx = _index(cached, start, k)
-    out: list[ReuseChunk] = []
     c = p = start
     while p + n_min <= len(prompt) and c + n_min <= len(cached):
         found = _lookup(cached, prompt, idx, c, p, k, n_min)
         if found is None:
             p += 1
             continue
-        out.append(found)
+        yield found
         c, p = found.cache_start + found.length, p + found.length
-    return out
 
 
 def _lookup(
@@ -112,17 +121,49 @@ def gap_tokens(chunks: Sequence[ReuseChunk], start: int) -> int:
     return n
 
 
-def within_gap_budget(chunks: Sequence[ReuseChunk], start: int, budget: int) -> list[ReuseChunk]:
-    """The leading chunks whose gaps (see ``gap_tokens``) add up to at most ``budget``."""
+def select_chunks(
+    chunks: Iterable[ReuseChunk], start: int, gapped_min: int, most: int, one_run: bool = False
+) -> list[ReuseChunk]:
+    """The chunks worth moving, in order, at most ``most`` of them (later ones are left to
+    be computed, and ``chunks`` is not read further: a lazy scan stops there).
+
+    A chunk right after the previous kept one (or at ``start``) costs nothing but its move.
+    A chunk after a gap costs the slot one more step: the gap is decoded first, and the
+    chunk can only join the sequence once its positions are consecutive. It is kept only
+    when it saves at least ``gapped_min`` tokens of prompt processing; a chunk dropped
+    joins the gap before the next one. So n_cache_reuse 1 against every other token
+    substituted keeps nothing (one step per reused token would cost far more than it
+    saves), and the steps a placement adds are at most ``most``.
+
+    ``one_run``: the first chunk kept and those right after it only (none after a gap), for
+    a memory with a sliding-window cache (see ``CacheReuse.plan``)."""
     out: list[ReuseChunk] = []
-    used, p = 0, start
+    p = start
+    if most <= 0:
+        return out
     for ch in chunks:
-        used += ch.prompt_start - p
-        if used > budget:
+        if ch.prompt_start > p and ch.length < gapped_min:
+            continue
+        if one_run and out and ch.prompt_start > p:
             break
         out.append(ch)
         p = ch.prompt_start + ch.length
+        if len(out) >= most:
+            break
     return out
 
 
-__all__ = ["ReuseChunk", "match_chunks", "gap_tokens", "within_gap_budget"]
+def due_chunks(pending: Sequence[ReuseChunk], cur: int) -> tuple[int, int, int]:
+    """For a slot holding ``cur`` tokens with ``pending`` parked chunks (ordered): how many
+    of them move in now (those starting at ``cur``, one after another), the token count
+    after them, and where the next prompt chunk must end (the next pending chunk's start,
+    which the gap before it is decoded up to; -1: no such bound)."""
+    n = 0
+    while n < len(pending) and pending[n].prompt_start == cur:
+        cur += pending[n].length
+        n += 1
+    nxt = pending[n].prompt_start if n < len(pending) else -1
+    return n, cur, nxt
+
+
+__all__ = ["ReuseChunk", "iter_chunks", "match_chunks", "due_chunks", "gap_tokens", "select_chunks"]

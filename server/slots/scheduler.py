@@ -4,7 +4,9 @@ touching memory. ``admit`` places waiting tasks on idle slots; ``schedule`` plan
 Generating slots come first, each with its sampled token (and its draft when it speculates:
 an n-gram draft is read off its tokens here; a draft model's proposal is only given room,
 ``execute`` runs it); then the prefilling slots, oldest first, take what is left of the
-budget in chunks that end where a sharing waiter or a checkpoint needs the slot to stop.
+budget (at most one ubatch while a slot generates: its next token waits for no more) in
+chunks that end where a sharing waiter, a checkpoint or a parked --cache-reuse chunk needs
+the slot to stop (the chunk moves in at the start of the slot's next work).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .checkpoints import CheckpointPolicy
 from .options import EngineOptions
 from .plan import Admission, Placement, SlotWork, StepPlan
 from .policy import SlotView, choose_slot
+from .reuse import due_chunks
 from .slot import Slot, SlotState
 from .spec_step import Speculation
 from .store import shift_span
@@ -32,6 +35,7 @@ class Scheduler:
         self.spec = spec
         self.opts = opts
         self.n_batch = backend.n_batch
+        self.n_ubatch = backend.n_ubatch
         self.n_swa = backend.n_swa
         self.recurrent = backend.is_recurrent
         self.add_bos = backend.add_bos
@@ -60,8 +64,9 @@ class Scheduler:
 
     def schedule(self, active: list[Slot], budget: int | None = None) -> StepPlan:
         """The plan for ``active`` (the slots prefilling or generating that may decode),
-        within ``budget`` tokens (n_batch by default); of one LoRA adapter set, the sets
-        taking turns (slots/adapter_turns.py). Pure but for the turn record."""
+        within ``budget`` tokens (n_batch by default), prompt chunks within n_ubatch while
+        any slot generates; of one LoRA adapter set, the sets taking turns
+        (slots/adapter_turns.py). Pure but for the turn record."""
         plan = StepPlan(self.n_batch if budget is None else budget)
         active, plan.adapters = self.turns.pick(active)
         used = 0
@@ -73,10 +78,13 @@ class Scheduler:
         pre = sorted(
             (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.live.t_start
         )
+        # while slots generate, prompt tokens take one ubatch per step at most: a long
+        # prompt then holds each of their tokens back one ubatch's time, not n_batch's
+        limit = min(plan.budget, used + self.n_ubatch) if plan.work else plan.budget
         for s in pre:
-            if used >= plan.budget:
+            if used >= limit:
                 break
-            w = self._prompt_chunk(s, plan.budget - used)
+            w = self._prompt_chunk(s, limit - used)
             plan.work.append(w)
             used += len(w.tokens)
         return plan
@@ -108,13 +116,19 @@ class Scheduler:
 
     def _prompt_chunk(self, s: Slot, room: int) -> SlotWork:
         """The slot's next prompt chunk (at most ``room`` tokens). A chunk ends where a
-        sharing waiter or a checkpoint needs the slot to stop; a checkpoint of the state
-        the chunk starts from is taken first when the policy wants one there."""
+        sharing waiter, a checkpoint or a parked --cache-reuse chunk needs the slot to stop;
+        a checkpoint of the state the chunk starts from is taken first when the policy wants
+        one there, and parked chunks that start where the slot ends move in first."""
         cur = len(s.tokens)
         run = s.live
         task = run.task
         prompt = task.prompt
+        n_reuse, nxt = 0, -1
+        if run.reuse:
+            n_reuse, cur, nxt = due_chunks(run.reuse, cur)
         end = min(len(prompt), cur + room)
+        if nxt >= 0:
+            end = min(end, nxt)  # the gap up to the next parked chunk, no further
         marks = run.share_marks
         if marks:
             end = min(end, min((m for m in marks if m > cur), default=end))
@@ -124,7 +138,12 @@ class Scheduler:
             end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
             checkpoint = self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start)
         return SlotWork(
-            s, prompt[cur:end], generating=False, logits=end == len(prompt), checkpoint=checkpoint
+            s,
+            prompt[cur:end],
+            generating=False,
+            logits=end == len(prompt),
+            checkpoint=checkpoint,
+            reuse=n_reuse,
         )
 
     def _wants_prompt_end_checkpoint(self, s: Slot) -> bool:

@@ -74,11 +74,10 @@ class Sequence:
         self.n_sampled, self.generated, self.next_token, self.n_emitted = 0, [], -1, 0
         self.n_reused = self.n_reuse_chunks = 0
 
-    def reused(self, n_tokens: int, n_chunks: int, n_gap: int) -> None:
-        """--cache-reuse placed ``n_chunks`` chunks of ``n_tokens`` cached tokens (they count
-        as cached) and computed the ``n_gap`` prompt tokens between them."""
+    def reused(self, n_tokens: int, n_chunks: int) -> None:
+        """--cache-reuse moved ``n_chunks`` chunks of ``n_tokens`` cached tokens into place
+        (they count as cached; the gaps between them are computed as prompt tokens)."""
         self.n_cached += n_tokens
-        self.n_computed += n_gap
         self.n_reused += n_tokens
         self.n_reuse_chunks += n_chunks
 

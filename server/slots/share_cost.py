@@ -68,9 +68,11 @@ class PrefillQueue:
         return self.cum[bisect.bisect_left(self.starts, t_start)]
 
 
-def queue_of(slots: Sequence[Slot], n_batch: int) -> PrefillQueue:
+def queue_of(slots: Sequence[Slot], n_batch: int, n_ubatch: int = 0) -> PrefillQueue:
     """Snapshot of the prompt work: prefilling slots' remaining tokens, and waiting slots'
-    tokens past their target (what they compute once they copied)."""
+    tokens past their target (what they compute once they copied). A step's prompt room is
+    what generating slots leave of ``n_batch``, and at most ``n_ubatch`` (when given) while
+    any slot generates, as the scheduler plans it."""
     work: list[tuple[float, int]] = []
     n_gen = 0
     for s in slots:
@@ -82,7 +84,10 @@ def queue_of(slots: Sequence[Slot], n_batch: int) -> PrefillQueue:
                 done = max(done, s.run.wait_target)
             work.append((s.run.t_start, len(s.run.task.prompt) - done))
     work.sort()
-    q = PrefillQueue(max(1, n_batch - n_gen), n_gen)
+    room = n_batch - n_gen
+    if n_gen and n_ubatch > 0:
+        room = min(room, n_ubatch)
+    q = PrefillQueue(max(1, room), n_gen)
     for t, n in work:
         q.starts.append(t)
         q.cum.append(q.cum[-1] + n)

@@ -164,7 +164,7 @@ class PrefixSharing:
         return key in waits
 
     def _queue(self) -> PrefillQueue:
-        return queue_of(self.store.slots, self.store.b.n_batch)
+        return queue_of(self.store.slots, self.store.b.n_batch, self.store.b.n_ubatch)
 
     def _observe_step(self) -> None:
         """Feed the last decoded batch to the speed estimate: its tokens and its time, as

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..types import Checkpoint, Task, TokenLogprob, TokenMatcher
+from .reuse import ReuseChunk
 from .sequence import Sequence
 from .speculative import DraftLimits
 from .text import TextStream
@@ -42,6 +44,8 @@ class SlotRun:
     wait_task: int = -1
     wait_target: int = 0
     share_marks: set[int] = field(default_factory=set)  # waiters' targets: end chunks there
+    # --cache-reuse: parked chunks not moved in yet, in prompt order (slots/cache_reuse.py)
+    reuse: collections.deque[ReuseChunk] = field(default_factory=collections.deque)
     # speculative decoding: this run's limits (None: it does not speculate), and counts
     spec: DraftLimits | None = None
     n_drafted: int = 0

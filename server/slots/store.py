@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..cache import slot_file
@@ -399,10 +399,17 @@ class SlotStore:
 
     # ---- integrity ----------------------------------------------------------------
 
-    def check_integrity(self) -> list[str]:
+    def check_integrity(self, others: Mapping[int, list[int]] | None = None) -> list[str]:
         """Every slot's token count matches its KV positions and its cells, cell by
-        cell (no cell of the KV cache belongs to no slot); returns problems."""
+        cell (no cell of the KV cache belongs to no slot); returns problems. ``others``:
+        sequences beyond the slots and the positions they must hold (--cache-reuse's
+        scratch sequence, holding parked chunks)."""
         problems = []
+        for seq, pos in (others or {}).items():
+            # a window cache may drop parked cells far below the last: the end is exact
+            got, want = self.b.seq_pos_max(seq), max(pos, default=-1)
+            if got != want:
+                problems.append(f"sequence {seq}: ends at {got}, parked chunks at {want}")
         for s in self.slots:
             pmax = self.b.seq_pos_max(s.id)
             if pmax != len(s.tokens) - 1:
@@ -415,7 +422,7 @@ class SlotStore:
         caches = self.b.kv_cells()
         if caches is not None:
             n_tokens: list[int | None] = [len(s.tokens) for s in self.slots]
-            problems += kv_problems(caches, n_tokens)
+            problems += kv_problems(caches, n_tokens, others)
         if self.dft is not None:
             problems += self.dft.problems()
         return problems

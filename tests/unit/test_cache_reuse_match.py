@@ -1,6 +1,13 @@
 """--cache-reuse: the two-sided chunk matcher (server.slots.reuse), exact outputs."""
 
-from server.slots.reuse import ReuseChunk, gap_tokens, match_chunks, within_gap_budget
+from server.slots.reuse import (
+    ReuseChunk,
+    due_chunks,
+    gap_tokens,
+    iter_chunks,
+    match_chunks,
+    select_chunks,
+)
 
 A = list(range(100, 110))  # 10 distinct tokens
 B = list(range(200, 210))
@@ -65,8 +72,46 @@ def test_key_longer_than_sixteen():
     assert match_chunks([5] + long, [6, 6] + long, 64) == [ReuseChunk(1, 2, 100)]
 
 
-def test_gap_budget():
+def test_gap_tokens():
     chunks = [ReuseChunk(10, 12, 5), ReuseChunk(20, 30, 5)]
     assert gap_tokens(chunks, 10) == 2 + 13
-    assert within_gap_budget(chunks, 10, 14) == chunks[:1]
-    assert within_gap_budget(chunks, 10, 15) == chunks
+
+
+def test_select_keeps_gapped_chunks_worth_a_step():
+    # at start: free; after a gap: kept only with >= 8 tokens; a dropped chunk joins the gap
+    chunks = [
+        ReuseChunk(10, 10, 3),  # no gap: kept however short
+        ReuseChunk(14, 14, 3),  # gap 1, 3 tokens: dropped
+        ReuseChunk(17, 17, 9),  # gap 4 (the dropped chunk's tokens too), 9 tokens: kept
+        ReuseChunk(26, 26, 2),  # no gap after a kept chunk: kept
+    ]
+    assert select_chunks(chunks, 10, 8, 16) == [chunks[0], chunks[2], chunks[3]]
+    assert select_chunks(chunks, 10, 8, 2) == [chunks[0], chunks[2]]
+    assert select_chunks(chunks, 10, 8, 0) == []
+    # a window cache: one run of adjacent chunks (the first kept one and those right after)
+    assert select_chunks(chunks, 10, 8, 16, one_run=True) == [chunks[0]]
+    assert select_chunks(chunks[1:], 10, 8, 16, one_run=True) == [chunks[2], chunks[3]]
+
+
+def test_every_other_token_substituted_keeps_nothing():
+    cached = list(range(1000, 4000))
+    prompt = [t if i % 2 == 0 else 7 for i, t in enumerate(cached)]
+    found = match_chunks(cached, prompt, 1, start=1)
+    assert len(found) == 1499 and {c.length for c in found} == {1}
+    assert select_chunks(found, 1, 32, 16) == []
+
+
+def test_select_stops_the_scan_at_its_limit():
+    cached = list(range(1000, 3000))
+    prompt = [t if i % 40 else 7 for i, t in enumerate(cached)]  # a substitution every 40
+    it = iter_chunks(cached, prompt, 16, start=1)
+    got = select_chunks(it, 1, 32, 4)
+    assert [(c.prompt_start, c.length) for c in got] == [(1, 39), (41, 39), (81, 39), (121, 39)]
+    assert next(it) == ReuseChunk(161, 161, 39)  # the scan stopped right after the fourth
+
+
+def test_due_chunks():
+    pending = [ReuseChunk(40, 10, 5), ReuseChunk(50, 15, 5), ReuseChunk(60, 30, 5)]
+    assert due_chunks(pending, 10) == (2, 20, 30)  # two in a row, then the gap up to 30
+    assert due_chunks(pending, 8) == (0, 8, 10)
+    assert due_chunks(pending[2:], 30) == (1, 35, -1)

@@ -62,6 +62,17 @@ def test_generating_slots_come_first_then_prompts_oldest_first_within_the_budget
     assert _state(e, b) == before  # schedule decided; nothing changed
 
 
+def test_while_slots_generate_prompt_chunks_take_one_ubatch_per_step():
+    # a long prompt holds each generated token back one ubatch's time, not n_batch's (#40)
+    e, b = make_engine(n_batch=64, n_ubatch=16)
+    p, _ = _prefilling(e, 0, list(range(100, 200)))
+    alone = e.scheduler.schedule([p])
+    assert [len(w.tokens) for w in alone.work] == [64]  # nothing generates: the whole budget
+    gen, _ = _generating(e, 1, list(range(10)), next_token=42)
+    plan = e.scheduler.schedule([p, gen])
+    assert [(w.slot.id, len(w.tokens)) for w in plan.work] == [(1, 1), (0, 16)]
+
+
 def test_a_chunk_that_ends_the_prompt_wants_logits_and_stops_at_a_share_mark():
     e, b = make_engine(n_batch=64)
     s, _ = _prefilling(e, 0, list(range(40)), held=10)
