@@ -30,6 +30,7 @@ from .logits import check_pick, check_row
 from .lora import LoraAdapters
 from .memory import SeqMemory, memory_layout
 from .params import KV_TYPES, load_model
+from .vocab import SpecialToken, special_tokens
 
 log = logging.getLogger("server.llama")
 
@@ -433,6 +434,11 @@ class LlamaBackend(SeqMemory):
     def add_bos(self) -> bool:
         """Whether the vocabulary starts a text with BOS (llama_vocab_get_add_bos)."""
         return bool(L.llama_vocab_get_add_bos(self.vocab))
+
+    def special_tokens(self) -> list[SpecialToken] | None:
+        """The vocabulary's special tokens (``vocab.special_tokens``), for cutting long texts
+        before tokenizing; None when one is not UTF-8."""
+        return special_tokens(self.vocab, self.n_vocab)
 
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True

@@ -115,37 +115,16 @@ class Splitter:
 
 
 def _read_specials(backend: Any) -> list[Special] | None:
-    """The special tokens of a llama.cpp backend's vocabulary (llama.cpp's
-    ``cache_special_tokens``: control, user-defined and unknown tokens); None when
-    ``backend`` is none (a test fake) or a token text is not UTF-8."""
+    """The special tokens of a backend's vocabulary (``Backend.special_tokens``: llama.cpp's
+    ``cache_special_tokens``); None when the backend has none to give (a test fake) or a
+    token text is not UTF-8."""
     own = getattr(backend, "special_tokens", None)
-    if callable(own):
-        return list(own())
-    vocab = getattr(backend, "vocab", None)
-    if vocab is None:
+    if not callable(own):
         return None
-    import llama_cpp as L
-
-    control = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
-    wanted = control | L.LLAMA_TOKEN_ATTR_USER_DEFINED
-    out = []
-    for tok in range(backend.n_vocab):
-        attr = L.llama_vocab_get_attr(vocab, tok)
-        if not attr & wanted:
-            continue
-        try:
-            text = (L.llama_vocab_get_text(vocab, tok) or b"").decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        out.append(
-            Special(
-                text,
-                bool(attr & control),
-                bool(attr & L.LLAMA_TOKEN_ATTR_LSTRIP),
-                bool(attr & L.LLAMA_TOKEN_ATTR_RSTRIP),
-            )
-        )
-    return out
+    specials = own()
+    if specials is None:
+        return None
+    return [Special(t.text, t.control, t.lstrip, t.rstrip) for t in specials]
 
 
 @dataclass

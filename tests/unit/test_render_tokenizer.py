@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from server.api.cancel import CancelFlag, Cancelled, run_with
+from server.llama.vocab import SpecialToken, special_tokens
 from server.service import tokenizer
 from server.service.tokenizer import CHUNK, Special, Splitter, tokenize, tokenize_at
 
@@ -233,6 +234,9 @@ class RealVocab:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
 
+    def special_tokens(self) -> list[SpecialToken] | None:
+        return special_tokens(self.vocab, self.n_vocab)
+
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode()
         buf = (self.L.llama_token * (len(data) + 8))()
@@ -298,6 +302,9 @@ def test_real_vocabulary_same_ids(real: Any) -> None:
     class Counting:
         vocab, n_vocab, add_bos = real.vocab, real.n_vocab, real.add_bos
         calls: list[int] = []
+
+        def special_tokens(self) -> list[SpecialToken] | None:
+            return real.special_tokens()
 
         def tokenize(self, t: str, a: bool, p: bool) -> list[int]:
             self.calls.append(len(t))
