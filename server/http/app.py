@@ -180,6 +180,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     """The scheduler's options from the settings."""
     return EngineOptions(
         slot_prompt_similarity=s.slot_prompt_similarity,
+        step_target_ms=s.step_target_ms,
         ctx_checkpoints=s.ctx_checkpoints,
         checkpoint_min_step=s.checkpoint_min_step,
         cache_idle_slots=s.cache_idle_slots and has_cache,

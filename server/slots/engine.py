@@ -102,6 +102,7 @@ class Engine:
         """The step's phases (slots/plan.py): decide (admit, schedule), change memory
         (place, execute), account (update)."""
         self.scheduler = Scheduler(self.ckpt, self.spec, self.b, self.opts)
+        self.scheduler.speed = self.sharing.speed  # one estimate, fed each step by sharing
         self.reuse = CacheReuse(self.b, self.store, self.stats, self.opts)
         self.executor = Executor(
             self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv, self.reuse

@@ -18,6 +18,9 @@ class EngineOptions:
     prefix_share: bool = True  # needs unified KV
     prefix_share_min: int = 128  # least gain worth waiting for an in-flight prefix
     coalesce_ms: float = 2.0  # after idle, wait in slices this long for concurrent arrivals
+    # --step-target-ms: while slots generate, a step's prompt tokens are cut so that the
+    # step's estimated time (slots/share_cost.StepSpeed) stays within this (0: no cut)
+    step_target_ms: float = 500.0
     # workers sampling the CPU-sampled slots of one step concurrently (-1: auto, by the
     # cores; 0: off); used from ``sample_parallel_min`` such slots (see slots/sampling.py)
     sample_threads: int = -1

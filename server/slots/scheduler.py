@@ -4,7 +4,8 @@ touching memory. ``admit`` places waiting tasks on idle slots; ``schedule`` plan
 Generating slots come first, each with its sampled token (and its draft when it speculates:
 an n-gram draft is read off its tokens here; a draft model's proposal is only given room,
 ``execute`` runs it); then the prefilling slots, oldest first, take what is left of the
-budget (at most one ubatch while a slot generates: its next token waits for no more) in
+budget (while a slot generates, at most one ubatch and what fits in ``--step-target-ms`` by
+the measured step speed: its next token waits for no more) in
 chunks that end where a sharing waiter, a checkpoint or a parked --cache-reuse chunk needs
 the slot to stop (the chunk moves in at the start of the slot's next work).
 """
@@ -21,9 +22,13 @@ from .options import EngineOptions
 from .plan import Admission, Placement, SlotWork, StepPlan
 from .policy import SlotView, choose_slot
 from .reuse import due_chunks
+from .share_cost import StepSpeed
 from .slot import Slot, SlotState
 from .spec_step import Speculation
 from .store import shift_span
+
+# The least prompt chunk a step takes while slots generate, whatever the step-time target.
+MIN_PROMPT_CHUNK = 32
 
 
 class Scheduler:
@@ -40,6 +45,25 @@ class Scheduler:
         self.recurrent = backend.is_recurrent
         self.add_bos = backend.add_bos
         self.turns = AdapterTurns()
+        # the measured step speed (the engine hands sharing's estimate over): what a step of
+        # n tokens costs, for the step-time target; None until set
+        self.speed: StepSpeed | None = None
+
+    def _prompt_limit(self, plan: StepPlan, used: int) -> int:
+        """The step's token limit once the generating slots' ``used`` tokens are in. While
+        slots generate, prompt tokens take one ubatch at most, and no more than fit in the
+        step-time target by the measured speed (at least ``MIN_PROMPT_CHUNK``, so prompts
+        always progress): a long prompt then holds each of their tokens back about the
+        target, not n_batch's time."""
+        if not plan.work:
+            return plan.budget
+        room = self.n_ubatch
+        target = self.opts.step_target_ms / 1000.0
+        speed = self.speed
+        if target > 0 and speed is not None and speed.per_token:
+            fit = int((target - (speed.per_step or 0.0)) / speed.per_token) - used
+            room = min(room, max(MIN_PROMPT_CHUNK, fit))
+        return min(plan.budget, used + room)
 
     def admit(self, waiting: collections.deque[Task], slots: list[Slot]) -> Admission:
         """Which idle slot each waiting task takes, in FIFO order (DESIGN §5). A task whose
@@ -78,9 +102,7 @@ class Scheduler:
         pre = sorted(
             (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.live.t_start
         )
-        # while slots generate, prompt tokens take one ubatch per step at most: a long
-        # prompt then holds each of their tokens back one ubatch's time, not n_batch's
-        limit = min(plan.budget, used + self.n_ubatch) if plan.work else plan.budget
+        limit = self._prompt_limit(plan, used)
         for s in pre:
             if used >= limit:
                 break

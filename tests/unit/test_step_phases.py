@@ -10,6 +10,8 @@ import pytest
 
 from server.slots.engine import Engine, EngineOptions
 from server.slots.plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
+from server.slots.scheduler import MIN_PROMPT_CHUNK
+from server.slots.share_cost import StepSpeed
 from server.slots.slot import Slot, SlotState
 from server.slots.speculative import SPEC_DRAFT, SpecConfig
 from server.slots.store import shift_span
@@ -71,6 +73,25 @@ def test_while_slots_generate_prompt_chunks_take_one_ubatch_per_step():
     gen, _ = _generating(e, 1, list(range(10)), next_token=42)
     plan = e.scheduler.schedule([p, gen])
     assert [(w.slot.id, len(w.tokens)) for w in plan.work] == [(1, 1), (0, 16)]
+
+
+def test_while_slots_generate_prompt_chunks_fit_the_step_time_target():
+    # the measured speed cuts the chunk to what fits in --step-target-ms (500 by default),
+    # never under MIN_PROMPT_CHUNK; nothing generating: the whole budget whatever the speed
+    e, b = make_engine(n_batch=512, n_ubatch=256)
+    e.scheduler.speed = StepSpeed(alpha=0, per_step=1 / 16, per_token=1 / 256)
+    p, _ = _prefilling(e, 0, list(range(100, 700)))
+    assert [len(w.tokens) for w in e.scheduler.schedule([p]).work] == [512]
+    gen, _ = _generating(e, 1, list(range(10)), next_token=42)
+    plan = e.scheduler.schedule([p, gen])
+    # (0.5 s - 1/16 s) * 256 tokens/s = 112 tokens in the step, one of them the generated one
+    assert [(w.slot.id, len(w.tokens)) for w in plan.work] == [(1, 1), (0, 111)]
+    e.scheduler.speed = StepSpeed(alpha=0, per_step=1 / 16, per_token=1 / 32)
+    plan = e.scheduler.schedule([p, gen])
+    assert [(w.slot.id, len(w.tokens)) for w in plan.work] == [(1, 1), (0, MIN_PROMPT_CHUNK)]
+    e.opts.step_target_ms = 0  # off: one ubatch
+    plan = e.scheduler.schedule([p, gen])
+    assert [(w.slot.id, len(w.tokens)) for w in plan.work] == [(1, 1), (0, 256)]
 
 
 def test_a_chunk_that_ends_the_prompt_wants_logits_and_stops_at_a_share_mark():
