@@ -238,6 +238,8 @@ def single_server(tmp: Path) -> list[Result]:
         str(adapter),
         "--lora-alias",
         f"styled={adapter}",
+        "--slot-save-path",
+        str(tmp / "slots"),
     )
     try:
         rss0 = vm_rss_kib(s.proc.pid)

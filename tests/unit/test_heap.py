@@ -7,16 +7,17 @@ import json
 import subprocess
 import sys
 
-from server.http.heap import GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD
+from server.http.heap import GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD, GIL_SWITCH_S
 
 _CHILD = """
-import gc, json
+import gc, json, sys
 import server.http.app  # the app's modules: what a serving process holds for its lifetime
 from server.http.heap import settle_heap
 before = gc.get_freeze_count()
 settle_heap()
 print(json.dumps({"before": before, "frozen": gc.get_freeze_count(),
-                  "threshold": gc.get_threshold(), "young": gc.get_count()[0]}))
+                  "threshold": gc.get_threshold(), "young": gc.get_count()[0],
+                  "switch": sys.getswitchinterval()}))
 """
 
 
@@ -29,3 +30,4 @@ def test_settle_heap_freezes_the_startup_heap_and_collects_less_often():
     assert got["frozen"] > 10_000  # the framework's objects: never scanned again
     assert got["threshold"] == [GEN0_THRESHOLD, GEN1_THRESHOLD, GEN2_THRESHOLD]
     assert got["young"] < 1_000  # collected just before the freeze
+    assert got["switch"] == GIL_SWITCH_S  # the engine thread waits 1 ms for the GIL, not 5
