@@ -190,7 +190,7 @@ OPTIONS: list[Opt] = [
     _o("--constraint-timeout", "constraint_timeout", "LLAMA_ARG_CONSTRAINT_TIMEOUT", "seconds compiling one schema or grammar may take (in a child process); longer: 400, remembered (default: 10)", float),
     _o("--constraint-workers", "constraint_workers", "LLAMA_ARG_CONSTRAINT_WORKERS", "child processes that compile schemas and grammars (default: 2)", int),
     _o("--request-prep-timeout", "request_prep_timeout", "LLAMA_ARG_REQUEST_PREP_TIMEOUT", "seconds a request's preparation (rendering, tokenizing, checking tools and schemas) may take, queueing included; longer: 408 (default: 60)", float),
-    _o("-to --timeout", "timeout", "LLAMA_ARG_TIMEOUT", 'seconds a request may run before it is ended (default: 600; per request: "timeout")', float),
+    _o("-to --timeout", "timeout", "LLAMA_ARG_TIMEOUT", 'seconds a request may run before it is ended; in router mode also how long an instance may stay silent before its request gets a 504 (default: 600; per request: "timeout")', float),
     # --- logging ---
     _o("-v --verbose --log-verbose", "verbose", "LLAMA_ARG_VERBOSE", "debug logging", "bool"),
     _o("-lv --verbosity --log-verbosity", "log_verbosity", "LLAMA_ARG_LOG_VERBOSITY", "log threshold: 1 error, 2 warning, 3 info, 4+ debug (default: 3)", int),
