@@ -222,19 +222,21 @@ def smollm2_path() -> str:
     return str(path)
 
 
-def serve_sh_args(*user_args: str) -> list[str]:
+def serve_sh_args(*user_args: str, env: dict[str, str] | None = None) -> list[str]:
     """The arguments ``./serve.sh USER_ARGS`` starts ``python -m server`` with (its
-    ``SERVE_DRY_RUN=1`` output): SmolLM2's, then the user's."""
+    ``SERVE_DRY_RUN=1`` output): SmolLM2's, then the user's. ``env``: the only ``LLAMA_ARG_*``
+    variables it sees (none of the caller's)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     out = subprocess.run(
         [str(ROOT / "serve.sh"), *user_args],
-        env={**os.environ, "SERVE_DRY_RUN": "1", "VENV": sys.prefix},
+        env={**base, **(env or {}), "SERVE_DRY_RUN": "1", "VENV": sys.prefix},
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
     ).stdout
     cmd = shlex.split(out)
-    assert cmd[1:3] == ["-m", "server"], cmd
+    assert cmd[:3] == [str(Path(sys.prefix) / "bin/python"), "-m", "server"], cmd
     return cmd[3:]
 
 

@@ -4,16 +4,13 @@ Gemma 3 270M. The first chats on SmolLM2: tests/e2e/test_first_chat_e2e.py."""
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from server.cli.config import parse_settings
 from server.cli.models import SMOLLM2_FILE, serve_args, smollm2_path
+from tests.e2e.conftest import serve_sh_args
 
 pytestmark = pytest.mark.unit
 
@@ -76,19 +73,8 @@ def test_a_model_variable_keeps_the_users_choice(env):
 
 
 def dry_run(*args: str, env: dict[str, str] | None = None) -> list[str]:
-    """The command line ``SERVE_DRY_RUN=1 ./serve.sh ARGS`` prints."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
-    out = subprocess.run(
-        [str(ROOT / "serve.sh"), *args],
-        env={**base, **(env or {}), "SERVE_DRY_RUN": "1", "VENV": sys.prefix},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    cmd = shlex.split(out)
-    assert cmd[:3] == [str(Path(sys.prefix) / "bin/python"), "-m", "server"], cmd
-    return cmd[3:]
+    """The command line ``SERVE_DRY_RUN=1 ./serve.sh ARGS`` prints, past the interpreter."""
+    return serve_sh_args(*args, env=env)
 
 
 def test_serve_sh_passes_the_choice_before_the_users_flags():
