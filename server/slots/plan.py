@@ -15,10 +15,14 @@ A step admits waiting tasks (``Scheduler.admit -> Admission``, carried out by
 from __future__ import annotations
 
 import collections
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from ..cache.prefix_index import Match
 from ..types import FinishReason, Task, TokenLogprob
 from .policy import SlotChoice
+from .reuse import ReuseChunk
 from .slot import Slot
 
 
@@ -131,3 +135,91 @@ class StepOutputs:
     outputs: list[SlotOutput] = field(default_factory=list)
     ended: list[Ended] = field(default_factory=list)
     n_tokens: int = 0  # tokens in the decoded batch
+
+
+# ---- memory operations: what admission, sharing and embedding decide, the runner does ----
+# Each is yielded by a decision (a generator: ``Placer.place``, ``resolve_waiters``,
+# ``EmbedQueue.step``) to ``Runner.drive``, which carries it out and sends its outcome back
+# as the value of the ``yield``: the next decision reads it. Only the runner changes memory.
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Restore the best RAM-cache entry for ``prompt``, else the disk tier's, into ``slot``
+    (``match``: the prompt's walk down the prefix index). Outcome: whether one was loaded."""
+
+    slot: Slot
+    prompt: list[int]
+    tenant: str
+    match: Match | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """Keep the first ``n`` tokens of ``slot``. Outcome: the tokens it holds (``n``, or 0)."""
+
+    slot: Slot
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeAt:
+    """Resume ``slot`` at its checkpoint ``index`` (its draft follows). Outcome: the tokens
+    it holds (0 when the resume failed)."""
+
+    slot: Slot
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParkChunks:
+    """--cache-reuse: park ``chunks`` of ``slot`` beyond a cut at ``n_past`` on the scratch
+    sequence. Outcome: the tokens the slot kept (``n_past``, or 0)."""
+
+    slot: Slot
+    chunks: list[ReuseChunk]
+    n_past: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPrefix:
+    """Make ``dst`` hold ``src``'s first ``n`` tokens (prefix sharing: cells are shared).
+    Outcome: the tokens ``dst`` holds."""
+
+    src: Slot
+    dst: Slot
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIdle:
+    """--cache-idle-slots: save every idle slot to the RAM cache (cleared in unified KV)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvictIdle:
+    """An idle slot is lent out: to the RAM cache first when there is one, then cleared."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """Empty ``slot``'s sequence (an embedding's slot after its decode)."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedDecode:
+    """Decode the batch (embeddings on, every row an output), once more after freeing idle
+    KV when it found no room. Outcome: llama_decode's return code."""
+
+
+MemoryOp = (
+    Restore | Cut | ResumeAt | ParkChunks | CopyPrefix | CacheIdle | EvictIdle | Clear | EmbedDecode
+)
+# a decision: yields memory operations, reads each one's outcome (sent back by
+# ``Runner.drive``), and returns its own result
+R = TypeVar("R")
+Ops = Generator[MemoryOp, Any, R]

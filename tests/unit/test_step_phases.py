@@ -299,7 +299,7 @@ def test_admit_places_in_fifo_order_and_decides_without_touching_anything():
     # the pinned task waits for its slot; the fourth finds no idle slot and keeps its place
     assert list(adm.deferred) == [pinned, fourth]
     assert _state(e, b) == before and all(s.idle for s in e.slots)
-    e.placer.place(adm.placements)
+    e.runner.drive(e.placer.place(adm.placements))
     assert e.slots[1].task is first and e.slots[1].run.n_cached == 40
     assert e.slots[0].task is third
 
