@@ -118,8 +118,6 @@ class Engine:
             self.stats,
             cache,
             self.opts,
-            self._send,
-            self.updater.progress,
             self.reuse if self.reuse.available else None,
         )
         self.runner = Runner(
@@ -344,7 +342,11 @@ class Engine:
             return
         admission = self.scheduler.admit(self.waiting, self.slots)
         self.waiting = admission.deferred
-        self.runner.drive(self.placer.place(admission.placements))
+        placed = self.runner.drive(self.placer.place(admission.placements))
+        for task, err in placed.failed:
+            self._send(task, err)
+        for slot in placed.progress:
+            self.updater.progress(slot)
 
     # ---- the step: schedule, execute, update ---------------------------------------
 

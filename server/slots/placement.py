@@ -13,15 +13,14 @@ A failure fails its task only. ``place`` changes no memory itself: it yields the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from ..cache.prompt_cache import PromptCache
-from ..types import Event, Task, TaskError
+from ..types import Task, TaskError
 from . import ram
 from .backend_api import Backend
 from .cache_reuse import CacheReuse
 from .options import EngineOptions
-from .plan import CacheIdle, CopyPrefix, Cut, Ops, ParkChunks, Placement, Restore, ResumeAt
+from .plan import CacheIdle, CopyPrefix, Cut, Ops, ParkChunks, Placed, Placement, Restore, ResumeAt
 from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
 from .reuse import ReuseChunk
 from .sampling import cpu_reason
@@ -44,12 +43,9 @@ class Placer:
         stats: EngineStats,
         cache: PromptCache | None,
         opts: EngineOptions,
-        send: Callable[[Task, Event], None],
-        progress: Callable[[Slot], None],
         reuse: CacheReuse | None = None,
     ) -> None:
-        """``send(task, event)`` queues an event; ``progress(slot)`` sends prompt progress;
-        ``reuse``: --cache-reuse (None: off)."""
+        """``reuse``: --cache-reuse (None: off)."""
         self.b = backend
         self.store = store
         self.sharing = sharing
@@ -57,33 +53,34 @@ class Placer:
         self.stats = stats
         self.cache = cache
         self.opts = opts
-        self.send = send
-        self.progress = progress
         self.reuse = reuse
 
-    def place(self, placements: list[Placement]) -> Ops[None]:
+    def place(self, placements: list[Placement]) -> Ops[Placed]:
         """Start every placement in order; then, once per admission pass, the slots left
-        idle go to the RAM cache (--cache-idle-slots)."""
-        launched = False
+        idle go to the RAM cache (--cache-idle-slots). Returns the failures and the slots
+        whose first progress event is due, for the engine to send."""
+        out = Placed()
         for p in placements:
-            launched |= yield from self._place(p)
+            yield from self._place(p, out)
+        launched = len(out.failed) < len(placements)
         if launched and self.cache is not None and self.opts.cache_idle_slots:
             yield CacheIdle()
+        return out
 
-    def _place(self, p: Placement) -> Ops[bool]:
-        """Start ``p.task`` on ``p.slot`` after consulting the caches; True when it started
-        (a failure sends the task an error and leaves the slot idle)."""
+    def _place(self, p: Placement, out: Placed) -> Ops[None]:
+        """Start ``p.task`` on ``p.slot`` after consulting the caches (a failure goes to
+        ``out.failed`` and leaves the slot idle)."""
         slot, task = p.slot, p.task
         try:
             n_lcp = yield from self._restore_cached(slot, task, p.choice)
             yield from self._launch(slot, task, n_lcp)
-            return True
+            if task.return_progress:  # llama-server's first (0 %) progress event
+                out.progress.append(slot)
         except Exception as e:
             log.exception("failed to start task %d", task.id)
             if slot.task is task:
                 slot.release()
-            self.send(task, TaskError(500, f"failed to start the task: {e}"))
-            return False
+            out.failed.append((task, TaskError(500, f"failed to start the task: {e}")))
 
     def _restore_cached(self, slot: Slot, task: Task, choice: SlotChoice) -> Ops[int | None]:
         """Consult the RAM cache (and the disk tier under it) when the choice says so;
@@ -116,8 +113,6 @@ class Placer:
         if chunks:  # the step moves them in, the gaps before them decoded as prompt chunks
             assert self.reuse is not None
             self.reuse.begin(slot, run, chunks)
-        if task.return_progress:  # llama-server's first (0 %) progress event
-            self.progress(slot)
         if wait is not None:
             self.sharing.wait_on(slot, wait)
         self._start_sampling(slot, run)

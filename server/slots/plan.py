@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..cache.prefix_index import Match
-from ..types import FinishReason, Task, TokenLogprob
+from ..types import FinishReason, Task, TaskError, TokenLogprob
 from .policy import SlotChoice
 from .reuse import ReuseChunk
 from .slot import Slot
@@ -34,6 +34,15 @@ class Placement:
     slot: Slot
     task: Task
     choice: SlotChoice
+
+
+@dataclass
+class Placed:
+    """What placing an admission's tasks gave, for the engine to send: the tasks that failed
+    to start (with their errors) and the started slots whose tasks want prompt progress."""
+
+    failed: list[tuple[Task, TaskError]] = field(default_factory=list)
+    progress: list[Slot] = field(default_factory=list)
 
 
 @dataclass

@@ -8,6 +8,9 @@ catch-up, embeddings, cancelled runs, slot commands) and assert none ran elsewhe
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 from server.cache.prompt_cache import PromptCache
 from server.slots.commands import Caller, EraseSlot
 from server.slots.embed import EmbedTask
@@ -111,3 +114,47 @@ def _op(e: Engine, cmd):
     from server.slots.engine import _Op
 
     return _Op(cmd.run, cmd.slot, Future())
+
+
+# ---- the rule in the source: which modules may call memory operations ------------------
+
+SLOTS = Path(__file__).resolve().parents[2] / "server" / "slots"
+MEMORY_ATTRS = {"decode", "seq_rm", "seq_cp", "seq_add", "seq_clear", "state_set"}
+# the runner, and the helpers only it calls: the executor (the batch), the slot store, the
+# draft model's memory and drafter, --cache-reuse's scratch sequence
+MAY_TOUCH = {"runner", "executor", "store", "draft_kv", "drafter", "cache_reuse"}
+# the decisions: they yield operations (slots/plan.py) and never call one
+DECIDE = {"placement", "sharing", "embed", "scheduler", "policy", "update", "engine", "plan"}
+
+
+def _memory_callers(path: Path) -> set[str]:
+    """The memory attributes ``path`` calls on anything (``x.seq_rm(...)``, ...)."""
+    tree = ast.parse(path.read_text())
+    return {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in MEMORY_ATTRS
+        # bytes.decode("utf-8") is not llama_decode
+        and not (
+            node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        )
+    }
+
+
+def test_only_the_runner_and_its_helpers_call_memory_operations():
+    # text.py's ``decode`` is an incremental UTF-8 decoder's, not llama_decode
+    calls = {p.stem: _memory_callers(p) for p in SLOTS.glob("*.py") if p.stem != "text"}
+    assert {m for m, c in calls.items() if c} <= MAY_TOUCH, calls
+    assert all(not calls[m] for m in DECIDE)
+    assert "decode" in calls["runner"] and "decode" in calls["executor"]
+
+
+def test_the_engine_drives_decisions_through_the_runner():
+    src = (SLOTS / "engine.py").read_text()
+    for decision in ("self.placer.place(", "self.sharing.resolve_waiters()", "self.embed.step()"):
+        assert f"self.runner.drive({decision}" in src, decision
+    assert "self.executor.execute(" not in src and "self.executor.settle_ended(" not in src
