@@ -2,7 +2,7 @@
 
 Each step (DESIGN §3): run the commands queued for the engine thread, admit waiting tasks
 to idle slots (placement: reuse, cache restores, sharing), then one batch in three phases
-(slots/plan.py): ``schedule`` plans the next token of every generating slot plus prompt
+(slots/plan.py); every memory operation and decode runs in the runner (slots/runner.py): ``schedule`` plans the next token of every generating slot plus prompt
 chunks of prefilling slots (<= n_batch tokens), ``execute`` decodes it once and samples
 where logits were requested, ``update`` accounts and emits text to the tasks' sinks.
 """

@@ -1,4 +1,5 @@
-"""``execute``: the one phase of a step that changes llama.cpp memory.
+"""``execute``: the runner's batch (slots/runner.py calls it; only the runner changes
+llama.cpp memory).
 
 It runs the plan's memory operations (parked --cache-reuse chunks moved in, context shifts,
 checkpoints, draft-model proposals), fills the batch, decodes it (a decode without KV room

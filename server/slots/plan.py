@@ -1,17 +1,19 @@
-"""What one engine step does, as data: the plan ``schedule`` makes, and what ``execute``
-reports back to ``update``.
+"""What one engine step does, as data: the plan ``schedule`` makes, what ``execute``
+reports back to ``update``, and the memory operations the other decisions yield.
 
-A step admits waiting tasks (``Scheduler.admit -> Admission``, carried out by
-``Placer.place``), then decodes one batch in three phases (DESIGN §3):
+Only the runner (slots/runner.py) changes llama.cpp memory or decodes. A step admits
+waiting tasks (``Scheduler.admit -> Admission``; ``Placer.place`` yields the operations that
+start them: restores, cuts, checkpoint resumes, parked chunks, prefix copies), lets sharing
+waiters whose prefix is ready copy it, embeds, then decodes one batch in three phases
+(DESIGN §3):
 - ``schedule() -> StepPlan`` decides, touching nothing: per slot, which tokens go into the
   batch, which rows need logits, and which memory operations run first (a context shift, a
   checkpoint, a draft model's proposal);
-- ``execute(plan) -> StepOutputs`` is the only phase that changes llama.cpp memory: it runs
-  the planned operations, fills the batch, decodes (retrying a KV-full decode with a smaller
-  plan), commits what was decoded to the slot store and samples the rows with logits;
+- ``execute(plan) -> StepOutputs`` (the runner's batch, slots/executor.py) runs the planned
+  operations, fills the batch, decodes (retrying a KV-full decode with a smaller plan),
+  commits what was decoded to the slot store and samples the rows with logits;
 - ``update(plan, outputs)`` does the accounting: tokens taken, text streamed, runs finished.
 """
-
 from __future__ import annotations
 
 import collections
