@@ -14,6 +14,7 @@ waiters whose prefix is ready copy it, embeds, then decodes one batch in three p
   commits what was decoded to the slot store and samples the rows with logits;
 - ``update(plan, outputs)`` does the accounting: tokens taken, text streamed, runs finished.
 """
+
 from __future__ import annotations
 
 import collections
