@@ -107,9 +107,7 @@ class Engine:
         self.executor = Executor(
             self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv, self.reuse
         )
-        self.updater = Updater(
-            self.b, self.stats, self._send, lambda: self.shifts, self.executor.settle
-        )
+        self.updater = Updater(self.b, self.stats, self._send, lambda: self.shifts)
         self.placer = Placer(
             self.b,
             self.store,
@@ -233,7 +231,7 @@ class Engine:
             seen = n
 
     def _has_work(self) -> bool:
-        if self.waiting or self._ops or self.embed.waiting or self.executor.settle:
+        if self.waiting or self._ops or self.embed.waiting or self.updater.ended:
             return True
         return any(not s.idle for s in self.slots)
 
@@ -274,7 +272,7 @@ class Engine:
         end of this step (the engine thread passes False and flushes when it goes idle).
         """
         t0 = time.perf_counter()
-        self.runner.settle_ended()
+        self.runner.settle_ended(self.updater.ended)
         self._drain_inbox()
         self._run_ops()
         self._reap_cancelled()

@@ -51,7 +51,6 @@ class Executor:
         self.stats = stats
         self.par = par
         self.free_idle_kv = free_idle_kv
-        self.settle: list[Slot] = []  # runs ended: their draft catches up before admission
 
     def execute(self, plan: StepPlan) -> StepOutputs:
         """Carry out ``plan``; see the module docstring. The plan may shrink on a retry."""
@@ -64,14 +63,6 @@ class Executor:
         out.outputs = [SlotOutput(w) for w in plan.work]
         self._sample_all(out)
         return out
-
-    def settle_ended(self) -> None:
-        """Catch up the draft of runs that ended, so that the idle slots' snapshots carry
-        the draft's state too. Runs at the start of the next step, before admission."""
-        for s in self.settle:
-            if s.idle and s.run is not None:
-                self.spec.sync(s)
-        self.settle.clear()
 
     # ---- before the decode ---------------------------------------------------------
 

@@ -37,6 +37,7 @@ from .plan import (
     StepOutputs,
     StepPlan,
 )
+from .slot import Slot
 from .spec_step import Speculation
 from .stats import EngineStats
 from .store import SlotStore
@@ -142,9 +143,13 @@ class Runner:
         """The step's batch: its memory operations, the decode, commits and samples."""
         return self.executor.execute(plan)
 
-    def settle_ended(self) -> None:
-        """Catch up the draft of runs that ended (before admission saves idle slots)."""
-        self.executor.settle_ended()
+    def settle_ended(self, ended: list[Slot]) -> None:
+        """Catch up the draft of the runs that ended (``ended``, emptied), so that the
+        idle slots' snapshots carry the draft's state too: before admission saves them."""
+        for s in ended:
+            if s.idle and s.run is not None:
+                self.spec.sync(s)
+        ended.clear()
 
     def reap_reuse(self) -> None:
         """Empty --cache-reuse's scratch sequence when its run no longer needs it."""

@@ -173,7 +173,7 @@ def test_update_finishes_on_end_of_generation_and_counts_it():
     assert s.idle and c.result.finish is FinishReason.STOP
     assert c.result.timings.predicted_n == 2  # the first token and the end of generation
     assert c.result.tokens == [3]
-    assert e.executor.settle == [s]  # its draft (if any) settles before the next admission
+    assert e.updater.ended == [s]  # its draft (if any) settles before the next admission
 
 
 def test_update_takes_accepted_drafts_in_order_and_stops_at_the_limit():
@@ -209,7 +209,7 @@ def test_update_ends_the_runs_execute_could_not_carry_on():
     _update(e, StepOutputs(ended=[Ended(s, FinishReason.ERROR, "llama_decode failed (-3)")]))
     assert s.idle and isinstance(c.events[-1], TaskError)
     assert c.events[-1].message == "llama_decode failed (-3)"
-    assert e.executor.settle == []  # a failed run leaves its draft as it is
+    assert e.updater.ended == []  # a failed run leaves its draft as it is
 
 
 # ---- execute -------------------------------------------------------------------------
