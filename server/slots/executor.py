@@ -103,6 +103,8 @@ class Executor:
         """--context-shift: drop half of what follows n_keep and go on; False: the run
         ends (``length``)."""
         s.live.shift_due = False
+        # cells another slot shares are dropped, never moved (store.owned_discard)
+        n_discard = self.store.owned_discard(s, n_keep, n_discard)
         self.spec.before_shift(s, n_keep, n_discard)
         if not self.store.shift(s, n_keep, n_discard):
             return False
