@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
@@ -44,6 +44,7 @@ from .store import SlotStore
 
 log = logging.getLogger("server.slots.runner")
 R = TypeVar("R")
+H = TypeVar("H")  # what a command runs against (the engine)
 
 
 class Runner:
@@ -81,7 +82,7 @@ class Runner:
         except StopIteration as stop:
             return stop.value
 
-    def run(self, op: MemoryOp) -> Any:
+    def run(self, op: MemoryOp) -> object:
         """Carry out one operation; its outcome (see each type in slots/plan.py)."""
         store = self.store
         if isinstance(op, Cut):
@@ -155,6 +156,6 @@ class Runner:
         """Empty --cache-reuse's scratch sequence when its run no longer needs it."""
         self.reuse.reap()
 
-    def command(self, fn: Callable[[Any], R], host: Any) -> R:
+    def command(self, fn: Callable[[H], R], host: H) -> R:
         """An engine command (slots/commands.py: save, restore, erase, spill...)."""
         return fn(host)
