@@ -7,12 +7,59 @@ restores of the simulated memory). The "model" predicts next = f(token, position
 
 from __future__ import annotations
 
+import functools
 import struct
+import sys
 from dataclasses import dataclass, field
+from types import FrameType
 
 from server.types import CacheCells, SamplingParams, TokenLogprob
 
 EOG = 999
+
+# the calls that change a llama context's memory (or decode into it): the fake records the
+# phase each one ran in (``FakeBackend.memory_calls``)
+MEMORY_CALLS = ("decode", "seq_rm", "seq_cp", "seq_add", "seq_clear", "state_set")
+RUNNER = "runner"  # the phase of a call made inside server/slots/runner.py
+# the modules of server/slots that make a step's decisions or drive it: the innermost of
+# them on the stack is a memory call's phase (helpers such as the store, the executor or
+# the caches run in the phase of whoever called them)
+PHASES = ("runner", "engine", "placement", "sharing", "embed", "scheduler", "update", "policy")
+
+
+def call_phase() -> str:
+    """The phase a memory call runs in, read off the stack: the innermost frame of a
+    server/slots module in ``PHASES`` (``RUNNER`` for server/slots/runner.py), as
+    ``module.function`` for any other; "test" when none is on the stack (a test's own)."""
+    f: FrameType | None = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if "/server/slots/" in name:
+            mod = name.rsplit("/", 1)[-1].removesuffix(".py")
+            if mod == RUNNER:
+                return RUNNER
+            if mod in PHASES:
+                return f"{mod}.{f.f_code.co_name}"
+        f = f.f_back
+    return "test"
+
+
+def _recorded(cls: type) -> type:
+    """Wrap ``cls``'s memory calls so that each appends (name, phase) to ``memory_calls``
+    and (name, arguments) to ``memory_args``."""
+    for name in MEMORY_CALLS:
+        fn = cls.__dict__.get(name)
+        if fn is None:
+            continue
+
+        @functools.wraps(fn)
+        def wrapper(self, *a, __fn=fn, __name=name, **kw):
+            self.memory_calls.append((__name, call_phase()))
+            self.memory_args.append((__name, a))
+            return __fn(self, *a, **kw)
+
+        setattr(cls, name, wrapper)
+    return cls
 
 
 @dataclass
@@ -68,6 +115,7 @@ def next_token(tok: int, pos: int) -> int:
     return (tok * 7 + pos * 3 + 1) % 900  # never EOG unless scripted
 
 
+@_recorded
 class FakeBackend:
     # class attributes, so that a test's subclass may set them in its body
     add_bos = False  # the vocabulary does not start texts with BOS
@@ -123,6 +171,13 @@ class FakeBackend:
         self.embeddings_on = False
         self.adapters: tuple[float, ...] = ()  # set_adapters' scales, for the next decodes
         self.decode_adapters: list[tuple[float, ...]] = []  # per decode call: its scales
+        # every memory call (MEMORY_CALLS) with the phase it ran in (call_phase)
+        self.memory_calls: list[tuple[str, str]] = []
+        self.memory_args: list[tuple[str, tuple]] = []  # and its arguments
+        # cells seq_cp made shared (unified KV): (seq, pos) -> cell id; seq_add moves a
+        # shared cell for every sequence holding it, as llama.cpp does
+        self.cell_ids: dict[tuple[int, int], int] = {}
+        self._next_cell = 0
 
     # ---- tokenizer ----
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
@@ -164,6 +219,7 @@ class FakeBackend:
             if not self.kv[s] and p != 0:
                 raise AssertionError(f"seq {s}: first position {p} != 0")
             self.kv[s][p] = t
+            self.cell_ids.pop((s, p), None)  # a new cell, this sequence's alone
         self.outputs = {i: rows[i - start] for i in range(start, start + count) if b.logits[i]}
         self.decodes.append(rows)
         self.decode_adapters.append(self.adapters)
@@ -175,6 +231,7 @@ class FakeBackend:
                 top = min(p for q, p, _ in rows if q == s) - 1
                 for p in [p for p in self.kv[s] if p <= top - self.n_swa - self.swa_slack]:
                     del self.kv[s][p]
+                    self.cell_ids.pop((s, p), None)
         return 0
 
     def set_adapters(self, scales: tuple[float, ...]) -> None:
@@ -221,10 +278,13 @@ class FakeBackend:
             p0 = 0
         hi = p1 if p1 >= 0 else 1 << 30
         if self.n_swa and m and p0 > 0 and p0 <= max(m) and min(m) > 0 and p0 < min(m):
+            self._forget(seq, list(m))
             m.clear()  # like SWA memory: removal behind the window empties the sequence
             return True
-        for p in [p for p in m if p0 <= p < hi]:
+        gone = [p for p in m if p0 <= p < hi]
+        for p in gone:
             del m[p]
+        self._forget(seq, gone)
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
@@ -232,20 +292,41 @@ class FakeBackend:
         for p, t in self.kv[src].items():
             if p0 <= p < hi:
                 self.kv[dst][p] = t
+                if self.kv_unified:  # the cell is shared, not copied
+                    cid = self.cell_ids.get((src, p))
+                    if cid is None:
+                        cid = self.cell_ids[(src, p)] = self._next_cell
+                        self._next_cell += 1
+                    self.cell_ids[(dst, p)] = cid
+
+    def _forget(self, seq: int, positions) -> None:
+        for p in positions:
+            self.cell_ids.pop((seq, p), None)
+
+    def sharers(self, seq: int, p: int) -> list[int]:
+        """The other sequences holding ``seq``'s cell at ``p`` (shared by seq_cp)."""
+        cid = self.cell_ids.get((seq, p))
+        if cid is None:
+            return []
+        return [
+            o for o in self.kv if o != seq and self.cell_ids.get((o, p)) == cid and p in self.kv[o]
+        ]
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         """Move the cells at [p0, p1) by ``delta``, as llama.cpp's seq_add (a cell moved
         below 0 is removed); only where the memory can shift."""
         assert self.can_shift, "seq_add on a memory that cannot shift (llama.cpp aborts)"
-        m = self.kv[seq]
         hi = p1 if p1 >= 0 else 1 << 30
-        moved = {p: t for p, t in m.items() if p0 <= p < hi}
-        for p in moved:
-            del m[p]
-        for p, t in moved.items():
+        # a shared cell moves for every sequence holding it (llama.cpp's unified KV)
+        cells = [(seq, p) for p in self.kv[seq] if p0 <= p < hi]
+        cells += [(o, p) for _, p in list(cells) for o in self.sharers(seq, p)]
+        moved = {(q, p): (self.kv[q].pop(p), self.cell_ids.pop((q, p), None)) for q, p in cells}
+        for (q, p), (t, cid) in moved.items():
             if p + delta >= 0:
-                assert p + delta not in m, f"seq {seq}: two cells at position {p + delta}"
-                m[p + delta] = t
+                assert p + delta not in self.kv[q], f"seq {q}: two cells at position {p + delta}"
+                self.kv[q][p + delta] = t
+                if cid is not None:
+                    self.cell_ids[(q, p + delta)] = cid
 
     def seq_pos_min(self, seq: int) -> int:
         return min(self.kv[seq]) if self.kv[seq] else -1
@@ -254,6 +335,7 @@ class FakeBackend:
         return max(self.kv[seq]) if self.kv[seq] else -1
 
     def seq_clear(self, seq: int) -> None:
+        self._forget(seq, list(self.kv[seq]))
         self.kv[seq].clear()
 
     # ---- state ----
@@ -283,7 +365,8 @@ class FakeBackend:
         if kind != (1 if partial else 0) or len(raw) < 5 + 8 * n:
             return 0
         cells = dict(struct.unpack_from("<ii", raw, 5 + 8 * i) for i in range(n))
-        if partial:
+        self._forget(seq, list(self.kv[seq]) if not partial else list(cells))
+        if partial:  # new cells: this sequence's alone
             self.kv[seq].update(cells)
         else:
             self.kv[seq] = cells
@@ -330,6 +413,7 @@ class FakeBackend:
         return [cells]
 
 
+@_recorded
 class FakeDraft(FakeBackend):
     """A draft model's context over the fake memory (server.slots.draft_kv.DraftMemory):
     its greedy token is its own ``model``'s prediction."""

@@ -21,13 +21,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ..types import TaskError
-from . import ram
 from .backend_api import Backend
+from .plan import Clear, EmbedDecode, EvictIdle, Ops
 from .slot import Slot, SlotState
 from .store import SlotStore
 
@@ -78,24 +77,19 @@ class EmbedQueue:
     """Waiting embedding tasks and the step that runs them (engine thread only).
 
     ``send`` queues an event for delivery (the engine's outbox); ``flush`` delivers the
-    queued events (called right before each decode, as the engine does); ``free_kv``
-    frees idle slots' KV after a decode found no room (True if anything was freed)."""
+    queued events (called right before each decode, as the engine does)."""
 
     def __init__(
         self,
         backend: Backend,
         store: SlotStore,
-        cache: Any,
         send: Callable[[EmbedTask, EmbedEvent], None],
         flush: Callable[[], None],
-        free_kv: Callable[[], bool],
     ) -> None:
         self.b = backend
         self.store = store
-        self.cache = cache
         self.send = send
         self.flush = flush
-        self.free_kv = free_kv
         self.waiting: collections.deque[EmbedTask] = collections.deque()
         self.n_tasks = 0  # embedded prompts (counters for /metrics and tests)
         self.n_tokens = 0
@@ -104,17 +98,19 @@ class EmbedQueue:
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def step(self) -> bool:
+    def step(self) -> Ops[bool]:
         """Embed waiting tasks on the idle slots, one decode per physical batch, until the
-        queue is empty or no slot is idle. True when anything was decoded."""
+        queue is empty or no slot is idle. True when anything was decoded. Memory changes
+        (idle slots evicted, the decode, the slots cleared after) are yielded for the
+        runner (``Runner.drive``)."""
         self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
         decoded = False
         try:
             while self.waiting:
-                placed = self._place()
+                placed = yield from self._place()
                 if not placed:
                     break
-                self._run(placed)
+                yield from self._run(placed)
                 decoded = True
         finally:
             if decoded:
@@ -125,7 +121,7 @@ class EmbedQueue:
         while self.waiting:
             self.waiting.popleft().emit(TaskError(503, message, "unavailable_error"))
 
-    def _place(self) -> list[_Placed]:
+    def _place(self) -> Ops[list[_Placed]]:
         """Lend idle slots (empty first, then least recently used) to the waiting tasks, in
         order, while their prompts fit one physical batch together. A lent slot that holds
         tokens goes to the RAM cache first (when there is one): its prefix is not lost."""
@@ -149,18 +145,18 @@ class EmbedQueue:
                 break
             task = self.waiting.popleft()
             if slot.tokens:
-                ram.evict_idle(self.store, self.cache, slot)
+                yield EvictIdle(slot)
             row = batch.n
             batch.add_span(task.tokens, 0, slot.id, True)
             placed.append(_Placed(task, slot, row))
         return placed
 
-    def _run(self, placed: list[_Placed]) -> None:
+    def _run(self, placed: list[_Placed]) -> Ops[None]:
         """Decode the placed prompts, hand out their embeddings, empty their slots."""
         self.b.set_embeddings(True)
         self.b.batch.outputs_all()
         self.flush()
-        ret = self._decode()
+        ret = yield EmbedDecode()
         try:
             for p in placed:
                 if ret != 0:
@@ -175,21 +171,8 @@ class EmbedQueue:
                 self.n_tokens += len(p.task.tokens)
         finally:
             for p in placed:
-                self.store.clear(p.slot)  # the slot never held these tokens for anyone
+                yield Clear(p.slot)  # the slot never held these tokens for anyone
         self.n_decodes += 1
-
-    def _decode(self) -> int:
-        """Decode the batch; once more after freeing idle KV when the cache had no room."""
-        n = self.b.batch.n
-        for attempt in range(2):
-            try:
-                ret = self.b.decode(0, n)
-            except Exception:
-                log.exception("llama_decode raised (embeddings)")
-                ret = -100
-            if ret != 1 or attempt == 1 or not self.free_kv():
-                return ret
-        return ret
 
     def _read(self, p: _Placed) -> np.ndarray | None:
         if self.b.pooling == 0:  # LLAMA_POOLING_TYPE_NONE: one row per token

@@ -2,7 +2,7 @@
 
 Each step (DESIGN §3): run the commands queued for the engine thread, admit waiting tasks
 to idle slots (placement: reuse, cache restores, sharing), then one batch in three phases
-(slots/plan.py): ``schedule`` plans the next token of every generating slot plus prompt
+(slots/plan.py); every memory operation and decode runs in the runner (slots/runner.py): ``schedule`` plans the next token of every generating slot plus prompt
 chunks of prefilling slots (<= n_batch tokens), ``execute`` decodes it once and samples
 where logits were requested, ``update`` accounts and emits text to the tasks' sinks.
 """
@@ -33,6 +33,7 @@ from .executor import Executor
 from .kv_watch import SlotWatcher
 from .options import EngineOptions
 from .placement import Placer
+from .runner import Runner
 from .sampling import ParallelSampling
 from .scheduler import Scheduler
 from .sharing import PrefixSharing
@@ -96,20 +97,18 @@ class Engine:
         # --embedding: prompt-only tasks run on idle slots within a step (slots/embed.py)
         # Any: the outbox is typed for Task/Event, embeddings share it (one type in the rewrite)
         send: Any = self._send
-        self.embed = EmbedQueue(backend, self.store, cache, send, self._flush, self._free_idle_kv)
+        self.embed = EmbedQueue(backend, self.store, send, self._flush)
 
     def _wire_phases(self, cache: PromptCache | None, disk: DiskTier | None) -> None:
-        """The step's phases (slots/plan.py): decide (admit, schedule), change memory
-        (place, execute), account (update)."""
+        """The step's phases (slots/plan.py): decide (admit and place, resolve waiters,
+        schedule), change memory (the runner, alone), account (update)."""
         self.scheduler = Scheduler(self.ckpt, self.spec, self.b, self.opts)
         self.scheduler.speed = self.sharing.speed  # one estimate, fed each step by sharing
         self.reuse = CacheReuse(self.b, self.store, self.stats, self.opts)
         self.executor = Executor(
             self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv, self.reuse
         )
-        self.updater = Updater(
-            self.b, self.stats, self._send, lambda: self.shifts, self.executor.settle
-        )
+        self.updater = Updater(self.b, self.stats, self._send, lambda: self.shifts)
         self.placer = Placer(
             self.b,
             self.store,
@@ -117,11 +116,11 @@ class Engine:
             self.spec,
             self.stats,
             cache,
-            disk,
             self.opts,
-            self._send,
-            self.updater.progress,
             self.reuse if self.reuse.available else None,
+        )
+        self.runner = Runner(
+            self.store, self.spec, self.stats, self.executor, self.reuse, cache, disk
         )
 
     @property
@@ -131,12 +130,12 @@ class Engine:
 
     @cache.setter
     def cache(self, cache: PromptCache | None) -> None:
-        self.placer.cache = cache
+        self.placer.cache = self.runner.cache = cache
 
     @property
     def disk(self) -> DiskTier | None:
         """The tier under the RAM cache: consulted when the RAM cache misses."""
-        return self.placer.disk
+        return self.runner.disk
 
     @property
     def slots(self) -> list[Slot]:
@@ -233,7 +232,7 @@ class Engine:
             seen = n
 
     def _has_work(self) -> bool:
-        if self.waiting or self._ops or self.embed.waiting or self.executor.settle:
+        if self.waiting or self._ops or self.embed.waiting or self.updater.ended:
             return True
         return any(not s.idle for s in self.slots)
 
@@ -262,7 +261,7 @@ class Engine:
                 continue
             if op.future.set_running_or_notify_cancel():
                 try:
-                    op.future.set_result(op.fn(self))
+                    op.future.set_result(self.runner.command(op.fn, self))
                 except BaseException as e:
                     op.future.set_exception(e)
         self._ops = keep
@@ -274,21 +273,22 @@ class Engine:
         end of this step (the engine thread passes False and flushes when it goes idle).
         """
         t0 = time.perf_counter()
-        self.executor.settle_ended()
+        self.runner.settle_ended(self.updater.ended)
         self._drain_inbox()
         self._run_ops()
         self._reap_cancelled()
-        self.reuse.reap()  # a run that ended (a client that left) parks nothing any more
+        self.runner.reap_reuse()  # a run that ended (a client that left) parks nothing now
         self._admit()
-        self.sharing.resolve_waiters()  # placement too: waiters whose shared prefix is ready
+        # placement too: waiters whose shared prefix is ready copy it
+        self.runner.drive(self.sharing.resolve_waiters())
         decoded = False
         try:
-            embedded = self.embed.step() if self.embed.waiting else False
+            embedded = self.runner.drive(self.embed.step()) if self.embed.waiting else False
             decoded = self._batch_step() or embedded
             if decoded:
                 self.stats.on_step(time.perf_counter() - t0)
         finally:
-            self.reuse.reap()
+            self.runner.reap_reuse()
             if self.kv_watch is not None:
                 self.kv_watch.sync(self.slots)
             if flush or not decoded:  # no decode ahead to piggyback on
@@ -341,7 +341,11 @@ class Engine:
             return
         admission = self.scheduler.admit(self.waiting, self.slots)
         self.waiting = admission.deferred
-        self.placer.place(admission.placements)
+        placed = self.runner.drive(self.placer.place(admission.placements))
+        for task, err in placed.failed:
+            self._send(task, err)
+        for slot in placed.progress:
+            self.updater.progress(slot)
 
     # ---- the step: schedule, execute, update ---------------------------------------
 
@@ -356,7 +360,7 @@ class Engine:
         if not plan.work:
             return False
         self._flush()  # deliver events while llama.cpp runs (it releases the GIL)
-        out = self.executor.execute(plan)
+        out = self.runner.execute(plan)
         self.updater.update(out)
         if out.n_tokens:
             self.stats.on_batch(out.n_tokens, time.perf_counter() - t0)

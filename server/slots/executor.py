@@ -1,4 +1,5 @@
-"""``execute``: the one phase of a step that changes llama.cpp memory.
+"""``execute``: the runner's batch (slots/runner.py calls it; only the runner changes
+llama.cpp memory).
 
 It runs the plan's memory operations (parked --cache-reuse chunks moved in, context shifts,
 checkpoints, draft-model proposals), fills the batch, decodes it (a decode without KV room
@@ -50,7 +51,6 @@ class Executor:
         self.stats = stats
         self.par = par
         self.free_idle_kv = free_idle_kv
-        self.settle: list[Slot] = []  # runs ended: their draft catches up before admission
 
     def execute(self, plan: StepPlan) -> StepOutputs:
         """Carry out ``plan``; see the module docstring. The plan may shrink on a retry."""
@@ -63,14 +63,6 @@ class Executor:
         out.outputs = [SlotOutput(w) for w in plan.work]
         self._sample_all(out)
         return out
-
-    def settle_ended(self) -> None:
-        """Catch up the draft of runs that ended, so that the idle slots' snapshots carry
-        the draft's state too. Runs at the start of the next step, before admission."""
-        for s in self.settle:
-            if s.idle and s.run is not None:
-                self.spec.sync(s)
-        self.settle.clear()
 
     # ---- before the decode ---------------------------------------------------------
 
@@ -111,6 +103,8 @@ class Executor:
         """--context-shift: drop half of what follows n_keep and go on; False: the run
         ends (``length``)."""
         s.live.shift_due = False
+        # cells another slot shares are dropped, never moved (store.owned_discard)
+        n_discard = self.store.owned_discard(s, n_keep, n_discard)
         self.spec.before_shift(s, n_keep, n_discard)
         if not self.store.shift(s, n_keep, n_discard):
             return False

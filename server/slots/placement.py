@@ -6,22 +6,21 @@ what it holds goes to the RAM cache first, the best cached state (one walk of th
 down the prefix index serves the RAM and the disk tier) is restored into it, the slot keeps
 the reusable prefix of its KV (a cut, or a resume at a checkpoint), takes the longest prefix
 another sequence holds (prefix sharing) or waits for one being computed, and the run starts.
-A failure fails its task only.
+A failure fails its task only. ``place`` changes no memory itself: it yields the operations
+(slots/plan.py) that ``Runner.drive`` carries out, and reads each outcome.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
-from ..types import Event, Task, TaskError
-from . import disk_glue, ram
+from ..types import Task, TaskError
+from . import ram
 from .backend_api import Backend
 from .cache_reuse import CacheReuse
 from .options import EngineOptions
-from .plan import Placement
+from .plan import CacheIdle, CopyPrefix, Cut, Ops, ParkChunks, Placed, Placement, Restore, ResumeAt
 from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
 from .reuse import ReuseChunk
 from .sampling import cpu_reason
@@ -43,51 +42,47 @@ class Placer:
         spec: Speculation,
         stats: EngineStats,
         cache: PromptCache | None,
-        disk: DiskTier | None,
         opts: EngineOptions,
-        send: Callable[[Task, Event], None],
-        progress: Callable[[Slot], None],
         reuse: CacheReuse | None = None,
     ) -> None:
-        """``send(task, event)`` queues an event; ``progress(slot)`` sends prompt progress;
-        ``reuse``: --cache-reuse (None: off)."""
+        """``reuse``: --cache-reuse (None: off)."""
         self.b = backend
         self.store = store
         self.sharing = sharing
         self.spec = spec
         self.stats = stats
         self.cache = cache
-        self.disk = disk
         self.opts = opts
-        self.send = send
-        self.progress = progress
         self.reuse = reuse
 
-    def place(self, placements: list[Placement]) -> None:
+    def place(self, placements: list[Placement]) -> Ops[Placed]:
         """Start every placement in order; then, once per admission pass, the slots left
-        idle go to the RAM cache (--cache-idle-slots)."""
-        launched = False
+        idle go to the RAM cache (--cache-idle-slots). Returns the failures and the slots
+        whose first progress event is due, for the engine to send."""
+        out = Placed()
         for p in placements:
-            launched |= self._place(p)
+            yield from self._place(p, out)
+        launched = len(out.failed) < len(placements)
         if launched and self.cache is not None and self.opts.cache_idle_slots:
-            ram.cache_idle_slots(self.store, self.cache, self.b.kv_unified)
+            yield CacheIdle()
+        return out
 
-    def _place(self, p: Placement) -> bool:
-        """Start ``p.task`` on ``p.slot`` after consulting the caches; True when it started
-        (a failure sends the task an error and leaves the slot idle)."""
+    def _place(self, p: Placement, out: Placed) -> Ops[None]:
+        """Start ``p.task`` on ``p.slot`` after consulting the caches (a failure goes to
+        ``out.failed`` and leaves the slot idle)."""
         slot, task = p.slot, p.task
         try:
-            n_lcp = self._restore_cached(slot, task, p.choice)
-            self._launch(slot, task, n_lcp)
-            return True
+            n_lcp = yield from self._restore_cached(slot, task, p.choice)
+            yield from self._launch(slot, task, n_lcp)
+            if task.return_progress:  # llama-server's first (0 %) progress event
+                out.progress.append(slot)
         except Exception as e:
             log.exception("failed to start task %d", task.id)
             if slot.task is task:
                 slot.release()
-            self.send(task, TaskError(500, f"failed to start the task: {e}"))
-            return False
+            out.failed.append((task, TaskError(500, f"failed to start the task: {e}")))
 
-    def _restore_cached(self, slot: Slot, task: Task, choice: SlotChoice) -> int | None:
+    def _restore_cached(self, slot: Slot, task: Task, choice: SlotChoice) -> Ops[int | None]:
         """Consult the RAM cache (and the disk tier under it) when the choice says so;
         returns what the slot holds of the prompt when still known (None: recompute it)."""
         n_lcp: int | None = choice.lcp
@@ -97,31 +92,27 @@ class Placer:
             ram.save(self.store, self.cache, slot)
         # one walk of the prompt down the prefix index serves both tiers
         match = self.cache.index.match(task.tenant, task.prompt)
-        loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant, match)
-        if not loaded and self.disk is not None:  # the tier under RAM
-            loaded = disk_glue.load(self.store, self.disk, slot, task.prompt, task.tenant, match)
+        loaded = yield Restore(slot, task.prompt, task.tenant, match)  # RAM, then disk
         if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
             n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
         self.cache.update()
         return n_lcp
 
-    def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
+    def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> Ops[None]:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest,
         take what another sequence holds, then start the run."""
         plan = self._reuse_plan(slot, task, n_lcp)
-        n_past, chunks = self._keep(slot, task, plan)
+        n_past, chunks = yield from self._keep(slot, task, plan)
         wait = None
         if task.cache_prompt and not chunks:
             held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant)
             if held is not None:
-                n_past = self.sharing.copy(self.store.slots[held.slot], slot, held.n_tokens)
+                n_past = yield CopyPrefix(self.store.slots[held.slot], slot, held.n_tokens)
             wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
         run = slot.start(task, n_past)
         if chunks:  # the step moves them in, the gaps before them decoded as prompt chunks
             assert self.reuse is not None
             self.reuse.begin(slot, run, chunks)
-        if task.return_progress:  # llama-server's first (0 %) progress event
-            self.progress(slot)
         if wait is not None:
             self.sharing.wait_on(slot, wait)
         self._start_sampling(slot, run)
@@ -137,7 +128,7 @@ class Placer:
             t_wait,
         )
 
-    def _keep(self, slot: Slot, task: Task, plan: ReusePlan) -> tuple[int, list[ReuseChunk]]:
+    def _keep(self, slot: Slot, task: Task, plan: ReusePlan) -> Ops[tuple[int, list[ReuseChunk]]]:
         """Carry out ``plan``: a cut (with --cache-reuse, the chunks found beyond it parked
         first), or a resume at a checkpoint. Returns the tokens kept and the parked chunks
         (the run takes them: ``CacheReuse.begin``)."""
@@ -145,17 +136,13 @@ class Placer:
         if self.reuse is not None and plan.checkpoint < 0:
             chunks = self.reuse.plan(slot, task, plan.n_past)
         if chunks:
-            assert self.reuse is not None
-            n_past = self.reuse.park(slot, chunks, plan.n_past)
+            n_past = yield ParkChunks(slot, chunks, plan.n_past)
             return n_past, chunks if n_past == plan.n_past else []
         if plan.checkpoint >= 0:
-            c = slot.checkpoints[plan.checkpoint]
-            n_past = self.store.resume_at_checkpoint(slot, plan.checkpoint)
-            if n_past > 0:
-                self.stats.checkpoints_restored += 1
-                self.spec.resumed(slot, c)
+            n_past = yield ResumeAt(slot, plan.checkpoint)
             return n_past, []
-        return self.store.cut(slot, plan.n_past), []
+        n_past = yield Cut(slot, plan.n_past)
+        return n_past, []
 
     def _reuse_plan(self, slot: Slot, task: Task, n_lcp: int | None) -> ReusePlan:
         return plan_reuse(

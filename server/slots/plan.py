@@ -1,24 +1,31 @@
-"""What one engine step does, as data: the plan ``schedule`` makes, and what ``execute``
-reports back to ``update``.
+"""What one engine step does, as data: the plan ``schedule`` makes, what ``execute``
+reports back to ``update``, and the memory operations the other decisions yield.
 
-A step admits waiting tasks (``Scheduler.admit -> Admission``, carried out by
-``Placer.place``), then decodes one batch in three phases (DESIGN §3):
+Only the runner (slots/runner.py) changes llama.cpp memory or decodes. A step admits
+waiting tasks (``Scheduler.admit -> Admission``; ``Placer.place`` yields the operations that
+start them: restores, cuts, checkpoint resumes, parked chunks, prefix copies), lets sharing
+waiters whose prefix is ready copy it, embeds, then decodes one batch in three phases
+(DESIGN §3):
 - ``schedule() -> StepPlan`` decides, touching nothing: per slot, which tokens go into the
   batch, which rows need logits, and which memory operations run first (a context shift, a
   checkpoint, a draft model's proposal);
-- ``execute(plan) -> StepOutputs`` is the only phase that changes llama.cpp memory: it runs
-  the planned operations, fills the batch, decodes (retrying a KV-full decode with a smaller
-  plan), commits what was decoded to the slot store and samples the rows with logits;
+- ``execute(plan) -> StepOutputs`` (the runner's batch, slots/executor.py) runs the planned
+  operations, fills the batch, decodes (retrying a KV-full decode with a smaller plan),
+  commits what was decoded to the slot store and samples the rows with logits;
 - ``update(plan, outputs)`` does the accounting: tokens taken, text streamed, runs finished.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from ..types import FinishReason, Task, TokenLogprob
+from ..cache.prefix_index import Match
+from ..types import FinishReason, Task, TaskError, TokenLogprob
 from .policy import SlotChoice
+from .reuse import ReuseChunk
 from .slot import Slot
 
 
@@ -30,6 +37,15 @@ class Placement:
     slot: Slot
     task: Task
     choice: SlotChoice
+
+
+@dataclass
+class Placed:
+    """What placing an admission's tasks gave, for the engine to send: the tasks that failed
+    to start (with their errors) and the started slots whose tasks want prompt progress."""
+
+    failed: list[tuple[Task, TaskError]] = field(default_factory=list)
+    progress: list[Slot] = field(default_factory=list)
 
 
 @dataclass
@@ -131,3 +147,91 @@ class StepOutputs:
     outputs: list[SlotOutput] = field(default_factory=list)
     ended: list[Ended] = field(default_factory=list)
     n_tokens: int = 0  # tokens in the decoded batch
+
+
+# ---- memory operations: what admission, sharing and embedding decide, the runner does ----
+# Each is yielded by a decision (a generator: ``Placer.place``, ``resolve_waiters``,
+# ``EmbedQueue.step``) to ``Runner.drive``, which carries it out and sends its outcome back
+# as the value of the ``yield``: the next decision reads it. Only the runner changes memory.
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Restore the best RAM-cache entry for ``prompt``, else the disk tier's, into ``slot``
+    (``match``: the prompt's walk down the prefix index). Outcome: whether one was loaded."""
+
+    slot: Slot
+    prompt: list[int]
+    tenant: str
+    match: Match | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """Keep the first ``n`` tokens of ``slot``. Outcome: the tokens it holds (``n``, or 0)."""
+
+    slot: Slot
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeAt:
+    """Resume ``slot`` at its checkpoint ``index`` (its draft follows). Outcome: the tokens
+    it holds (0 when the resume failed)."""
+
+    slot: Slot
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParkChunks:
+    """--cache-reuse: park ``chunks`` of ``slot`` beyond a cut at ``n_past`` on the scratch
+    sequence. Outcome: the tokens the slot kept (``n_past``, or 0)."""
+
+    slot: Slot
+    chunks: list[ReuseChunk]
+    n_past: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPrefix:
+    """Make ``dst`` hold ``src``'s first ``n`` tokens (prefix sharing: cells are shared).
+    Outcome: the tokens ``dst`` holds."""
+
+    src: Slot
+    dst: Slot
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIdle:
+    """--cache-idle-slots: save every idle slot to the RAM cache (cleared in unified KV)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvictIdle:
+    """An idle slot is lent out: to the RAM cache first when there is one, then cleared."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """Empty ``slot``'s sequence (an embedding's slot after its decode)."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedDecode:
+    """Decode the batch (embeddings on, every row an output), once more after freeing idle
+    KV when it found no room. Outcome: llama_decode's return code."""
+
+
+MemoryOp = (
+    Restore | Cut | ResumeAt | ParkChunks | CopyPrefix | CacheIdle | EvictIdle | Clear | EmbedDecode
+)
+# a decision: yields memory operations, reads each one's outcome (sent back by
+# ``Runner.drive``), and returns its own result
+R = TypeVar("R")
+Ops = Generator[MemoryOp, Any, R]

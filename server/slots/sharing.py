@@ -25,6 +25,7 @@ import logging
 from typing import NamedTuple
 
 from ..cache.prefix_index import shared_prefix
+from .plan import CopyPrefix, Ops
 from .share_cost import PrefillQueue, StepSpeed, queue_of, wait_pays
 from .slot import Slot, SlotState
 from .stats import EngineStats
@@ -87,13 +88,6 @@ class PrefixSharing:
                 best = Source(s.id, c)
         return best
 
-    def copy(self, src: Slot, dst: Slot, n: int) -> int:
-        """Make ``dst`` hold ``src``'s first ``n`` tokens; returns what it holds."""
-        got = self.store.copy_prefix(src, dst, n)
-        self.stats.prefix_shared_tokens += got
-        log.debug("slot %d: shared %d of %d tokens from slot %d", dst.id, got, n, src.id)
-        return got
-
     def wait_on(self, dst: Slot, src: Source) -> bool:
         """Make ``dst`` (started, prefilling) wait for ``src`` unless computing its prompt
         itself is estimated to be faster; whether it waits."""
@@ -110,10 +104,11 @@ class PrefixSharing:
         log.debug("slot %d: waits for slot %d to reach %d tokens", dst.id, src.slot, src.n_tokens)
         return True
 
-    def resolve_waiters(self) -> None:
+    def resolve_waiters(self) -> Ops[None]:
         """Called once per step before the batch is built. Waiters whose source reached the
         target (or stopped) copy and start prefilling; so do those for which waiting no longer
-        pays. A pass over the slots, plus a sorted snapshot of the queue while any waits."""
+        pays. A pass over the slots, plus a sorted snapshot of the queue while any waits.
+        The copies are yielded (``CopyPrefix``) for the runner to make."""
         self._observe_step()
         q = None
         for w in self.store.slots:
@@ -137,16 +132,16 @@ class PrefixSharing:
                 if sole:
                     src.live.share_marks.discard(run.wait_target)
                 q = None  # the queue changed: this slot computes more itself
-            self._start(w, again=not computing)
+            yield from self._start(w, again=not computing)
 
-    def _start(self, w: Slot, again: bool) -> None:
+    def _start(self, w: Slot, again: bool) -> Ops[None]:
         """The waiter ``w`` takes what a held source gives and prefills the rest; with
         ``again`` (its source went away) it may wait on another computing slot instead."""
         task = w.live.task
         w.state = SlotState.PREFILL
         held = self.held_source(w, task.prompt, len(w.tokens), task.tenant)
         if held is not None:
-            self.copy(self.store.slots[held.slot], w, held.n_tokens)
+            yield CopyPrefix(self.store.slots[held.slot], w, held.n_tokens)
         w.seq.n_cached = len(w.tokens)  # what this task will not compute itself
         if again:
             other = self.inflight_source(w, task.prompt, len(w.tokens), task.tenant)

@@ -135,7 +135,7 @@ class SlotStore:
         n, end = len(slot.tokens), n_keep + n_discard
         if n_discard <= 0 or n_keep < 0 or end > n:
             return False
-        ok = self.b.seq_rm(slot.id, n_keep, end)
+        ok = self._own_cells_from(slot, end) and self.b.seq_rm(slot.id, n_keep, end)
         if ok:
             self.b.seq_add(slot.id, end, n, -n_discard)
         slot.seq.remove(n_keep, end)
@@ -145,6 +145,38 @@ class SlotStore:
             self.clear(slot)
             return False
         return True
+
+    def shared_until(self, slot: Slot) -> int:
+        """In unified KV, the slot's cells that another sequence may share (seq_cp: prefix
+        sharing) lie before this position: shared cells hold the same tokens in both, so
+        none lies past the longest common prefix with another slot. seq_add moves a shared
+        cell for every sequence holding it, so a shift must move none of these."""
+        if not self.b.kv_unified:
+            return 0
+        return max((lcp(o.tokens, slot.tokens) for o in self.slots if o is not slot), default=0)
+
+    def owned_discard(self, slot: Slot, n_keep: int, n_discard: int) -> int:
+        """The n_discard a context shift of ``slot`` uses: ``n_discard``, or more when cells
+        it shares lie past the cut: then the shift drops the shared span too and moves only
+        cells the slot holds alone (no memory, no recompute; the other slot's positions stay
+        where they are). Unchanged when the slot shares all it holds (``shift`` then takes
+        a private copy)."""
+        shared = self.shared_until(slot)
+        if shared <= n_keep + n_discard or shared >= len(slot.tokens):
+            return n_discard
+        return shared - n_keep
+
+    def _own_cells_from(self, slot: Slot, p0: int) -> bool:
+        """Before seq_add moves the slot's cells from ``p0`` on, when cells it shares lie
+        there (see ``shared_until``; ``owned_discard`` avoids this but where the slot shares
+        everything): the slot takes a private copy of all its cells (its state saved, its
+        sequence cleared, the state set back: new cells, its alone; needs room for them).
+        False when that failed (the slot is then empty)."""
+        if self.shared_until(slot) <= p0:
+            return True
+        data = self.b.state_get(slot.id)
+        self.b.seq_clear(slot.id)
+        return self.b.state_set(slot.id, data) == len(data)
 
     # ---- --cache-reuse (slots/cache_reuse.py) ------------------------------------
 

@@ -37,15 +37,15 @@ class Updater:
         stats: EngineStats,
         send: Callable[[Task, Event], None],
         shifts: Callable[[], bool],
-        ended: list[Slot],
     ) -> None:
-        """``send(task, event)`` queues an event; ``shifts()``: --context-shift applies;
-        ``ended`` collects the slots whose runs ended (their drafts settle next step)."""
+        """``send(task, event)`` queues an event; ``shifts()``: --context-shift applies.
+        ``ended`` collects the slots whose runs ended: the runner settles their drafts at
+        the start of the next step (``Runner.settle_ended``)."""
         self.b = backend
         self.stats = stats
         self.send = send
         self.shifts = shifts
-        self.ended = ended
+        self.ended: list[Slot] = []
 
     def update(self, out: StepOutputs) -> None:
         """Account for one executed step: every decoded slot in plan order, then the runs

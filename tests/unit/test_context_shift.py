@@ -150,3 +150,71 @@ def test_a_draft_that_cannot_shift_is_cut_to_n_keep():
     assert c.result.tokens == expected(list(range(1, 21)), 64, 150)[0]
     # cut at each shift: the draft decodes the moved tokens again when it next drafts
     assert e.stats.draft_catchup_tokens > 20 + 150
+
+
+def _shared_then_shifted(n_other: int = 0):
+    """Slot 0 holds a 40-token prompt (and ``n_other`` tokens it generated); slot 1 copies
+    what it shares with it (prefix sharing: the cells are shared, unified KV) and generates
+    past its 64-token context, so it shifts with shared cells beyond the shift's cut.
+    Returns the engine, the backend, slot 0's tokens and slot 1's result."""
+    b = FakeBackend(n_ctx=256, n_seq=2)
+    b.n_ctx_slot = 64  # the slot's context, with room in the KV for both slots' cells
+    e = Engine(b, EngineOptions(context_shift=True))
+    prompt = list(range(1, 41))
+    run(e, task(prompt, max_tokens=n_other, id_slot=0)[0])
+    other = list(e.slots[0].tokens)
+    t, c = task(prompt, max_tokens=40, id_slot=1)
+    run(e, t)  # the integrity of every slot is checked after every step
+    assert c.result.timings.cache_n == 39 and e.stats.prefix_shared_tokens == 39
+    assert e.stats.context_shifts == 1
+    return e, b, other, c.result
+
+
+def _calls(b: FakeBackend) -> list[tuple[str, tuple]]:
+    """The memory calls up to the shift's seq_add (state_set: its sequence only)."""
+    calls = [(name, args[:1] if name == "state_set" else args) for name, args in b.memory_args]
+    return calls[: next(i for i, (name, _) in enumerate(calls) if name == "seq_add") + 1]
+
+
+def test_a_shift_leaves_the_cells_another_slot_shares_in_place():
+    e, b, other, r = _shared_then_shifted()
+    assert len(other) == 40 and b.kv[0] == dict(enumerate(other))  # slot 0 did not move
+    assert len(r.tokens) == 40
+    # slot 0's next token is what its unshifted prompt predicts
+    t, c = task(other, max_tokens=1, id_slot=0)
+    run(e, t)
+    assert c.result.tokens == [next_token(other[-1], len(other) - 1)]
+    assert c.result.timings.cache_n == len(other) - 1
+
+
+def test_a_shift_drops_the_shared_cells_past_its_cut_and_moves_only_its_own():
+    # slot 1 holds 63 tokens, the first 40 shared: llama-server's rule would drop 31 after
+    # n_keep 0 and move the 9 shared ones with its own; it drops all 40 instead
+    e, b, other, _ = _shared_then_shifted()
+    assert _calls(b)[-2:] == [("seq_rm", (1, 0, 40)), ("seq_add", (1, 40, 63, -40))]
+    assert "state_set" not in [name for name, _ in b.memory_args]
+    assert b.kv[0] == dict(enumerate(other))
+
+
+def test_a_slot_sharing_all_it_holds_shifts_a_private_copy():
+    # slot 0 generated what slot 1 generates (the same greedy tokens): slot 1 shares all 63
+    e, b, other, _ = _shared_then_shifted(n_other=24)
+    assert len(other) == 63 and b.kv[0] == dict(enumerate(other))
+    assert _calls(b)[-4:] == [
+        ("seq_clear", (1,)),  # slot 1 takes a private copy of its cells ...
+        ("state_set", (1,)),
+        ("seq_rm", (1, 0, 31)),  # ... then shifts it as llama-server does
+        ("seq_add", (1, 31, 63, -31)),
+    ]
+
+
+def test_a_shift_over_cells_no_other_slot_shares_is_llama_servers():
+    b = FakeBackend(n_ctx=256, n_seq=2)
+    b.n_ctx_slot = 64
+    e = Engine(b, EngineOptions(context_shift=True))
+    run(e, task(list(range(1, 41)), max_tokens=0, id_slot=0)[0])
+    prompt = list(range(100, 141))
+    t, c = task(prompt, max_tokens=40, id_slot=1)
+    run(e, t)
+    assert e.stats.context_shifts == 1 and c.result.tokens == expected(prompt, 64, 40)[0]
+    assert "state_set" not in [name for name, _ in b.memory_args]

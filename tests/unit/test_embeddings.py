@@ -429,7 +429,7 @@ def test_engine_never_lends_a_waiting_tasks_prefix_source() -> None:
     e._drain_inbox()
     cols = _embed(e, [[6, 7], [8, 9]])
     e._drain_inbox()
-    e.embed.step()  # alone: the step's resolve_waiters would start the waiter
+    e.runner.drive(e.embed.step())  # alone: the step's resolve_waiters would start the waiter
     e._flush()
     assert all(isinstance(x.events[0], EmbedResult) for x in cols)
     assert src.tokens == kept and b.kv[src.id] and not b.kv[waiter.id]

@@ -194,7 +194,7 @@ def test_update_finishes_on_end_of_generation_and_counts_it():
     assert s.idle and c.result.finish is FinishReason.STOP
     assert c.result.timings.predicted_n == 2  # the first token and the end of generation
     assert c.result.tokens == [3]
-    assert e.executor.settle == [s]  # its draft (if any) settles before the next admission
+    assert e.updater.ended == [s]  # its draft (if any) settles before the next admission
 
 
 def test_update_takes_accepted_drafts_in_order_and_stops_at_the_limit():
@@ -230,7 +230,7 @@ def test_update_ends_the_runs_execute_could_not_carry_on():
     _update(e, StepOutputs(ended=[Ended(s, FinishReason.ERROR, "llama_decode failed (-3)")]))
     assert s.idle and isinstance(c.events[-1], TaskError)
     assert c.events[-1].message == "llama_decode failed (-3)"
-    assert e.executor.settle == []  # a failed run leaves its draft as it is
+    assert e.updater.ended == []  # a failed run leaves its draft as it is
 
 
 # ---- execute -------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def test_admit_places_in_fifo_order_and_decides_without_touching_anything():
     # the pinned task waits for its slot; the fourth finds no idle slot and keeps its place
     assert list(adm.deferred) == [pinned, fourth]
     assert _state(e, b) == before and all(s.idle for s in e.slots)
-    e.placer.place(adm.placements)
+    e.runner.drive(e.placer.place(adm.placements))
     assert e.slots[1].task is first and e.slots[1].run.n_cached == 40
     assert e.slots[0].task is third
 
