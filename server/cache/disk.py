@@ -57,7 +57,7 @@ from .disk_files import (
     write_entry,
 )
 from .prefix_index import Held, Match, PrefixIndex
-from .prompt_cache import CacheEntry
+from .saved import SavedState
 from .tenancy import persistable
 
 log = logging.getLogger("server.cache.disk")
@@ -83,7 +83,7 @@ class QueuedHeld(Held):
     after every file (queued entries are newer than any file of theirs), in queue order."""
 
     TIER: ClassVar[str] = "disk-queue"
-    entry: CacheEntry
+    entry: SavedState
 
 
 class DiskIndex:
@@ -192,7 +192,7 @@ class DiskHit:
 
     n_lcp: int
     entry: DiskEntry | None = None
-    pending: CacheEntry | None = None
+    pending: SavedState | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -201,11 +201,11 @@ class DiskHit:
 
 @dataclass
 class _Queue:
-    items: collections.deque[CacheEntry] = field(default_factory=collections.deque)
+    items: collections.deque[SavedState] = field(default_factory=collections.deque)
     # parallel to ``items``: each one's holder in the prefix index (None: no tokens)
     held: collections.deque[QueuedHeld | None] = field(default_factory=collections.deque)
     nbytes: int = 0
-    writing: CacheEntry | None = None
+    writing: SavedState | None = None
     seq: int = 0
 
 
@@ -313,7 +313,7 @@ class DiskTier:
 
     # ---- writing ------------------------------------------------------------------
 
-    def put(self, entry: CacheEntry, spill: bool = False) -> bool:
+    def put(self, entry: SavedState, spill: bool = False) -> bool:
         """Queue an entry leaving RAM (any thread; takes the entry's buffers as they are).
         False when it is dropped: too large for the tier, or the writer too far behind
         (``max_pending_bytes``; not for a ``spill`` at shutdown, whose buffers are held
@@ -361,7 +361,7 @@ class DiskTier:
                     self._q.writing = None
                     self._cond.notify_all()
 
-    def _write(self, entry: CacheEntry) -> None:
+    def _write(self, entry: SavedState) -> None:
         with self._lock:
             if self.index.covers(entry.tokens, entry.tenant):
                 self.counters.covered += 1
@@ -399,7 +399,7 @@ class DiskTier:
             len(evicted),
         )
 
-    def _trailer_len(self, entry: CacheEntry) -> int:
+    def _trailer_len(self, entry: SavedState) -> int:
         return len(encode_trailer(entry.tenant, self.check.model, 0))
 
     # ---- indexing -----------------------------------------------------------------

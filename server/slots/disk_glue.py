@@ -4,22 +4,24 @@ spilling slots and the RAM cache to disk at shutdown. Engine thread only.
 A disk file is untrusted (another process, or another replica, may have written it): it is
 read with pread into one buffer (DiskTier.read: never a mapping, which another process
 truncating the file would turn into a SIGBUS; a file truncated or rewritten by then, or
-while read, is a miss) and restored with SlotStore.restore(..., untrusted=True), which
-proves the state's cells are exactly the file's token positions before llama.cpp sees
-them. An entry still waiting for the writer
-is our own memory and is restored like a RAM-cache entry.
+while read, is a miss) and restored as a SavedState in that buffer with
+SlotStore.restore(..., trusted=False), which proves the state's cells are exactly the
+file's token positions before llama.cpp sees them. An entry still waiting for the writer
+is our own memory and is restored like a RAM-cache entry (trusted).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 from ..cache.disk import DiskTier
 from ..cache.disk_files import BadFile, DiskEntry, EntryChanged
 from ..cache.prefix_index import Match
-from ..cache.prompt_cache import CacheEntry, PromptCache
+from ..cache.prompt_cache import PromptCache
+from ..cache.saved import Extras, InBuffer, SavedState
 from .slot import Slot
 from .store import SlotStore
 
@@ -51,8 +53,9 @@ def load(
         return False
     t0 = time.perf_counter()
     if hit.pending is not None:
-        p = hit.pending
-        ok = store.restore(slot, p.data, list(p.tokens), p.checkpoints) > 0
+        # the target state and checkpoints (its draft state is not restored from the queue)
+        p = replace(hit.pending, tokens=list(hit.pending.tokens), data_dft=b"")
+        ok = store.restore(slot, p, trusted=True).ok
         out = _Outcome(ok, why="" if ok else "its queued state did not restore")
     else:
         assert hit.entry is not None
@@ -79,12 +82,14 @@ def _restore_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) ->
         return _Outcome(False, why=f"unreadable: {err.strerror or err}")
     except MemoryError:
         return _Outcome(False, why="no memory to read it")
-    # the state and the appendices, not the trailer
-    app = store.restore_file(slot, buf, state_off, e.body_len, list(e.tokens), exact=False)
-    if app is None:
+    # the state and the appendices, not the trailer; the appendices are read where the state
+    # ends, once it is loaded
+    where = InBuffer(buf, state_off, e.body_len, exact=False)
+    state = SavedState(list(e.tokens), where, tenant=e.tenant, extras=Extras.AFTER_STATE)
+    if not store.restore(slot, state, trusted=False).ok:
         why = "its state does not match its tokens (refused before loading)"
         return _Outcome(False, why=why, refuse=True)
-    for w in app.warnings:
+    for w in state.warnings:
         log.warning("disk cache entry %s: %s", e.name, w)
     return _Outcome(True, nbytes=e.nbytes)
 
@@ -100,11 +105,12 @@ def spill(store: SlotStore, cache: PromptCache | None, disk: DiskTier) -> int:
         if not s.idle or not s.tokens:
             continue
         snap = store.snapshot(s)
+        # the target state only (as before: a spilled slot's draft state is not kept)
+        snap.data = replace(snap.data, read_draft=None)  # type: ignore[type-var]
         try:
-            data = snap.read()
+            e = snap.read()
         except MemoryError:
             log.warning("slot %d: no memory to copy its state for the disk cache", s.id)
             continue
-        e = CacheEntry(list(snap.tokens), data, b"", list(snap.checkpoints), tenant=s.tenant)
         n += disk.put(e, spill=True)
     return n
