@@ -57,7 +57,7 @@ from .disk_files import (
     write_entry,
 )
 from .prefix_index import Held, Match, PrefixIndex
-from .saved import SavedState
+from .saved import Extras, InBuffer, SavedState
 from .tenancy import persistable
 
 log = logging.getLogger("server.cache.disk")
@@ -566,10 +566,14 @@ class DiskTier:
             return DiskHit(hit.n_lcp, pending=hit.held.entry)
         return DiskHit(hit.n_lcp, entry=hit.held.entry)
 
-    def read(self, e: DiskEntry, seq: int) -> tuple[bytearray, int]:
-        """``e``'s file in one buffer for sequence ``seq``, and its state's offset; raises as
-        disk_files.read_entry does (EntryChanged, BadFile, OSError)."""
-        return read_entry(self.dir, e, self.check, seq, self.read_delay_s)
+    def read(self, e: DiskEntry, seq: int) -> SavedState:
+        """``e``'s file read into one buffer for sequence ``seq``, as a saved state
+        (``InBuffer``: the state and its appendices, not the trailer; the appendices are
+        read where the state ends, once it is loaded); raises as disk_files.read_entry does
+        (EntryChanged, BadFile, OSError)."""
+        buf, state_off = read_entry(self.dir, e, self.check, seq, self.read_delay_s)
+        where = InBuffer(buf, state_off, e.body_len, exact=False)
+        return SavedState(list(e.tokens), where, tenant=e.tenant, extras=Extras.AFTER_STATE)
 
     def loaded(self, hit: DiskHit, ms: float, nbytes: int) -> None:
         with self._lock:

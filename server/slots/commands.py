@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..cache import slot_file, tenancy
-from ..cache.saved import Extras, InBuffer, InSlot, SavedState
+from ..cache.saved import Extras, InSlot, SavedState
 from . import disk_glue
-from .file_plan import RestorePlan
+from .file_plan import RestorePlan, saved_state
 from .slot import Slot
 from .stats import EngineStats
 from .store import SlotStore
@@ -193,19 +193,15 @@ class RestoreSlot:
             return refusal
         # the plan proved these bytes off this thread; the store proves them again here,
         # where they are loaded: the buffer is private, but the file was another's to change
-        p, app = self.parsed, self.plan.appendices
-        where = InBuffer(p.buf, p.state_off, self.plan.state_end, exact=self.plan.known)
         # the restoring request's tenant (under isolation: the file's)
-        state = SavedState(list(p.tokens), where, tenant=self.caller.tenant, extras=Extras.LATER)
-        if app is not None:
-            slot_file.give_appendices(state, app)
+        state = saved_state(self.parsed, self.plan, self.caller.tenant)
         got = host.store.restore(s, state, trusted=False)
         if not got.ok:
             return Failed(REFUSED_STATE)
         self._claim(s)
-        if app is None:
+        if state.extras is Extras.LATER:
             return StateLoaded(got.consumed)
-        return SlotRestored(len(p.tokens), state.warnings)
+        return SlotRestored(len(state.tokens), state.warnings)
 
     def _claim(self, s: Slot) -> None:
         s.tenant = self.caller.tenant  # the restoring request's (under isolation: the file's)

@@ -21,7 +21,6 @@ from ..cache.disk import DiskTier
 from ..cache.disk_files import BadFile, DiskEntry, EntryChanged
 from ..cache.prefix_index import Match
 from ..cache.prompt_cache import PromptCache
-from ..cache.saved import Extras, InBuffer, SavedState
 from .slot import Slot
 from .store import SlotStore
 
@@ -59,7 +58,7 @@ def load(
         out = _Outcome(ok, why="" if ok else "its queued state did not restore")
     else:
         assert hit.entry is not None
-        out = _restore_file(store, disk, slot, hit.entry)
+        out = _load_file(store, disk, slot, hit.entry)
     if not out.ok:
         disk.failed(hit, out.why, out.refuse, out.changed)
         return False
@@ -70,10 +69,10 @@ def load(
     return True
 
 
-def _restore_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) -> _Outcome:
+def _load_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) -> _Outcome:
     """Read ``e``'s file into one buffer and restore it (its cells proven first)."""
     try:
-        buf, state_off = disk.read(e, slot.id)
+        state = disk.read(e, slot.id)
     except EntryChanged as err:  # truncated or rewritten by another process
         return _Outcome(False, why=str(err), changed=True)
     except BadFile as err:
@@ -82,10 +81,6 @@ def _restore_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) ->
         return _Outcome(False, why=f"unreadable: {err.strerror or err}")
     except MemoryError:
         return _Outcome(False, why="no memory to read it")
-    # the state and the appendices, not the trailer; the appendices are read where the state
-    # ends, once it is loaded
-    where = InBuffer(buf, state_off, e.body_len, exact=False)
-    state = SavedState(list(e.tokens), where, tenant=e.tenant, extras=Extras.AFTER_STATE)
     if not store.restore(slot, state, trusted=False).ok:
         why = "its state does not match its tokens (refused before loading)"
         return _Outcome(False, why=why, refuse=True)
