@@ -25,7 +25,7 @@ for at most ``sync_scan_s``, and not at all when the last scan took longer than 
 Hostile files (not regular files, symlinks, truncated, wrong magic or version, lengths the
 file cannot hold, tokens outside the vocabulary, another model's) are skipped and counted,
 never loaded. A file that passes here still has its state proven cell by cell before it is
-loaded (SlotStore.restore(..., untrusted=True)), and it is read with pread into one
+loaded (SlotStore.restore(..., trusted=False)), and it is read with pread into one
 buffer (disk_files.read_entry), never mapped: a file another process truncates or rewrites
 under the reader is a miss (``changed_files``), never a SIGBUS.
 """
