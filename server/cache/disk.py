@@ -25,7 +25,7 @@ for at most ``sync_scan_s``, and not at all when the last scan took longer than 
 Hostile files (not regular files, symlinks, truncated, wrong magic or version, lengths the
 file cannot hold, tokens outside the vocabulary, another model's) are skipped and counted,
 never loaded. A file that passes here still has its state proven cell by cell before it is
-loaded (SlotStore.restore(..., untrusted=True)), and it is read with pread into one
+loaded (SlotStore.restore(..., trusted=False)), and it is read with pread into one
 buffer (disk_files.read_entry), never mapped: a file another process truncates or rewrites
 under the reader is a miss (``changed_files``), never a SIGBUS.
 """
@@ -57,7 +57,7 @@ from .disk_files import (
     write_entry,
 )
 from .prefix_index import Held, Match, PrefixIndex
-from .prompt_cache import CacheEntry
+from .saved import Extras, InBuffer, SavedState
 from .tenancy import persistable
 
 log = logging.getLogger("server.cache.disk")
@@ -83,7 +83,7 @@ class QueuedHeld(Held):
     after every file (queued entries are newer than any file of theirs), in queue order."""
 
     TIER: ClassVar[str] = "disk-queue"
-    entry: CacheEntry
+    entry: SavedState
 
 
 class DiskIndex:
@@ -192,7 +192,7 @@ class DiskHit:
 
     n_lcp: int
     entry: DiskEntry | None = None
-    pending: CacheEntry | None = None
+    pending: SavedState | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -201,11 +201,11 @@ class DiskHit:
 
 @dataclass
 class _Queue:
-    items: collections.deque[CacheEntry] = field(default_factory=collections.deque)
+    items: collections.deque[SavedState] = field(default_factory=collections.deque)
     # parallel to ``items``: each one's holder in the prefix index (None: no tokens)
     held: collections.deque[QueuedHeld | None] = field(default_factory=collections.deque)
     nbytes: int = 0
-    writing: CacheEntry | None = None
+    writing: SavedState | None = None
     seq: int = 0
 
 
@@ -313,7 +313,7 @@ class DiskTier:
 
     # ---- writing ------------------------------------------------------------------
 
-    def put(self, entry: CacheEntry, spill: bool = False) -> bool:
+    def put(self, entry: SavedState, spill: bool = False) -> bool:
         """Queue an entry leaving RAM (any thread; takes the entry's buffers as they are).
         False when it is dropped: too large for the tier, or the writer too far behind
         (``max_pending_bytes``; not for a ``spill`` at shutdown, whose buffers are held
@@ -361,7 +361,7 @@ class DiskTier:
                     self._q.writing = None
                     self._cond.notify_all()
 
-    def _write(self, entry: CacheEntry) -> None:
+    def _write(self, entry: SavedState) -> None:
         with self._lock:
             if self.index.covers(entry.tokens, entry.tenant):
                 self.counters.covered += 1
@@ -399,7 +399,7 @@ class DiskTier:
             len(evicted),
         )
 
-    def _trailer_len(self, entry: CacheEntry) -> int:
+    def _trailer_len(self, entry: SavedState) -> int:
         return len(encode_trailer(entry.tenant, self.check.model, 0))
 
     # ---- indexing -----------------------------------------------------------------
@@ -566,10 +566,14 @@ class DiskTier:
             return DiskHit(hit.n_lcp, pending=hit.held.entry)
         return DiskHit(hit.n_lcp, entry=hit.held.entry)
 
-    def read(self, e: DiskEntry, seq: int) -> tuple[bytearray, int]:
-        """``e``'s file in one buffer for sequence ``seq``, and its state's offset; raises as
-        disk_files.read_entry does (EntryChanged, BadFile, OSError)."""
-        return read_entry(self.dir, e, self.check, seq, self.read_delay_s)
+    def read(self, e: DiskEntry, seq: int) -> SavedState:
+        """``e``'s file read into one buffer for sequence ``seq``, as a saved state
+        (``InBuffer``: the state and its appendices, not the trailer; the appendices are
+        read where the state ends, once it is loaded); raises as disk_files.read_entry does
+        (EntryChanged, BadFile, OSError)."""
+        buf, state_off = read_entry(self.dir, e, self.check, seq, self.read_delay_s)
+        where = InBuffer(buf, state_off, e.body_len, exact=False)
+        return SavedState(list(e.tokens), where, tenant=e.tenant, extras=Extras.AFTER_STATE)
 
     def loaded(self, hit: DiskHit, ms: float, nbytes: int) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ EntryChanged: a miss, never a crash.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import socket
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import slot_file
-from .prompt_cache import CacheEntry
+from .saved import SavedState
 
 MiB = 1024 * 1024
 
@@ -250,8 +251,11 @@ def _patch_body(buf: bytearray, e: DiskEntry, check: FileCheck, seq: int) -> int
     return body - 8
 
 
-def entry_parts(entry: CacheEntry, version: int, model: str) -> list[bytes | memoryview]:
-    """An entry's file, as pieces to write (the state buffers are not copied)."""
+def entry_parts(entry: SavedState, version: int, model: str) -> list[bytes | memoryview]:
+    """An entry's file, as pieces to write (the state buffers are not copied). The entry's
+    bytes are in memory (a RAM entry, a slot's state read for a spill)."""
+    if not isinstance(entry.data, (bytearray, ctypes.Array)):
+        raise ValueError("a disk entry is written from a state in memory")
     mv = memoryview(entry.data).cast("B")
     if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != slot_file.STATE_HEADER_MAGIC:
         raise ValueError("unexpected sequence state layout")
@@ -267,7 +271,7 @@ def entry_parts(entry: CacheEntry, version: int, model: str) -> list[bytes | mem
 
 
 def write_entry(
-    directory: Path, entry: CacheEntry, version: int, model: str, delay_s: float = 0.0
+    directory: Path, entry: SavedState, version: int, model: str, delay_s: float = 0.0
 ) -> tuple[str, int, int]:
     """Write ``entry`` to a temporary file, make it durable, rename it to a new unique name.
     Returns (name, size, mtime_ns). On any failure the temporary file is removed and no

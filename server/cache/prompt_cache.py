@@ -13,29 +13,16 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from ..types import Checkpoint, StateBuf, lcp
 from .prefix_index import Held, Match, PrefixIndex
+from .saved import InSlot, SavedState
 
 log = logging.getLogger("server.cache")
 
 MiB = 1024 * 1024
-
-
-@dataclass
-class CacheEntry:
-    tokens: list[int]
-    data: StateBuf  # target sequence state (llama_state_seq_get_data_ext, flags none)
-    data_dft: bytes | bytearray = b""  # draft model state; empty without a draft model
-    checkpoints: list[Checkpoint] = field(default_factory=list)
-    created: float = field(default_factory=time.time)
-    tenant: str = ""  # only this tenant's prompts may load the entry (--cache-isolation)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + len(self.data_dft) + sum(c.nbytes for c in self.checkpoints)
 
 
 @dataclass(eq=False)
@@ -43,7 +30,7 @@ class RamHeld(Held):
     """A RAM cache entry in the prefix index; ``order`` is ``(seq,)``, its insertion."""
 
     TIER: ClassVar[str] = "ram"
-    entry: CacheEntry
+    entry: SavedState
 
 
 class SaveOutcome(NamedTuple):
@@ -90,7 +77,7 @@ class PromptCache:
         # totals equal to the sums over the entries (check_integrity recounts them), and
         # ``_held[i]`` (in the index) holds ``entries[i]``, whose insertion number is
         # ``_seqs[i]`` (increasing: the list is the FIFO eviction order).
-        self.entries: list[CacheEntry] = []
+        self.entries: list[SavedState] = []
         self._held: list[RamHeld] = []
         self._seqs: list[int] = []
         self._seq = 0
@@ -99,7 +86,7 @@ class PromptCache:
         self.counters = CacheCounters()
         # Called with each entry leaving by eviction (and with a state too large for the
         # limit, read for it): the disk tier's writer takes it (server.cache.disk).
-        self.on_evict: Callable[[CacheEntry], object] | None = None
+        self.on_evict: Callable[[SavedState], object] | None = None
 
     # ---- accounting ---------------------------------------------------------------
 
@@ -111,7 +98,7 @@ class PromptCache:
     def n_tokens(self) -> int:
         return self._n_tokens
 
-    def _append(self, e: CacheEntry) -> None:
+    def _append(self, e: SavedState) -> None:
         self._seq += 1
         h = RamHeld(e.tenant, (self._seq,), e)
         self.index.add(h, e.tokens)
@@ -121,7 +108,7 @@ class PromptCache:
         self._n_bytes += e.nbytes
         self._n_tokens += len(e.tokens)
 
-    def _drop(self, index: int) -> CacheEntry:
+    def _drop(self, index: int) -> SavedState:
         e = self.entries.pop(index)
         self.index.discard(self._held.pop(index))
         del self._seqs[index]
@@ -211,17 +198,24 @@ class PromptCache:
         read_draft: Callable[[], bytes | bytearray] | None = None,
         tenant: str = "",
     ) -> SaveOutcome:
-        """Store a slot's state. ``size`` is the state size (known before copying); the bytes
-        are read only once the entry is sure to be kept. Entries cover each other only within
-        one ``tenant``."""
+        """``put`` of a state still in a slot: ``size`` bytes (target and draft), read by
+        ``read_state`` and ``read_draft`` only once the entry is sure to be kept."""
+        where = InSlot(-1, size, read_state, read_draft)
+        return self.put(SavedState(list(tokens), where, b"", list(checkpoints), tenant=tenant))
+
+    def put(self, state: SavedState) -> SaveOutcome:
+        """Store a slot's state (SlotStore.snapshot's: its bytes are read, with
+        ``SavedState.read``, only once the entry is sure to be kept). Entries cover each
+        other only within one tenant."""
+        tokens, tenant = state.tokens, state.tenant
         if not tokens:
             return self._skip("empty")
         if self.index.covers(RamHeld.TIER, tenant, tokens):
             return self._skip("covered")  # the longer entry serves this prompt too
-        need = size + sum(c.nbytes for c in checkpoints)
+        need = state.nbytes
         if self.limit_bytes >= 0 and need > self.limit_bytes:
             if self.on_evict is not None:  # straight to the next tier
-                self._spill(tokens, read_state, checkpoints, read_draft, tenant)
+                self._spill(state)
             return self._skip("too-large")  # never evict for an entry that cannot fit anyway
         evicted = 0
         for h in self.index.prefixes_of(RamHeld.TIER, tenant, tokens):
@@ -232,8 +226,7 @@ class PromptCache:
                 self._evict_oldest("making room")
                 evicted += 1
         try:
-            data = read_state()
-            dft = read_draft() if read_draft is not None else b""
+            entry = state.read()
         except MemoryError:
             self.limit_bytes = max(1, int(0.4 * self.nbytes))
             log.warning(
@@ -241,7 +234,7 @@ class PromptCache:
             )
             self.update()
             return self._skip("no-memory")
-        self._append(CacheEntry(list(tokens), data, dft, list(checkpoints), tenant=tenant))
+        self._append(entry)
         self.counters.saves += 1
         log.debug(
             "cache: saved %d tokens, %.2f MiB (%d entries)",
@@ -255,18 +248,10 @@ class PromptCache:
         self.counters.save_skips += 1
         return SaveOutcome(False, reason)
 
-    def _spill(
-        self,
-        tokens: Sequence[int],
-        read_state: Callable[[], StateBuf],
-        checkpoints: Sequence[Checkpoint],
-        read_draft: Callable[[], bytes | bytearray] | None,
-        tenant: str,
-    ) -> None:
+    def _spill(self, state: SavedState) -> None:
         """Hand a state too large for RAM to ``on_evict`` (copied: the slot keeps its own)."""
         try:
-            dft = read_draft() if read_draft is not None else b""
-            e = CacheEntry(list(tokens), read_state(), dft, list(checkpoints), tenant=tenant)
+            e = state.read()
         except MemoryError:
             return
         self.on_evict(e)  # type: ignore[misc]
@@ -308,7 +293,7 @@ class PromptCache:
             return None
         return LoadChoice(self._position(hit.held), hit.n_lcp, hit.f_keep, hit.n_lcp / len(prompt))
 
-    def take(self, choice: LoadChoice, restore: Callable[[CacheEntry], bool]) -> CacheEntry | None:
+    def take(self, choice: LoadChoice, restore: Callable[[SavedState], bool]) -> SavedState | None:
         """Restore the chosen entry with ``restore`` (target and draft: both or neither).
 
         On success the entry is removed from the cache and returned; on failure it stays.

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..llama.ggml_types import cache_type_name
 from ..types import Checkpoint, StateBuf
+from .saved import Extras, SavedState
 
 log = logging.getLogger("server.slotfile")
 
@@ -390,7 +391,18 @@ def appendix_parts(
     return checkpoint_parts(checkpoints) + draft_parts(draft) + kv_types_parts(kv_types)
 
 
-def kv_types_problem(app: Appendices, want: tuple[int, int] | None) -> str | None:
+def give_appendices(state: SavedState, app: Appendices) -> SavedState:
+    """``state`` with a file's appendices as its extras: checkpoints, draft state (SDFT's
+    first buffer), KV types, and the warnings of reading them (the same list)."""
+    state.checkpoints = app.checkpoints
+    state.data_dft = app.draft[0] if app.draft else b""
+    state.kv_types = app.kv_types
+    state.warnings = app.warnings
+    state.extras = Extras.GIVEN
+    return state
+
+
+def kv_types_problem(app: Appendices | SavedState, want: tuple[int, int] | None) -> str | None:
     """Why a file whose SKVT names other KV cache types than ``want`` cannot be restored;
     None when they match or either is unknown."""
     if app.kv_types is None or want is None or tuple(app.kv_types) == tuple(want):

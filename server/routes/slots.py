@@ -192,9 +192,9 @@ async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) ->
     tmp = slot_file.temp_for(path)
     try:
         saved = _unwrap(engine, await _run(engine, SaveSlot(sid, str(tmp), who)))
-        app = saved.appendix
+        s = saved.state  # its extras go into the appendices
         written = await asyncio.to_thread(
-            slot_file.finish_file, tmp, path, app.checkpoints, app.draft, app.kv_types, saved.owner
+            slot_file.finish_file, tmp, path, s.checkpoints, s.data_dft, s.kv_types, saved.owner
         )
     finally:
         tmp.unlink(missing_ok=True)

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..cache import slot_file, tenancy
+from ..cache.saved import Extras, InSlot, SavedState
 from . import disk_glue
-from .file_plan import RestorePlan
+from .file_plan import RestorePlan, saved_state
 from .slot import Slot
 from .stats import EngineStats
-from .store import FileAppendix, SlotStore
+from .store import SlotStore
 
 if TYPE_CHECKING:
     from ..cache.disk import DiskTier
@@ -124,12 +125,12 @@ class Caller:
 
 @dataclass(frozen=True)
 class SlotSaved:
-    """The body is written to the temporary file; ``appendix`` and ``owner`` (the tenant
-    the file records: None for a private tenant, never persisted) are for
-    ``slot_file.finish_file`` to append, off the engine thread."""
+    """The body is written to the temporary file; ``state``'s extras (checkpoints, draft
+    state, KV types) and ``owner`` (the tenant the file records: None for a private tenant,
+    never persisted) are for ``slot_file.finish_file`` to append, off the engine thread."""
 
     n_saved: int
-    appendix: FileAppendix
+    state: SavedState
     owner: str | None
 
 
@@ -148,10 +149,10 @@ class SaveSlot:
         if refusal is not None:
             return refusal
         owner = s.tenant if s.tokens else self.caller.tenant
-        app = host.store.save_file(s, self.tmp)
-        if app is None:
+        state = host.store.save_file(s, self.tmp)
+        if state is None:
             return Failed("llama.cpp could not write the slot state", 500)
-        return SlotSaved(len(s.tokens), app, owner if tenancy.persistable(owner) else None)
+        return SlotSaved(len(s.tokens), state, owner if tenancy.persistable(owner) else None)
 
 
 @dataclass(frozen=True)
@@ -192,19 +193,15 @@ class RestoreSlot:
             return refusal
         # the plan proved these bytes off this thread; the store proves them again here,
         # where they are loaded: the buffer is private, but the file was another's to change
-        p, store = self.parsed, host.store
-        args = (s, p.buf, p.state_off, self.plan.state_end, list(p.tokens))
-        if self.plan.appendices is None:
-            consumed = store.load_file_state(*args, exact=False)
-            if consumed == 0:
-                return Failed(REFUSED_STATE)
-            self._claim(s)
-            return StateLoaded(consumed)
-        app = store.restore_file(*args, exact=self.plan.known, appendices=self.plan.appendices)
-        if app is None:
+        # the restoring request's tenant (under isolation: the file's)
+        state = saved_state(self.parsed, self.plan, self.caller.tenant)
+        got = host.store.restore(s, state, trusted=False)
+        if not got.ok:
             return Failed(REFUSED_STATE)
         self._claim(s)
-        return SlotRestored(len(p.tokens), app.warnings)
+        if state.extras is Extras.LATER:
+            return StateLoaded(got.consumed)
+        return SlotRestored(len(state.tokens), state.warnings)
 
     def _claim(self, s: Slot) -> None:
         s.tenant = self.caller.tenant  # the restoring request's (under isolation: the file's)
@@ -228,9 +225,11 @@ class AttachAppendices:
         if s.tenant != self.caller.tenant or s.tokens != self.tokens:
             app.warnings.append(DROPPED_APPENDICES)
             return SlotRestored(len(self.tokens), app.warnings)
-        if not host.store.apply_appendices(s, app):
+        # the state is loaded already (StateLoaded): the restore gives the slot its extras
+        state = slot_file.give_appendices(SavedState(list(self.tokens), InSlot(s.id)), app)
+        if not host.store.restore(s, state, trusted=False).ok:
             return Failed(REFUSED_STATE)
-        return SlotRestored(len(self.tokens), app.warnings)
+        return SlotRestored(len(self.tokens), state.warnings)
 
 
 @dataclass(frozen=True)

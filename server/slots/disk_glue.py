@@ -4,22 +4,23 @@ spilling slots and the RAM cache to disk at shutdown. Engine thread only.
 A disk file is untrusted (another process, or another replica, may have written it): it is
 read with pread into one buffer (DiskTier.read: never a mapping, which another process
 truncating the file would turn into a SIGBUS; a file truncated or rewritten by then, or
-while read, is a miss) and restored with SlotStore.restore(..., untrusted=True), which
-proves the state's cells are exactly the file's token positions before llama.cpp sees
-them. An entry still waiting for the writer
-is our own memory and is restored like a RAM-cache entry.
+while read, is a miss) and restored as a SavedState in that buffer with
+SlotStore.restore(..., trusted=False), which proves the state's cells are exactly the
+file's token positions before llama.cpp sees them. An entry still waiting for the writer
+is our own memory and is restored like a RAM-cache entry (trusted).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 from ..cache.disk import DiskTier
 from ..cache.disk_files import BadFile, DiskEntry, EntryChanged
 from ..cache.prefix_index import Match
-from ..cache.prompt_cache import CacheEntry, PromptCache
+from ..cache.prompt_cache import PromptCache
 from .slot import Slot
 from .store import SlotStore
 
@@ -51,12 +52,13 @@ def load(
         return False
     t0 = time.perf_counter()
     if hit.pending is not None:
-        p = hit.pending
-        ok = store.restore(slot, p.data, list(p.tokens), p.checkpoints) > 0
+        # the target state and checkpoints (its draft state is not restored from the queue)
+        p = replace(hit.pending, tokens=list(hit.pending.tokens), data_dft=b"")
+        ok = store.restore(slot, p, trusted=True).ok
         out = _Outcome(ok, why="" if ok else "its queued state did not restore")
     else:
         assert hit.entry is not None
-        out = _restore_file(store, disk, slot, hit.entry)
+        out = _load_file(store, disk, slot, hit.entry)
     if not out.ok:
         disk.failed(hit, out.why, out.refuse, out.changed)
         return False
@@ -67,10 +69,10 @@ def load(
     return True
 
 
-def _restore_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) -> _Outcome:
+def _load_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) -> _Outcome:
     """Read ``e``'s file into one buffer and restore it (its cells proven first)."""
     try:
-        buf, state_off = disk.read(e, slot.id)
+        state = disk.read(e, slot.id)
     except EntryChanged as err:  # truncated or rewritten by another process
         return _Outcome(False, why=str(err), changed=True)
     except BadFile as err:
@@ -79,12 +81,10 @@ def _restore_file(store: SlotStore, disk: DiskTier, slot: Slot, e: DiskEntry) ->
         return _Outcome(False, why=f"unreadable: {err.strerror or err}")
     except MemoryError:
         return _Outcome(False, why="no memory to read it")
-    # the state and the appendices, not the trailer
-    app = store.restore_file(slot, buf, state_off, e.body_len, list(e.tokens), exact=False)
-    if app is None:
+    if not store.restore(slot, state, trusted=False).ok:
         why = "its state does not match its tokens (refused before loading)"
         return _Outcome(False, why=why, refuse=True)
-    for w in app.warnings:
+    for w in state.warnings:
         log.warning("disk cache entry %s: %s", e.name, w)
     return _Outcome(True, nbytes=e.nbytes)
 
@@ -100,11 +100,12 @@ def spill(store: SlotStore, cache: PromptCache | None, disk: DiskTier) -> int:
         if not s.idle or not s.tokens:
             continue
         snap = store.snapshot(s)
+        # the target state only (as before: a spilled slot's draft state is not kept)
+        snap.data = replace(snap.data, read_draft=None)  # type: ignore[type-var]
         try:
-            data = snap.read()
+            e = snap.read()
         except MemoryError:
             log.warning("slot %d: no memory to copy its state for the disk cache", s.id)
             continue
-        e = CacheEntry(list(snap.tokens), data, b"", list(snap.checkpoints), tenant=s.tenant)
         n += disk.put(e, spill=True)
     return n

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache import slot_file
+from ..cache.saved import Extras, InBuffer, SavedState
 from .audit import kv_type_problem, seq_state_problem
 
 
@@ -61,3 +62,16 @@ def parse_after_state(
     thread."""
     with memoryview(parsed.buf) as whole, whole[: parsed.end] as body:
         return slot_file.parse_appendices(body, pos, len(parsed.tokens), max_checkpoints)
+
+
+def saved_state(parsed: slot_file.ParsedFile, plan: RestorePlan, tenant: str) -> SavedState:
+    """The slot file as the saved state ``SlotStore.restore`` loads (untrusted), under the
+    restoring request's ``tenant``: its state in the file's buffer, exact when its end is
+    known; its appendices given when the plan parsed them, else left for later (the state
+    is loaded alone, its appendices parsed off the engine thread from where it ended and
+    given in a second restore, of the state ``InSlot``). Any thread."""
+    where = InBuffer(parsed.buf, parsed.state_off, plan.state_end, exact=plan.known)
+    state = SavedState(list(parsed.tokens), where, tenant=tenant, extras=Extras.LATER)
+    if plan.appendices is not None:
+        slot_file.give_appendices(state, plan.appendices)
+    return state

@@ -8,7 +8,7 @@ true.
 from __future__ import annotations
 
 from ..cache.prefix_index import Match
-from ..cache.prompt_cache import CacheEntry, PromptCache
+from ..cache.prompt_cache import PromptCache
 from ..cache.tenancy import is_private
 from .slot import Slot
 from .store import SlotStore
@@ -20,10 +20,7 @@ def save(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
     match it, so it would only push out entries that can."""
     if not slot.tokens or is_private(slot.tenant):
         return False
-    snap = store.snapshot(slot)
-    return cache.save(
-        snap.tokens, snap.size, snap.read, snap.checkpoints, snap.read_draft, tenant=slot.tenant
-    ).saved
+    return cache.put(store.snapshot(slot)).saved
 
 
 def load(
@@ -45,17 +42,8 @@ def load(
     if choice is None:
         cache.counters.misses += 1
         return False
-
-    def restore(entry: CacheEntry) -> bool:
-        restored = store.restore(
-            slot, entry.data, entry.tokens, entry.checkpoints, data_dft=entry.data_dft
-        )
-        if restored == 0:
-            return False
-        slot.tenant = entry.tenant
-        return True
-
-    return cache.take(choice, restore) is not None
+    # our own memory: trusted (the slot takes the entry's tenant with it)
+    return cache.take(choice, lambda e: store.restore(slot, e, trusted=True).ok) is not None
 
 
 def cache_idle_slots(store: SlotStore, cache: PromptCache, unified: bool) -> None:

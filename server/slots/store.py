@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..cache import slot_file
+from ..cache.saved import Extras, InBuffer, InFile, InSlot, SavedState
 from ..types import Checkpoint, StateBuf, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
@@ -30,25 +31,14 @@ from .slot import Slot
 log = logging.getLogger("server.slots.store")
 
 
-@dataclass
-class FileAppendix:
-    """What a slot file carries after its body: checkpoints (SCKP), draft state (SDFT)."""
+@dataclass(frozen=True)
+class Restored:
+    """What ``SlotStore.restore`` did: ``ok`` when the slot now holds the state (else it is
+    empty, or, for a state already in it, as it was); ``consumed``: the bytes of the target
+    state llama.cpp read (a file's appendices start right after them)."""
 
-    checkpoints: list[Checkpoint]
-    draft: bytes = b""
-    kv_types: tuple[int, int] | None = None  # SKVT: the KV cache's ggml types
-
-
-@dataclass
-class Snapshot:
-    """What a RAM-cache entry needs from a slot: its tokens, its state's size (known before
-    copying), a reader that copies the state bytes, and its checkpoints."""
-
-    tokens: list[int]
-    size: int  # target and draft states together
-    read: Callable[[], StateBuf]
-    checkpoints: list[Checkpoint]
-    read_draft: Callable[[], bytes] | None = None
+    ok: bool
+    consumed: int = 0
 
 
 def shift_span(
@@ -261,140 +251,141 @@ class SlotStore:
         dst.checkpoints = [c for c in src.checkpoints if c.n_tokens <= n]
         return n
 
-    def snapshot(self, slot: Slot) -> Snapshot:
-        """The slot's whole state for the RAM cache (the slot keeps it too). Every checkpoint
-        goes along: a restored state holds only its last window (see checkpoints.py). The
-        lists are the slot's own: the cache copies what it keeps."""
+    def snapshot(self, slot: Slot) -> SavedState:
+        """The slot's whole state, still in its KV cache (``InSlot``: ``SavedState.read``
+        copies it), for the RAM cache or the disk tier; the slot keeps it too. Every
+        checkpoint goes along: a restored state holds only its last window (see
+        checkpoints.py). The lists are the slot's own: a copy read is the cache's."""
         size = self.b.state_size(slot.id)
-        snap = Snapshot(
-            slot.tokens, size, lambda: self.b.state_get(slot.id, size=size), slot.checkpoints
-        )
-        dft = self.dft
+        dft, read_draft = self.dft, None
         n_dft = dft.state_size(slot) if dft is not None else 0
         if dft is not None and n_dft:
-            snap.size += n_dft
-            snap.read_draft = lambda: dft.state(slot)
-        return snap
+            read_draft = lambda: dft.state(slot)  # noqa: E731
+        where = InSlot(
+            slot.id, size + n_dft, lambda: self.b.state_get(slot.id, size=size), read_draft
+        )
+        return SavedState(slot.tokens, where, b"", slot.checkpoints, tenant=slot.tenant)
 
-    def save_file(self, slot: Slot, path: str) -> FileAppendix | None:
-        """llama.cpp writes the slot's state file body straight from the KV cache; returns
-        what the appendices hold, or None when llama.cpp could not write."""
+    def save_file(self, slot: Slot, path: str) -> SavedState | None:
+        """llama.cpp writes the slot's state file body straight from the KV cache to
+        ``path``; returns the saved state (``InFile``) with what its appendices hold, or
+        None when llama.cpp could not write."""
         if self.b.state_save_file(path, slot.id, slot.tokens) == 0:
             return None
         draft = self.dft.state(slot) if self.dft is not None else b""
-        return FileAppendix(list(slot.checkpoints), draft, self.kv_types)
+        return SavedState(
+            list(slot.tokens),
+            InFile(path),
+            draft,
+            list(slot.checkpoints),
+            tenant=slot.tenant,
+            kv_types=self.kv_types,
+        )
 
     @property
     def kv_types(self) -> tuple[int, int] | None:
         """The ggml types of the target's K and V cache (None: not known, a fake)."""
         return self.b.kv_type_ids
 
-    def restore(
-        self,
-        slot: Slot,
-        data: StateBuf,
-        tokens: list[int],
-        checkpoints: list[Checkpoint],
-        *,
-        nbytes: int | None = None,
-        whole: bool = True,
-        untrusted: bool = False,
-        data_dft: bytes | bytearray = b"",
-    ) -> int:
-        """Load a sequence state into the slot with the tokens it describes.
+    def restore(self, slot: Slot, state: SavedState, trusted: bool) -> Restored:
+        """Load a saved state into the slot: the one way a state comes back (RAM cache, disk
+        tier, slot files).
 
-        The state must prove it matches: it is consumed (whole, with ``whole``) and its
-        positions run exactly 0..len(tokens)-1. An ``untrusted`` state (a slot file) must
-        also describe, cell by cell, exactly those positions before it is loaded (see
-        audit.py). Otherwise the slot is cleared and 0 returned. Returns the bytes consumed;
-        the slot takes ``tokens`` and ``checkpoints`` as they are. ``data_dft``, the draft
-        model's state of the same tokens, must load too (a RAM-cache entry's two states stand
-        or fall together, DESIGN §7).
+        The state must prove it matches: it is consumed (whole, unless a buffer's end is not
+        exact) and its positions run exactly 0..len(tokens)-1; an untrusted state (a file's)
+        must also describe, cell by cell, exactly those positions before it is loaded (see
+        audit.py). Otherwise the slot is cleared and nothing restored. On success the slot
+        takes the state's tokens and tenant, then its extras: a trusted state (our own
+        memory) keeps every checkpoint within its tokens, and its draft state must load too
+        (target and draft stand or fall together, DESIGN §7); an untrusted one keeps at
+        most the slot's limit of checkpoints, is refused when it names KV types other than
+        ours, and its draft state is dropped, with a warning, when it does not fit (§8).
+        A state already ``InSlot`` of this slot (a file's appendices, read after its state
+        was loaded) only gives its extras, if the slot still holds its tokens.
         """
-        size = len(data) if nbytes is None else nbytes
-        self.clear(slot)
-        if untrusted and self._state_problem(data, size, len(tokens)):
-            return 0
-        consumed = self.b.state_set(slot.id, data, nbytes=nbytes)
-        fits = consumed > 0 and (consumed == size or not whole)
-        if not fits or not self._positions_match(slot, len(tokens)):
-            self.clear(slot)
-            return 0
-        slot.tokens = tokens
-        slot.checkpoints = [c for c in checkpoints if c.n_tokens <= len(tokens)]
-        if data_dft and self.dft is not None and not self.dft.restore(slot, data_dft):
-            self.clear(slot)
-            return 0
-        return consumed
-
-    def restore_file(
-        self,
-        slot: Slot,
-        buf: bytearray,
-        state_off: int,
-        end: int,
-        tokens: list[int],
-        *,
-        exact: bool,
-        appendices: slot_file.Appendices | None = None,
-    ) -> slot_file.Appendices | None:
-        """Restore a slot file's state (untrusted: its cells are proven first) with its
-        checkpoints. The state starts at ``state_off`` of ``buf`` and ends at ``end`` when
-        ``exact``; else where llama.cpp stops reading, with the appendices after it up to
-        ``end`` (parsed here unless ``appendices`` already holds them: pass them, parsed off
-        this thread, wherever the state's end is known). None when the state was refused;
-        the slot is then empty."""
-        consumed = self.load_file_state(slot, buf, state_off, end, tokens, exact=exact)
+        if isinstance(state.data, InSlot):
+            if state.data.slot != slot.id or slot.tokens != state.tokens:
+                return Restored(False)
+            return Restored(self._extras(slot, state, trusted))
+        consumed = self._load(slot, state, trusted)
         if consumed == 0:
-            return None
-        if appendices is None:
-            with memoryview(buf) as whole, whole[:end] as body:
-                appendices = slot_file.parse_appendices(
-                    body, state_off + consumed, len(tokens), self.ckpt.max_per_slot
-                )
-        return appendices if self.apply_appendices(slot, appendices) else None
+            return Restored(False)
+        slot.tenant = state.tenant
+        if state.extras is Extras.LATER:
+            return Restored(True, consumed)
+        if state.extras is Extras.AFTER_STATE:
+            self._parse_extras(state, consumed)
+        return Restored(self._extras(slot, state, trusted), consumed)
 
-    def load_file_state(
-        self,
-        slot: Slot,
-        buf: bytearray,
-        state_off: int,
-        end: int,
-        tokens: list[int],
-        *,
-        exact: bool,
-    ) -> int:
-        """The first half of ``restore_file``: load the state alone (proven first) and give
-        the slot ``tokens`` without checkpoints. Returns the bytes consumed (its appendices
-        start at ``state_off + consumed``); 0 when refused (the slot is then empty)."""
-        size = end - state_off
-        region = (ctypes.c_uint8 * size).from_buffer(buf, state_off)
-        consumed = self.restore(slot, region, tokens, [], nbytes=size, whole=exact, untrusted=True)
-        del region  # the mapping may be closed once this returns
+    def _load(self, slot: Slot, state: SavedState, trusted: bool) -> int:
+        """Clear the slot and load the target state alone (proven first unless
+        ``trusted``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
+        0 when refused (the slot is then empty)."""
+        where, n = state.data, len(state.tokens)
+        if isinstance(where, (InSlot, InFile)):
+            raise TypeError(f"a state {type(where).__name__} has no bytes to load")
+        region, data, nbytes = None, where, None
+        if isinstance(where, InBuffer):
+            size, whole = where.end - where.state_off, where.exact
+            region = (ctypes.c_uint8 * size).from_buffer(where.buf, where.state_off)
+            data, nbytes = region, size
+        else:
+            data, nbytes, size, whole = where, None, len(where), True
+        self.clear(slot)
+        try:
+            if not trusted and self._state_problem(data, size, n):
+                return 0
+            consumed = self.b.state_set(slot.id, data, nbytes=nbytes)
+        finally:
+            del data, region  # a mapping may be closed once this returns
+        fits = consumed > 0 and (consumed == size or not whole)
+        if not fits or not self._positions_match(slot, n):
+            self.clear(slot)
+            return 0
+        slot.tokens = state.tokens
         return consumed
 
-    def apply_appendices(self, slot: Slot, appendices: slot_file.Appendices) -> bool:
-        """The second half of ``restore_file``: a restored slot takes its file's checkpoints
-        (at most the slot's limit) and draft state. False, with the slot cleared, when the
-        file names KV cache types its state (proven ours) contradicts."""
-        if slot_file.kv_types_problem(appendices, self.kv_types):
+    def _parse_extras(self, state: SavedState, consumed: int) -> None:
+        """A buffer's appendices, read where its state ended (known once loaded)."""
+        where = state.data
+        assert isinstance(where, InBuffer)
+        with memoryview(where.buf) as whole, whole[: where.end] as body:
+            app = slot_file.parse_appendices(
+                body, where.state_off + consumed, len(state.tokens), self.ckpt.max_per_slot
+            )
+        slot_file.give_appendices(state, app)
+
+    def _extras(self, slot: Slot, state: SavedState, trusted: bool) -> bool:
+        """Give a slot that holds the state's tokens its checkpoints and draft state (see
+        ``restore``); False, with the slot cleared, when they are refused."""
+        if trusted:
+            slot.checkpoints = [c for c in state.checkpoints if c.n_tokens <= len(slot.tokens)]
+            if (
+                state.data_dft
+                and self.dft is not None
+                and not self.dft.restore(slot, state.data_dft)
+            ):
+                self.clear(slot)
+                return False
+            return True
+        if slot_file.kv_types_problem(state, self.kv_types):
             self.clear(slot)  # its state proved of our types: the file contradicts itself
             return False
-        self.set_checkpoints(slot, appendices.checkpoints)
-        self._restore_draft(slot, appendices)
+        self.set_checkpoints(slot, state.checkpoints)
+        self._restore_draft(slot, state)
         return True
 
-    def _restore_draft(self, slot: Slot, app: slot_file.Appendices) -> None:
-        """A slot file's draft state (SDFT) and checkpoint draft data: kept when they fit
-        this server's draft context, else dropped; the target state stays either way."""
+    def _restore_draft(self, slot: Slot, state: SavedState) -> None:
+        """A file's draft state (SDFT) and checkpoint draft data: kept when they fit this
+        server's draft context, else dropped; the target state stays either way."""
         if self.dft is None:
             for c in slot.checkpoints:
                 c.data_dft = b""
-            if app.draft and app.draft[0]:
-                app.warnings.append("the file's draft state was dropped: no draft model here")
+            if state.data_dft:
+                state.warnings.append("the file's draft state was dropped: no draft model here")
             return
-        if app.draft and app.draft[0] and not self.dft.restore(slot, app.draft[0]):
-            app.warnings.append("the file's draft state does not fit the draft model; dropped")
+        if state.data_dft and not self.dft.restore(slot, state.data_dft):
+            state.warnings.append("the file's draft state does not fit the draft model; dropped")
 
     def _state_problem(self, data: StateBuf, size: int, n: int) -> str | None:
         """Why the state bytes cannot be ``n`` tokens' KV, read before loading them."""

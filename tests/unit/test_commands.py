@@ -83,8 +83,8 @@ def save(engine: Engine, tmp_path: Path, slot: int, who: Caller = ANYONE, name="
     tmp, path = tmp_path / (name + ".tmp"), tmp_path / name
     saved = do(engine, SaveSlot(slot, str(tmp), who))
     assert isinstance(saved, SlotSaved), saved
-    app = saved.appendix
-    sf.finish_file(tmp, path, app.checkpoints, app.draft, app.kv_types, saved.owner)
+    app = saved.state
+    sf.finish_file(tmp, path, app.checkpoints, app.data_dft, app.kv_types, saved.owner)
     return path
 
 

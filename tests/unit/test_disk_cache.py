@@ -26,7 +26,8 @@ from server.cache.disk_files import (
     tmp_name,
     write_entry,
 )
-from server.cache.prompt_cache import CacheEntry, PromptCache
+from server.cache.prompt_cache import PromptCache
+from server.cache.saved import SavedState
 from server.types import Checkpoint
 
 CHECK = FileCheck(version=3, n_ctx=4096, n_vocab=1000, model="m:1000")
@@ -37,8 +38,8 @@ def state(payload: bytes = b"x" * 100) -> bytearray:
     return bytearray(struct.pack("<Ii", slot_file.STATE_HEADER_MAGIC, 0) + payload)
 
 
-def entry(tokens, tenant: str = "", payload: bytes = b"x" * 100, ckpts=()) -> CacheEntry:
-    return CacheEntry(list(tokens), state(payload), b"", list(ckpts), tenant=tenant)
+def entry(tokens, tenant: str = "", payload: bytes = b"x" * 100, ckpts=()) -> SavedState:
+    return SavedState(list(tokens), state(payload), b"", list(ckpts), tenant=tenant)
 
 
 def tier(d: Path, limit: int = 1 << 30, **kw) -> DiskTier:
@@ -48,7 +49,7 @@ def tier(d: Path, limit: int = 1 << 30, **kw) -> DiskTier:
     return t
 
 
-def written(t: DiskTier, *entries: CacheEntry) -> None:
+def written(t: DiskTier, *entries: SavedState) -> None:
     for e in entries:
         assert t.put(e)
     assert t.flush(10)
@@ -100,7 +101,7 @@ def test_written_entry_reads_back_from_headers_and_as_a_slot_file(tmp_path):
 
 
 def test_a_failed_write_leaves_nothing(tmp_path):
-    bad = CacheEntry([1, 2], bytearray(b"no header here"))
+    bad = SavedState([1, 2], bytearray(b"no header here"))
     with pytest.raises(ValueError):
         write_entry(tmp_path, bad, CHECK.version, CHECK.model)
     assert os.listdir(tmp_path) == []
@@ -183,7 +184,7 @@ def test_byte_limit_evicts_oldest_files_first(tmp_path):
     t.close()
 
 
-def _parts(e: CacheEntry):
+def _parts(e: SavedState):
     from server.cache.disk_files import entry_parts
 
     return entry_parts(e, CHECK.version, CHECK.model)
@@ -249,7 +250,7 @@ def test_close_drops_what_is_still_queued(tmp_path):
 
 
 def test_ram_cache_hands_evicted_and_too_large_entries_to_the_hook():
-    got: list[CacheEntry] = []
+    got: list[SavedState] = []
     c = PromptCache(limit_bytes=250, limit_tokens=0)
     c.on_evict = got.append
 

@@ -18,6 +18,7 @@ from server.cache import disk_files, slot_file
 from server.cache.disk import DiskTier
 from server.cache.disk_files import EntryChanged, read_entry
 from server.slots import disk_glue
+from server.slots.store import Restored
 
 from .test_disk_cache import CHECK, entry, tier, written
 
@@ -123,10 +124,11 @@ class _Store:
     def __init__(self) -> None:
         self.restored: list[tuple[bytes, int]] = []
 
-    def restore_file(self, slot, buf, state_off, end, tokens, *, exact):
-        self.restored.append((bytes(buf[state_off:end]), len(tokens)))
-        slot.tokens = tokens
-        return slot_file.Appendices()
+    def restore(self, slot, state, trusted):
+        w = state.data
+        self.restored.append((bytes(w.buf[w.state_off : w.end]), len(state.tokens)))
+        slot.tokens = state.tokens
+        return Restored(True, len(w))
 
 
 def test_the_loader_counts_a_truncated_entry_as_a_miss_and_the_slot_stays(tmp_path):

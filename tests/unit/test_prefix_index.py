@@ -226,14 +226,15 @@ def test_concurrent_changes_keep_the_tree_whole():
 def test_ram_and_disk_share_one_index_without_seeing_each_other(tmp_path):
     from server.cache.disk import DiskTier
     from server.cache.disk_files import DiskEntry, FileCheck
-    from server.cache.prompt_cache import CacheEntry, PromptCache
+    from server.cache.prompt_cache import PromptCache
+    from server.cache.saved import SavedState
 
     ix = PrefixIndex()
     ram = PromptCache(-1, 0, index=ix)
     disk = DiskTier(tmp_path, 1 << 30, FileCheck(3, 4096, 1000, "m"), index=ix)  # not started
     ram.save([1, 2, 3, 4], 10, lambda: bytearray(10), tenant="k")
     disk.index.add(DiskEntry("f", [1, 2, 3, 4, 5, 6, 9, 9], "k", 10, 10, 1))
-    assert disk.put(CacheEntry([1, 2, 3, 4, 5, 6, 7], bytearray(10), tenant="k"))
+    assert disk.put(SavedState([1, 2, 3, 4, 5, 6, 7], bytearray(10), tenant="k"))
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     m = ix.match("k", prompt)
     assert ram.find([], prompt, "k", match=m).n_lcp == 4
