@@ -59,7 +59,9 @@ def test_one_restore_entry_point_and_no_removed_shape_or_path():
 
 def test_states_reach_llama_cpp_only_through_the_store():
     """Loading a whole sequence state (``state_set``) happens in SlotStore._load alone (and
-    a checkpoint's partial state in resume_at_checkpoint; the draft's in draft_kv.py)."""
+    a checkpoint's partial state in resume_at_checkpoint; the draft's in draft_kv.py). The
+    context shift's private copy (``_own_cells_from``) sets back the slot's own live state,
+    never a saved one."""
     where = []
     for name, tree in _trees():
         if not name.startswith("slots/"):
@@ -71,7 +73,11 @@ def test_states_reach_llama_cpp_only_through_the_store():
                 if isinstance(node, ast.Call) and _called(node) == "state_set":
                     where.append((name, fn.name))
     mine = sorted({w for w in where if w[0] == "slots/store.py"})
-    assert mine == [("slots/store.py", "_load"), ("slots/store.py", "resume_at_checkpoint")]
+    assert mine == [
+        ("slots/store.py", "_load"),
+        ("slots/store.py", "_own_cells_from"),
+        ("slots/store.py", "resume_at_checkpoint"),
+    ]
     assert {w[0] for w in where} <= {"slots/store.py", "slots/draft_kv.py"}
 
 
