@@ -20,6 +20,7 @@ from ..types import Event, Task, TaskError
 from . import disk_glue, ram
 from .backend_api import Backend
 from .cache_reuse import CacheReuse
+from .locator import Match
 from .options import EngineOptions
 from .plan import Placement
 from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
@@ -77,8 +78,11 @@ class Placer:
         (a failure sends the task an error and leaves the slot idle)."""
         slot, task = p.slot, p.task
         try:
-            n_lcp = self._restore_cached(slot, task, p.choice)
-            self._launch(slot, task, n_lcp)
+            # one lookup over every holder serves the tier loads and prefix sharing
+            index = self.cache.index if self.cache is not None else None
+            match = self.sharing.locator.match(task.tenant, task.prompt, index)
+            n_lcp = self._restore_cached(slot, task, p.choice, match)
+            self._launch(slot, task, n_lcp, match)
             return True
         except Exception as e:
             log.exception("failed to start task %d", task.id)
@@ -87,7 +91,9 @@ class Placer:
             self.send(task, TaskError(500, f"failed to start the task: {e}"))
             return False
 
-    def _restore_cached(self, slot: Slot, task: Task, choice: SlotChoice) -> int | None:
+    def _restore_cached(
+        self, slot: Slot, task: Task, choice: SlotChoice, match: Match
+    ) -> int | None:
         """Consult the RAM cache (and the disk tier under it) when the choice says so;
         returns what the slot holds of the prompt when still known (None: recompute it)."""
         n_lcp: int | None = choice.lcp
@@ -95,27 +101,28 @@ class Placer:
             return n_lcp
         if choice.save_first:
             ram.save(self.store, self.cache, slot)
-        # one walk of the prompt down the prefix index serves both tiers
-        match = self.cache.index.match(task.tenant, task.prompt)
-        loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant, match)
+        # one walk of the prompt down the prefix index serves both tiers (taken here: after
+        # the save above, as the load rule expects)
+        tiers = match.tiers()
+        loaded = ram.load(self.store, self.cache, slot, task.prompt, task.tenant, tiers)
         if not loaded and self.disk is not None:  # the tier under RAM
-            loaded = disk_glue.load(self.store, self.disk, slot, task.prompt, task.tenant, match)
+            loaded = disk_glue.load(self.store, self.disk, slot, task.prompt, task.tenant, tiers)
         if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
             n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
         self.cache.update()
         return n_lcp
 
-    def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> None:
+    def _launch(self, slot: Slot, task: Task, n_lcp: int | None, match: Match) -> None:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest,
         take what another sequence holds, then start the run."""
         plan = self._reuse_plan(slot, task, n_lcp)
         n_past, chunks = self._keep(slot, task, plan)
         wait = None
         if task.cache_prompt and not chunks:
-            held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant)
+            held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant, match)
             if held is not None:
                 n_past = self.sharing.copy(self.store.slots[held.slot], slot, held.n_tokens)
-            wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
+            wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant, match)
         run = slot.start(task, n_past)
         if chunks:  # the step moves them in, the gaps before them decoded as prompt chunks
             assert self.reuse is not None
