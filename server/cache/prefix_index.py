@@ -444,7 +444,9 @@ class PrefixIndex:
                 node = todo.pop()
                 if node.parent is not None:
                     out.append((node.depth, list(node.edge), len(node.held)))
-                todo.extend(node.children[t] for t in sorted(node.children, key=_item_order, reverse=True))
+                todo.extend(
+                    node.children[t] for t in sorted(node.children, key=_item_order, reverse=True)
+                )
         return out
 
     # ---- integrity ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """One lookup: where the longest prefix of a prompt lives, over every holder (issue 41).
 
-``Locator.match(key, prompt)`` answers once per admission, for every kind of holder:
+``Locator.match(key, prompt)`` answers once per admission, for every kind of holder
+(each part computed on first read, so a placement pays only for what it consults):
 - the slots' KV, idle and busy (``Match.held``: per slot, the items it holds of the prompt);
 - the prompts being prefilled (``Match.inflight``: per prefilling slot, the items its
   prompt shares with this one, computed or not yet);
@@ -28,7 +29,7 @@ the number of cached entries.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -57,17 +58,42 @@ def holder_of(s: Slot) -> Holder:
     return Holder(s.id, s.tokens, s.tenant)
 
 
+class PerSlot:
+    """Per slot id, how many items of the prompt a holder kind of that slot shares,
+    computed on first read and kept: a consumer pays only for the slots it reads (slot
+    choice the idle ones, sharing the others), each once per match."""
+
+    __slots__ = ("_of", "_memo")
+
+    def __init__(self, n: int, of: Callable[[int], int]) -> None:
+        self._of = of
+        self._memo: list[int | None] = [None] * n
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def __getitem__(self, i: int) -> int:
+        v = self._memo[i]  # IndexError past the end ends iteration
+        if v is None:
+            v = self._memo[i] = self._of(i)
+        return v
+
+    def __iter__(self) -> Iterator[int]:
+        return (self[i] for i in range(len(self._memo)))
+
+
 @dataclass
 class Match:
     """One prompt matched against every holder (see the module's docstring). ``held`` and
     ``inflight`` are indexed by slot id (0: nothing shared, another tenant's, or not
-    prefilling); a snapshot of the slots when it was taken. ``tiers()`` is the prefix
-    index's walk (None without an index), taken once, on first use."""
+    prefilling), each read from the slot's tokens (prompt) as they are when first read;
+    ``tiers()`` is the prefix index's walk (None without an index), taken once, on first
+    use."""
 
     key: Hashable
     prompt: Sequence[PromptItem]
-    held: tuple[int, ...]
-    inflight: tuple[int, ...]
+    held: PerSlot
+    inflight: PerSlot
     index: PrefixIndex | None = None
     _tiers: TierMatch | None = field(default=None, repr=False)
 
@@ -112,9 +138,14 @@ def match_holders(
     index: PrefixIndex | None = None,
 ) -> Match:
     """The match over ``holders`` (listed by slot id) and ``index``."""
-    held = tuple(shared_prefix(h.tenant, h.tokens, key, prompt) for h in holders)
-    inflight = tuple(
-        shared_prefix(h.inflight_tenant, h.inflight, key, prompt) if h.inflight else 0
-        for h in holders
-    )
-    return Match(key, prompt, held, inflight, index)
+
+    def held(i: int) -> int:
+        h = holders[i]
+        return shared_prefix(h.tenant, h.tokens, key, prompt)
+
+    def inflight(i: int) -> int:
+        h = holders[i]
+        return shared_prefix(h.inflight_tenant, h.inflight, key, prompt) if h.inflight else 0
+
+    n = len(holders)
+    return Match(key, prompt, PerSlot(n, held), PerSlot(n, inflight), index)

@@ -52,8 +52,8 @@ def test_match_reports_every_holder_kind():
     ]
     prompt = SYS + [9]
     m = Locator(index=ix).match("", prompt, holders=holders)
-    assert m.held == (120, 40, 0, 0)
-    assert m.inflight == (0, 180, 0, 0)
+    assert tuple(m.held) == (120, 40, 0, 0)
+    assert tuple(m.inflight) == (0, 180, 0, 0)
     tiers = m.tiers()
     assert tiers is not None and tiers is m.tiers()  # walked once
     hit = tiers.best(("ram",), -1.0, 0.0)
@@ -62,7 +62,7 @@ def test_match_reports_every_holder_kind():
     assert hit is not None and (hit.held, hit.n_lcp) == (disk, 200)
     # the same holders under the other tenant
     m2 = match_holders("other", prompt, holders, ix)
-    assert m2.held == (0, 0, 200, 0) and m2.inflight == (0, 0, 0, 0)
+    assert tuple(m2.held) == (0, 0, 200, 0) and tuple(m2.inflight) == (0, 0, 0, 0)
     assert Locator().match("", prompt, holders=holders).tiers() is None  # no index
 
 
@@ -131,7 +131,7 @@ def test_an_image_is_one_item_in_the_index_and_for_slots():
     assert ix.check_integrity() == []
     assert [d for d, _, _ in ix.edges("")] == [2, 4, 5]
     m = match_holders("", [1, 2, IMG_A2, 3, 9], [Holder(0, [1, 2, IMG_B, 3])], ix)
-    assert m.held == (2,)  # the slot's image differs: its match ends before it
+    assert tuple(m.held) == (2,)  # the slot's image differs: its match ends before it
     hit = m.tiers().best(("ram",), -1.0, 0.0)
     assert hit is not None and hit.held is a and hit.n_lcp == 4
     # a cut (n_past) counts items, and the last item is re-evaluated as with tokens
