@@ -11,6 +11,10 @@ hundred tokens (agent conversations). The bench fills each tier with N entries, 
   in-memory index without files (its directory exists and is empty);
 - ``disk add``: what the writer does with a written file (covers, add, prefixes_of),
   undone again;
+- ``locate new`` / ``locate cont``: the admission's one lookup (server.slots.locator, issue
+  41): ``Locator.match`` over SLOTS slots (``locate4``: 4 slots; ``scan``/``scan4``: the
+  same slot prefixes computed as before issue 41, each consumer scanning with ``lcp``) (each holding one of the conversations, half of
+  them prefilling one more) plus the RAM tier's rule on the index walk, the two prompts;
 - ``ram find worst``: RAM find for a new conversation when the entries were saved longest
   first (tails of N+100 down to 101 tokens), so that every one is shorter than all before
   it: the prefix index's worst case (every entry is a record, see cache/prefix_index.py).
@@ -32,11 +36,14 @@ from collections.abc import Callable
 
 from server.cache.disk import DiskTier
 from server.cache.disk_files import DiskEntry, FileCheck
-from server.cache.prompt_cache import PromptCache
+from server.cache.prompt_cache import PromptCache, RamHeld
+from server.slots.locator import Holder, Locator
+from server.types import lcp
 
 SYSTEM = 2000  # tokens of the shared system prompt
 TAIL = (200, 400)  # each entry's own tail
 VOCAB = 50_000
+SLOTS = 64  # slots the locator scans besides the index
 CHECK = FileCheck(version=3, n_ctx=1 << 20, n_vocab=VOCAB, model="bench")
 
 
@@ -101,6 +108,36 @@ def worst_row(n: int) -> float:
     return timed(lambda: c.find([], fresh))
 
 
+def locate_row(n: int, n_slots: int = SLOTS) -> tuple[float, float, float]:
+    system, convs = conversations(n)
+    c = PromptCache(-1, 0)
+    for t in convs:
+        c.save(t, 16, lambda: bytearray(16))
+    slots = [
+        Holder(i, convs[i % n], "", convs[(i + 1) % n] if i % 2 else (), "") for i in range(n_slots)
+    ]
+    loc = Locator(index=c.index)
+    fresh = system + [VOCAB * 3 + j for j in range(300)]
+    cont = convs[n // 2] + [VOCAB * 4 + j for j in range(50)]
+
+    def locate(prompt: list[int]) -> object:
+        m = loc.match("", prompt, holders=slots)
+        sum(m.held) + sum(m.inflight)  # every slot read, as slot choice plus sharing do
+        tiers = m.tiers()
+        assert tiers is not None
+        return tiers.best((RamHeld.TIER,), -1.0, 0.0)
+
+    def scan(prompt: list[int]) -> object:  # before: each consumer scanned the slots itself
+        for h in slots:
+            lcp(h.tokens, prompt)
+            if h.inflight:
+                lcp(h.inflight, prompt)
+        return c.index.match("", prompt).best((RamHeld.TIER,), -1.0, 0.0)
+
+    assert locate(cont).n_lcp == len(convs[n // 2])  # type: ignore[attr-defined]
+    return timed(lambda: scan(fresh)), timed(lambda: locate(fresh)), timed(lambda: locate(cont))
+
+
 def disk_row(n: int, directory: str) -> tuple[float, float, float]:
     system, convs = conversations(n)
     t = DiskTier(directory, 1 << 50, CHECK, rescan_s=1e9)  # not started: nothing scans
@@ -132,13 +169,14 @@ def disk_row(n: int, directory: str) -> tuple[float, float, float]:
 def main(argv: list[str]) -> None:
     counts = [int(a) for a in argv] or [10, 100, 1000, 5000]
     print(f"entries: {SYSTEM}-token system prompt + a {TAIL[0]}-{TAIL[1]}-token tail each")
-    print("us per call (median)")
+    print(f"us per call (median); locate: {SLOTS} slots scanned too (locate4: 4 slots)")
     head = ("entries", "ram find new", "ram find cont", "ram save", "disk find new")
     head += ("disk find cont", "disk add", "ram find worst")
+    head += ("scan4 new", "locate4 new", "locate4 cont", "scan new", "locate new", "locate cont")
     print("".join(f"{h:>15}" for h in head))
     with tempfile.TemporaryDirectory() as d:
         for n in counts:
-            row = (*ram_row(n), *disk_row(n, d), worst_row(n))
+            row = (*ram_row(n), *disk_row(n, d), worst_row(n), *locate_row(n, 4), *locate_row(n))
             print(f"{n:>15}" + "".join(f"{v:>15.1f}" for v in row))
 
 

@@ -45,16 +45,20 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ..types import lcp
+from .items import PromptItem, common_prefix
 
 
 def shared_prefix(
-    key: Hashable, tokens: Sequence[int], prompt_key: Hashable, prompt: Sequence[int]
+    key: Hashable,
+    tokens: Sequence[PromptItem],
+    prompt_key: Hashable,
+    prompt: Sequence[PromptItem],
 ) -> int:
     """What ``tokens`` held under ``key`` share of ``prompt`` asked under ``prompt_key``:
-    their LCP within one key, nothing across keys. The index's matching rule, for the
-    holders it does not index: the slots, which are scanned (server.slots.policy)."""
-    return lcp(tokens, prompt) if key == prompt_key else 0
+    their common items within one key, nothing across keys. The index's matching rule,
+    for the holders it does not index: the slots and in-flight prefills, which the locator
+    scans (server.slots.locator)."""
+    return common_prefix(tokens, prompt) if key == prompt_key else 0
 
 
 @dataclass(eq=False)
@@ -141,11 +145,11 @@ class _Agg:
 class _Node:
     __slots__ = ("edge", "depth", "parent", "children", "held", "aggs")
 
-    def __init__(self, edge: list[int], depth: int, parent: _Node | None) -> None:
+    def __init__(self, edge: list[PromptItem], depth: int, parent: _Node | None) -> None:
         self.edge = edge
         self.depth = depth
         self.parent = parent
-        self.children: dict[int, _Node] = {}
+        self.children: dict[PromptItem, _Node] = {}
         self.held: list[Held] = []
         self.aggs: dict[str, _Agg] = {}
 
@@ -219,7 +223,7 @@ def _first_taken(recs: Sequence[tuple[Held, int]], m: int, best_keep: float) -> 
 class IndexListener(Protocol):
     """Told of the holders that come and go (``PrefixIndex.listener``)."""
 
-    def added(self, h: Held, tokens: Sequence[int]) -> None: ...
+    def added(self, h: Held, tokens: Sequence[PromptItem]) -> None: ...
 
     def discarded(self, h: Held) -> None: ...
 
@@ -240,7 +244,7 @@ class PrefixIndex:
 
     # ---- changes ------------------------------------------------------------------
 
-    def add(self, h: Held, tokens: Sequence[int]) -> None:
+    def add(self, h: Held, tokens: Sequence[PromptItem]) -> None:
         """Register ``h`` as holding ``tokens`` (at least one); a holder is added once."""
         if not tokens:
             raise ValueError("a holder holds at least one token")
@@ -264,7 +268,7 @@ class PrefixIndex:
         if self.listener is not None:
             self.listener.added(h, tokens)
 
-    def _descend(self, root: _Node, tokens: Sequence[int]) -> _Node:
+    def _descend(self, root: _Node, tokens: Sequence[PromptItem]) -> _Node:
         """The node whose path is ``tokens``, made (splitting an edge) if need be."""
         node, d = root, 0
         while d < len(tokens):
@@ -273,7 +277,7 @@ class PrefixIndex:
                 leaf = _Node(list(tokens[d:]), len(tokens), node)
                 node.children[tokens[d]] = leaf
                 return leaf
-            k = lcp(c.edge, tokens[d : d + len(c.edge)])
+            k = common_prefix(c.edge, tokens[d : d + len(c.edge)])
             if k < len(c.edge):
                 c = self._split(c, k)
             node, d = c, d + k
@@ -337,7 +341,7 @@ class PrefixIndex:
 
     # ---- lookups ------------------------------------------------------------------
 
-    def match(self, key: Hashable, prompt: Sequence[int]) -> Match:
+    def match(self, key: Hashable, prompt: Sequence[PromptItem]) -> Match:
         """Walk ``prompt`` down ``key``'s tree once (see ``Match``)."""
         points: list[tuple[int, dict[str, Records]]] = []
         with self._lock:
@@ -350,14 +354,16 @@ class PrefixIndex:
                 c = node.children.get(prompt[d])
                 if c is None:
                     break
-                k = lcp(c.edge, prompt[d : d + len(c.edge)])
+                k = common_prefix(c.edge, prompt[d : d + len(c.edge)])
                 if k < len(c.edge):  # the prompt leaves (or ends) inside c's edge
                     points.append((d + k, _records(c)))
                     break
                 node, d = c, d + k
         return Match(self, len(prompt), points)
 
-    def _walk(self, key: Hashable, tokens: Sequence[int]) -> tuple[list[_Node], _Node | None]:
+    def _walk(
+        self, key: Hashable, tokens: Sequence[PromptItem]
+    ) -> tuple[list[_Node], _Node | None]:
         """The nodes ``tokens`` pass through whole, and the subtree of the holders that
         start with ``tokens`` (None when no holder does). Under the lock."""
         node = self._roots.get(key)
@@ -370,7 +376,7 @@ class PrefixIndex:
             c = node.children.get(tokens[d])
             if c is None:
                 return passed, None
-            k = lcp(c.edge, tokens[d : d + len(c.edge)])
+            k = common_prefix(c.edge, tokens[d : d + len(c.edge)])
             if d + k == len(tokens):
                 return passed + ([c] if k == len(c.edge) else []), c
             if k < len(c.edge):
@@ -378,14 +384,14 @@ class PrefixIndex:
             node, d = c, d + k
         return passed, None
 
-    def covers(self, tier: str, key: Hashable, tokens: Sequence[int]) -> bool:
+    def covers(self, tier: str, key: Hashable, tokens: Sequence[PromptItem]) -> bool:
         """Some holder of ``tier`` under ``key`` holds ``tokens`` or more that start with
         them."""
         with self._lock:
             _, sub = self._walk(key, tokens)
             return sub is not None and tier in sub.aggs
 
-    def prefixes_of(self, tier: str, key: Hashable, tokens: Sequence[int]) -> list[Any]:
+    def prefixes_of(self, tier: str, key: Hashable, tokens: Sequence[PromptItem]) -> list[Any]:
         """Holders of ``tier`` under ``key`` whose tokens ``tokens`` start with (``tokens``
         themselves included), in their tier's order."""
         with self._lock:
@@ -413,24 +419,24 @@ class PrefixIndex:
                 h for r in self._roots.values() if tier in r.aggs for h, _ in r.aggs[tier].items
             ]
 
-    def path_of(self, h: Held) -> list[int] | None:
+    def path_of(self, h: Held) -> list[PromptItem] | None:
         """The tokens ``h`` is registered under (None when it is not): for integrity
         checks, which compare them with their entries' tokens."""
         with self._lock:
             got = self._where.get(id(h))
             if got is None:
                 return None
-            parts: list[list[int]] = []
+            parts: list[list[PromptItem]] = []
             x: _Node | None = got[1]
             while x is not None:
                 parts.append(x.edge)
                 x = x.parent
         return [t for e in reversed(parts) for t in e]
 
-    def edges(self, key: Hashable) -> list[tuple[int, list[int], int]]:
+    def edges(self, key: Hashable) -> list[tuple[int, list[PromptItem], int]]:
         """``key``'s tree, depth first in token order: (depth, edge, holders here) per
         node below the root (for tests and debugging)."""
-        out: list[tuple[int, list[int], int]] = []
+        out: list[tuple[int, list[PromptItem], int]] = []
         with self._lock:
             root = self._roots.get(key)
             todo = [] if root is None else [root]
@@ -438,7 +444,9 @@ class PrefixIndex:
                 node = todo.pop()
                 if node.parent is not None:
                     out.append((node.depth, list(node.edge), len(node.held)))
-                todo.extend(node.children[t] for t in sorted(node.children, reverse=True))
+                todo.extend(
+                    node.children[t] for t in sorted(node.children, key=_item_order, reverse=True)
+                )
         return out
 
     # ---- integrity ----------------------------------------------------------------
@@ -459,6 +467,11 @@ class PrefixIndex:
             if seen != len(self._where):
                 problems.append(f"{len(self._where)} holders registered, {seen} in the tree")
         return problems
+
+
+def _item_order(x: PromptItem) -> tuple[int, int, str]:
+    """Tokens in their order, then images (by identity): for listings only."""
+    return (0, x, "") if isinstance(x, int) else (1, 0, repr(x.identity))
 
 
 def _records(node: _Node) -> dict[str, Records]:

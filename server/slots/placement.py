@@ -19,6 +19,7 @@ from ..types import Task, TaskError
 from . import ram
 from .backend_api import Backend
 from .cache_reuse import CacheReuse
+from .locator import Match
 from .options import EngineOptions
 from .plan import CacheIdle, CopyPrefix, Cut, Ops, ParkChunks, Placed, Placement, Restore, ResumeAt
 from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
@@ -72,8 +73,11 @@ class Placer:
         ``out.failed`` and leaves the slot idle)."""
         slot, task = p.slot, p.task
         try:
-            n_lcp = yield from self._restore_cached(slot, task, p.choice)
-            yield from self._launch(slot, task, n_lcp)
+            # one lookup over every holder serves the tier loads and prefix sharing
+            index = self.cache.index if self.cache is not None else None
+            match = self.sharing.locator.match(task.tenant, task.prompt, index)
+            n_lcp = yield from self._restore_cached(slot, task, p.choice, match)
+            yield from self._launch(slot, task, n_lcp, match)
             if task.return_progress:  # llama-server's first (0 %) progress event
                 out.progress.append(slot)
         except Exception as e:
@@ -82,7 +86,9 @@ class Placer:
                 slot.release()
             out.failed.append((task, TaskError(500, f"failed to start the task: {e}")))
 
-    def _restore_cached(self, slot: Slot, task: Task, choice: SlotChoice) -> Ops[int | None]:
+    def _restore_cached(
+        self, slot: Slot, task: Task, choice: SlotChoice, match: Match
+    ) -> Ops[int | None]:
         """Consult the RAM cache (and the disk tier under it) when the choice says so;
         returns what the slot holds of the prompt when still known (None: recompute it)."""
         n_lcp: int | None = choice.lcp
@@ -90,25 +96,25 @@ class Placer:
             return n_lcp
         if choice.save_first:
             ram.save(self.store, self.cache, slot)
-        # one walk of the prompt down the prefix index serves both tiers
-        match = self.cache.index.match(task.tenant, task.prompt)
-        loaded = yield Restore(slot, task.prompt, task.tenant, match)  # RAM, then disk
+        # one walk of the prompt down the prefix index serves both tiers (taken here: after
+        # the save above, as the load rule expects)
+        loaded = yield Restore(slot, task.prompt, task.tenant, match.tiers())  # RAM, then disk
         if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
             n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
         self.cache.update()
         return n_lcp
 
-    def _launch(self, slot: Slot, task: Task, n_lcp: int | None) -> Ops[None]:
+    def _launch(self, slot: Slot, task: Task, n_lcp: int | None, match: Match) -> Ops[None]:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest,
         take what another sequence holds, then start the run."""
         plan = self._reuse_plan(slot, task, n_lcp)
         n_past, chunks = yield from self._keep(slot, task, plan)
         wait = None
         if task.cache_prompt and not chunks:
-            held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant)
+            held = self.sharing.held_source(slot, task.prompt, n_past, task.tenant, match)
             if held is not None:
                 n_past = yield CopyPrefix(self.store.slots[held.slot], slot, held.n_tokens)
-            wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant)
+            wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant, match)
         run = slot.start(task, n_past)
         if chunks:  # the step moves them in, the gaps before them decoded as prompt chunks
             assert self.reuse is not None

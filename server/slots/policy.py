@@ -2,15 +2,8 @@
 
 Nothing here touches llama.cpp; the engine gathers the inputs and carries out the result.
 
-Slots are scanned, not registered in the prefix index (server.cache.prefix_index) as the
-RAM and disk tiers are. There are only n_parallel of them; a busy slot's tokens grow every
-decode step; and a slot's tokens change in a dozen places (cut, checkpoint restore, prefix
-copy, context shift, clear, restore from the caches and from slot files). Indexing them
-would put a tree update into every step, or hooks into each of those places, to speed up
-a lookup that a scan already bounds by the slot count (an LCP at C speed per slot, once per
-admitted task, never per step), and never by the number of cached entries. The scan uses
-the index's matching rule (``shared_prefix``: the LCP within one tenant, nothing across
-tenants), as prefix sharing does (slots/sharing.py).
+What a slot holds of a prompt is the locator's answer (server.slots.locator: one match
+over every holder, once per admission); nothing here computes a prefix.
 """
 
 from __future__ import annotations
@@ -19,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..cache.prefix_index import shared_prefix
-from ..types import lcp
+from ..cache.items import PromptItem
+from .locator import Holder, Match, held_len, match_holders
 
 
 class SlotView(NamedTuple):
@@ -31,9 +24,9 @@ class SlotView(NamedTuple):
     tenant: str = ""
 
 
-def _lcp(s: SlotView, prompt: Sequence[int], tenant: str) -> int:
-    """What the slot holds of the prompt: nothing when it holds another tenant's tokens."""
-    return shared_prefix(s.tenant, s.tokens, tenant, prompt)
+def match_views(slots: Sequence[SlotView], prompt: Sequence[PromptItem], tenant: str) -> Match:
+    """The locator's match of ``prompt`` over ``slots`` (listed by id)."""
+    return match_holders(tenant, prompt, [Holder(s.id, s.tokens, s.tenant) for s in slots])
 
 
 @dataclass(frozen=True)
@@ -56,25 +49,30 @@ def choose_slot(
     id_slot: int,
     similarity: float,
     tenant: str = "",
+    match: Match | None = None,
 ) -> SlotChoice | None:
     """DESIGN §5. Returns None when the task must wait (no idle slot, or its slot is busy).
-    A slot holding another tenant's tokens matches nothing of the prompt."""
+    What each slot holds of the prompt is read from ``match`` (the locator's, over
+    ``slots``; taken here when not given): a slot holding another tenant's tokens matches
+    nothing of the prompt."""
     if id_slot >= 0:
         s = slots[id_slot]
         if not s.idle:
             return None
-        n = _lcp(s, prompt, tenant)
+        held = (match or match_views(slots, prompt, tenant)).held
+        n = held[s.id]
         return SlotChoice(s.id, n, "id_slot", _loses_most(n, s.tokens) or not s.tokens)
     idle = [s for s in slots if s.idle]
     if not idle:
         return None
+    held = (match or match_views(slots, prompt, tenant)).held
     if similarity > 0 and prompt:
         best: SlotChoice | None = None
         best_sim = -1.0
         for s in idle:
             if not s.tokens:
                 continue
-            n = _lcp(s, prompt, tenant)
+            n = held[s.id]
             sim = n / len(prompt)
             if sim > similarity and sim > best_sim:
                 best_sim = sim
@@ -83,7 +81,7 @@ def choose_slot(
             return best
     # Least recently used; an empty slot counts as the least recently used of all.
     s = min(idle, key=lambda v: (bool(v.tokens), v.last_used))
-    n = _lcp(s, prompt, tenant)
+    n = held[s.id]
     return SlotChoice(s.id, n, "lru", bool(s.tokens) and n < len(s.tokens))
 
 
@@ -144,7 +142,7 @@ def plan_reuse(
     """
     if not cache_prompt or not slot_tokens or not prompt:
         return ReusePlan(0, reason="off" if not cache_prompt else "empty")
-    n = lcp(slot_tokens, prompt) if n_lcp is None else n_lcp
+    n = held_len(slot_tokens, prompt) if n_lcp is None else n_lcp
     if n >= len(prompt):
         n = len(prompt) - 1  # logits are needed for the last prompt token
     if n <= 0:

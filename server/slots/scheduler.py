@@ -20,7 +20,7 @@ from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
 from .options import EngineOptions
 from .plan import Admission, Placement, SlotWork, StepPlan
-from .policy import SlotView, choose_slot
+from .policy import SlotView, choose_slot, match_views
 from .reuse import due_chunks
 from .share_cost import StepSpeed
 from .slot import Slot, SlotState
@@ -75,7 +75,8 @@ class Scheduler:
         pending = iter(waiting)
         for task in pending:
             sim = self.opts.slot_prompt_similarity
-            choice = choose_slot(views, task.prompt, task.id_slot, sim, task.tenant)
+            match = match_views(views, task.prompt, task.tenant)  # the locator's, once
+            choice = choose_slot(views, task.prompt, task.id_slot, sim, task.tenant, match)
             if choice is None:
                 out.deferred.append(task)
                 if task.id_slot < 0:

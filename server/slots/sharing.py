@@ -10,9 +10,8 @@ Two sources of cached tokens beyond a slot's own KV and the RAM cache:
   to finish its prompt no later than computing it itself (slots/share_cost.py, from measured
   step times); it re-checks every step, and one that gives up copies what the source holds.
 
-Both sources are found by a scan over the slots with the prefix index's matching rule
-(``shared_prefix``), as slot choice is: see slots/policy.py for why slots are scanned and
-not indexed.
+Both sources are read from the locator's match (slots/locator.py: one match over every
+holder per admission, the prefix index's matching rule); nothing here computes a prefix.
 
 Waiting never deadlocks: a slot only waits on a slot that is prefilling (never on a waiting
 one), prefilling slots are scheduled oldest first, and a waiter whose source stopped (done,
@@ -24,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from ..cache.prefix_index import shared_prefix
+from .locator import Locator, Match
 from .plan import CopyPrefix, Ops
 from .share_cost import PrefillQueue, StepSpeed, queue_of, wait_pays
 from .slot import Slot, SlotState
@@ -47,20 +46,28 @@ class PrefixSharing:
         self.min_wait = min_wait  # least gain worth waiting for (--prefix-share-min)
         self.speed = StepSpeed()  # tests may inject their own
         self._seen = 0  # stats.n_batches last observed
+        self.locator = Locator(store.slots)  # the slots' prefixes; placement adds the index
 
     def held_source(
-        self, dst: Slot, prompt: list[int], n_past: int, tenant: str = ""
+        self,
+        dst: Slot,
+        prompt: list[int],
+        n_past: int,
+        tenant: str = "",
+        match: Match | None = None,
     ) -> Source | None:
         """The sequence of ``tenant`` holding the longest prefix of ``prompt`` beyond
-        ``n_past`` tokens."""
+        ``n_past`` tokens, as ``match`` (the locator's for this prompt, taken now when not
+        given; ``dst``'s own entry is never read) reports it."""
         if not self.enabled:
             return None
+        held = (match or self.locator.match(tenant, prompt)).held
         cap = len(prompt) - 1  # the last prompt token is always evaluated by its own slot
         best: Source | None = None
         for s in self.store.slots:
             if s is dst or not s.tokens or s.state is SlotState.WAIT:
                 continue
-            m = min(shared_prefix(s.tenant, s.tokens, tenant, prompt), cap)
+            m = min(held[s.id], cap)
             if m <= (best.n_tokens if best else n_past):
                 continue
             # the source's window behind the cut must still be in memory (DESIGN §4)
@@ -70,18 +77,25 @@ class PrefixSharing:
         return best
 
     def inflight_source(
-        self, dst: Slot, prompt: list[int], n_past: int, tenant: str = ""
+        self,
+        dst: Slot,
+        prompt: list[int],
+        n_past: int,
+        tenant: str = "",
+        match: Match | None = None,
     ) -> Source | None:
         """A prefilling slot of ``tenant`` whose prompt shares at least ``min_wait`` more
-        tokens than ``n_past`` with ``prompt``, which it has not decoded yet."""
+        tokens than ``n_past`` with ``prompt``, which it has not decoded yet (read from
+        ``match`` as ``held_source`` does)."""
         if not self.enabled or self.min_wait <= 0:
             return None
+        inflight = (match or self.locator.match(tenant, prompt)).inflight
         cap = len(prompt) - 1
         best: Source | None = None
         for s in self.store.slots:
             if s is dst or s.state is not SlotState.PREFILL or s.task is None:
                 continue
-            c = min(shared_prefix(s.task.tenant, s.task.prompt, tenant, prompt), cap)
+            c = min(inflight[s.id], cap)
             if c - n_past < self.min_wait or c <= len(s.tokens):
                 continue
             if best is None or c > best.n_tokens:
@@ -139,12 +153,13 @@ class PrefixSharing:
         ``again`` (its source went away) it may wait on another computing slot instead."""
         task = w.live.task
         w.state = SlotState.PREFILL
-        held = self.held_source(w, task.prompt, len(w.tokens), task.tenant)
+        match = self.locator.match(task.tenant, task.prompt)  # one lookup serves both sources
+        held = self.held_source(w, task.prompt, len(w.tokens), task.tenant, match)
         if held is not None:
             yield CopyPrefix(self.store.slots[held.slot], w, held.n_tokens)
         w.seq.n_cached = len(w.tokens)  # what this task will not compute itself
         if again:
-            other = self.inflight_source(w, task.prompt, len(w.tokens), task.tenant)
+            other = self.inflight_source(w, task.prompt, len(w.tokens), task.tenant, match)
             if other is not None:
                 self.wait_on(w, other)
 

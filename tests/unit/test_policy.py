@@ -2,10 +2,10 @@ from server.slots.policy import (
     CheckpointView,
     SlotView,
     choose_slot,
-    lcp,
     plan_reuse,
     window_intact,
 )
+from server.types import lcp  # policy no longer computes prefixes (slots/locator.py)
 
 
 def test_lcp_exact_lengths():

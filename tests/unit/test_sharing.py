@@ -211,3 +211,43 @@ def test_a_wait_counts_the_step_it_costs_its_source():
     run(e)
     assert e.stats.prefix_waits_skipped == 2
     assert [c.result.timings.prompt_n for _, c in tasks] == [302, 302]
+
+
+def test_one_lookup_serves_the_tier_load_and_both_sharing_sources(monkeypatch):
+    """Issue 41: a placement takes one match (slots, in-flight prefills, the RAM index) and
+    the tier load, held_source and inflight_source all read it; the index is walked once."""
+    from server.cache.prefix_index import PrefixIndex
+    from server.cache.prompt_cache import PromptCache
+
+    e, b = make_engine(n_seq=2)
+    e.cache = PromptCache(-1, 0)
+    e.opts.cache_idle_slots = False
+    t1, c1 = task(PREFIX + [900], max_tokens=30)
+    e.waiting.append(t1)
+    e.step()
+    e.step()  # t1 generating: its slot holds the prefix
+    matches, walks = [], []
+    real_match, real_walk = e.sharing.locator.match, PrefixIndex.match
+    monkeypatch.setattr(
+        e.sharing.locator, "match", lambda *a, **k: matches.append(a) or real_match(*a, **k)
+    )
+    monkeypatch.setattr(
+        PrefixIndex, "match", lambda self, *a: walks.append(a) or real_walk(self, *a)
+    )
+    seen = []
+    for name in ("held_source", "inflight_source"):
+        real = getattr(e.sharing, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            seen.append((_name, a[-1] if len(a) > 4 else k.get("match")))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(e.sharing, name, spy)
+    t2, c2 = task(PREFIX[:250] + [901], max_tokens=2)
+    e.waiting.append(t2)
+    e.step()
+    assert len(matches) == 1 and len(walks) == 1  # one lookup, one walk of the index
+    assert [n for n, _ in seen] == ["held_source", "inflight_source"]
+    assert all(m is not None for _, m in seen) and seen[0][1] is seen[1][1]
+    run(e, t2)
+    assert c2.result.timings.cache_n == 250

@@ -1,0 +1,83 @@
+"""Structure rule of issue 41's "one lookup" (tests/unit/test_layout.py style): the locator
+(server/slots/locator.py) is the only module that computes what a slot, an in-flight
+prefill or a cached entry shares with a prompt. Slot choice, sharing and the tier loads
+read its match.
+
+A prefix computation is a call of one of the matchers (``lcp``, ``shared_prefix``,
+``common_prefix``) or a walk of the prefix index (``<index>.match(...)``). The modules
+allowed to make one, each for its stated reason, are listed below; a new caller fails
+this test until it reads the locator's match instead (or is listed here, with its reason).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "server"
+MATCHERS = {"lcp", "shared_prefix", "common_prefix"}
+
+# module -> why it may compute a prefix itself
+ALLOWED = {
+    "server/slots/locator.py": "the locator: every holder's match",
+    "server/cache/prefix_index.py": "the index: walks its own tree (the entries' matcher)",
+    "server/cache/items.py": "defines the item matcher",
+    "server/types.py": "defines lcp",
+    # the tiers' own rule, for callers that bring no match (find(..., match=None)) and
+    # the slot's own baseline (f_keep/f_sim of the slot being loaded into)
+    "server/cache/prompt_cache.py": "RAM tier's find: own baseline, walk when no match given",
+    "server/cache/disk.py": "disk tier's find: own baseline, walk when no match given",
+    # not prompt lookups: the draft model's KV against the target's tokens
+    "server/slots/draft_kv.py": "draft KV bookkeeping",
+    "server/slots/store.py": "draft KV bookkeeping",
+    # the issue allows --cache-reuse its own chunk matcher
+    "server/slots/cache_reuse.py": "--cache-reuse's chunk matcher",
+}
+
+
+def _prefix_calls(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        if name in MATCHERS:
+            out.append(f"{name}() line {node.lineno}")
+        # <something>.index.match(...) / .tree.match(...): a walk of the prefix index
+        if (
+            name == "match"
+            and isinstance(f, ast.Attribute)
+            and isinstance(f.value, ast.Attribute)
+            and f.value.attr in {"index", "tree"}
+        ):
+            out.append(f"index walk line {node.lineno}")
+    return out
+
+
+def _callers() -> dict[str, list[str]]:
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        calls = _prefix_calls(ast.parse(path.read_text(), str(path)))
+        if calls:
+            found[str(path.relative_to(ROOT.parent))] = calls
+    return found
+
+
+def test_only_the_locator_computes_prefixes_against_holders():
+    stray = {m: c for m, c in _callers().items() if m not in ALLOWED}
+    assert stray == {}, f"compute prefixes outside the locator (read its Match): {stray}"
+
+
+def test_the_consumers_read_the_match():
+    callers = _callers()
+    for m in ("policy.py", "sharing.py", "scheduler.py", "placement.py", "ram.py"):
+        assert f"server/slots/{m}" not in callers
+    assert "server/slots/locator.py" in callers
+
+
+def test_the_rule_catches_a_scan():
+    src = "def f(s, p):\n    return shared_prefix(s.tenant, s.tokens, '', p)\n"
+    assert _prefix_calls(ast.parse(src)) == ["shared_prefix() line 2"]
+    src = "def g(self, t):\n    return self.cache.index.match(t.tenant, t.prompt)\n"
+    assert _prefix_calls(ast.parse(src)) == ["index walk line 2"]
