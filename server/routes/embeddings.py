@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -30,11 +29,13 @@ from ..api.embeddings import (
     rerank_response,
 )
 from ..api.errors import APIError
+from ..service.sink import emitter
 from ..service.state import ServerState
 from ..service.tasks import until_disconnected
 from ..service.tokenizer import tokenize
 from ..slots.embed import EmbedEvent, EmbedResult, EmbedTask
 from ..slots.engine import EngineDead
+from ..slots.sink import Emitter
 from ..types import TaskError
 from .common import prep, state_of
 
@@ -52,18 +53,12 @@ class _ClientGone:
 CLIENT_GONE = _ClientGone()
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[EmbedEvent], None]:
-    """A task's ``emit``: thread-safe; the engine batches deliveries per loop (``deliver``)."""
-
-    def emit(ev: EmbedEvent) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-        except RuntimeError:  # loop closed: the client is long gone
-            pass
-
-    emit.loop = loop  # type: ignore[attr-defined]
-    emit.deliver = q.put_nowait  # type: ignore[attr-defined]
-    return emit
+def _emitter(
+    loop: asyncio.AbstractEventLoop, q: asyncio.Queue[EmbedEvent | _ClientGone]
+) -> Emitter[EmbedEvent]:
+    """A task's ``emit``: thread-safe; the engine batches deliveries per loop
+    (service/sink.py)."""
+    return emitter(loop, q.put_nowait)
 
 
 async def run_embeddings(

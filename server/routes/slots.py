@@ -83,7 +83,7 @@ def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
 
 
 def _draft_tokens(st: Any, s: Slot) -> int:
-    return st.engine.store.draft_shared(s) if st.engine is not None else 0
+    return st.engine.draft_shared(s) if st.engine is not None else 0
 
 
 @router.get("/slots")
@@ -222,7 +222,7 @@ async def _restore(
     refusal = who.file_refusal(parsed, name)
     if refusal is not None:
         raise APIError(refusal.status, refusal.message)
-    keep = engine.store.ckpt.max_per_slot
+    keep = engine.checkpoints_per_slot
     plan = await asyncio.to_thread(plan_restore, b, parsed, keep)
     loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
     if isinstance(loaded, StateLoaded):  # the state alone: its appendices start where it ended

@@ -8,11 +8,13 @@ import collections
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from ..api.errors import APIError
 from ..slots.engine import Engine, EngineDead
 from ..types import Event, GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
+from .sink import emitter
 
 log = logging.getLogger("server.service")
 
@@ -66,18 +68,9 @@ class TaskGroup:
 
     def _emitter(self, index: int) -> Callable[[Event], None]:
         """The ``emit`` of the task at ``index``: thread-safe, never blocks."""
-        loop, deliver = self.loop, self.box.deliver
-
-        def emit(ev: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(deliver, (index, ev))
-            except RuntimeError:  # loop closed: the client is long gone
-                pass
-
-        # The engine batches a step's events per loop: one wake-up, then deliver() on the loop.
-        emit.loop = loop  # type: ignore[attr-defined]
-        emit.deliver = lambda ev: deliver((index, ev))  # type: ignore[attr-defined]
-        return emit
+        # the engine batches a step's events per loop (service/sink.py): one wake-up, then
+        # the box's deliver() on the loop, event by event
+        return emitter(self.loop, partial(self.box.deliver_to, index))
 
     async def _wait(self, timeout: float) -> None:
         """Until an event is delivered or the group's tick fires (at most ``timeout``
@@ -290,6 +283,10 @@ class _Mailbox:
             self.waiter = None
             if not w.done():
                 w.set_result(None)
+
+    def deliver_to(self, index: int, ev: Event) -> None:
+        """``deliver`` of task ``index``'s event (a task's receiver: service/sink.py)."""
+        self.deliver((index, ev))
 
     def lagging(self, index: int) -> Callable[[int], bool]:
         """Whether the reader of task ``index`` is more than MAX_BACKLOG of its ``n_sent``
