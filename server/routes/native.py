@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,13 +11,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..api.cancel import checkpoint
 from ..api.errors import APIError
-from ..api.prompts import prompt_echo, prompt_tokens, split_prompts
-from ..api.schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from ..api.prompts import prompt_echo, split_prompts
+from ..api.schemas import DetokenizeRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest
+from ..frontend.requests import native_request
+from ..frontend.sources import NativeSource
 from ..service.state import ServerState, tenant_of
-from ..service.submit import Prompt, Submission, submit
+from ..service.submit import PromptSource, submit
 from ..service.tasks import TaskGroup
 from ..service.tokenizer import tokenize as tokenize_text
-from ..service.validation import check_tokens, constraint_of
+from ..service.validation import check_tokens
 from ..types import (
     Event,
     FinishReason,
@@ -196,17 +198,6 @@ def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> li
     return [{**prob(e), "top_probs": [prob(x) for x in e["top_logprobs"]]} for e in out]
 
 
-def _native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
-    """Each of llama-server's prompt forms (server.api.prompts) as tokens: text is tokenized with
-    special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
-    b = st.backend
-
-    def tokenize(text: str, add_special: bool) -> list[int]:
-        return tokenize_text(b, text, add_special, True)
-
-    return [Prompt(prompt_tokens(p, tokenize)) for p in prompts]
-
-
 @router.post("/completion")
 @router.post("/completions")  # llama-server: the native route, not OpenAI's
 async def completion(body: NativeCompletionRequest, request: Request) -> Response:
@@ -214,31 +205,21 @@ async def completion(body: NativeCompletionRequest, request: Request) -> Respons
     st = state_of(request)
     raw = split_prompts(body.prompt)
     echoes = [prompt_echo(p) for p in raw]
-    return await run_native(st, request, body, lambda: _native_prompts(st, raw), echoes)
+    return await run_native(st, request, body, NativeSource(st, body, raw), echoes)
 
 
 async def run_native(
     st: ServerState,
     request: Request,
-    body: Any,
-    prompts: Callable[[], list[Prompt]],
+    body: NativeCompletionRequest | InfillRequest,
+    source: PromptSource,
     echoes: list[str] | None = None,
 ) -> Response:
-    """Run one native-completion request (/completion, /infill) on ``prompts()``: the final
+    """Run one native-completion request (/completion, /infill) on ``source``: the final
     object (a list of them, by prompt, for several prompts), or the stream of chunks (each
     with its prompt's ``index``). ``echoes``: the ``prompt`` each result echoes (by default
     a text ``prompt`` of the body: llama-server echoes text only)."""
-    job = Submission(
-        prompts=prompts,
-        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
-        stream=body.stream,
-        n_probs=body.n_probs,
-        logprobs=body.n_probs > 0,
-        constraint=lambda: constraint_of(json_schema=body.json_schema, grammar=body.grammar),
-        return_progress=body.return_progress,
-        timings_per_token=body.timings_per_token,
-        post_sampling=body.post_sampling_probs,
-    )
+    job = native_request(body, source)
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
     if echoes is None:
         echoes = [body.prompt if isinstance(body.prompt, str) else ""] * len(group.tasks)

@@ -1,12 +1,12 @@
-"""The one path from a generating request to running tasks (``submit``): an endpoint
-describes only what is its own in a ``Submission``."""
+"""The one path from a generating request to running tasks (``submit``): the front end
+(server.frontend) turns each API body into one ``Submission``, the typed engine request,
+whose ``source`` (a ``PromptSource``) does the body's tokenizer work."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ..api.schemas import SamplingFields
 from ..cache import tenancy
@@ -28,34 +28,37 @@ class Prompt(NamedTuple):
     user_start: int = -1  # token index of the last user turn (-1: unknown, or not chat)
 
 
-def _no_constraint() -> Constraint | None:
-    return None
+class PromptSource(Protocol):
+    """What an API body asks the engine to run, as tokens: the front end implements it
+    (server.frontend.sources), one class per kind of body.
 
+    ``prompts()`` does the tokenizer work (it may render a chat template first) and runs in
+    a worker thread; it may raise APIError. ``constraint()`` is the structured output /
+    forced format (server.constrained): checking it compiles the client's schema (in a
+    compile child), so it too runs in a worker thread. ``check()`` holds the endpoint's own
+    body checks; it runs after the shared prompt and sampler checks and before submitting,
+    which is where each endpoint made them before they shared this path (a request with
+    several faults still reports the same one)."""
 
-def _no_check() -> None:
-    return None
+    def prompts(self) -> list[Prompt]: ...
+
+    def constraint(self) -> Constraint | None: ...
+
+    def check(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class Submission:
-    """What one endpoint asks of the engine, beyond the SamplingFields of its body.
+    """The typed engine request of one API body, beyond the SamplingFields of its body:
+    its prompts' ``source`` and how its tasks run. Each prompt runs ``n`` times (``n``
+    choices)."""
 
-    ``prompts`` does the tokenizer work (it may render a chat template first) and runs in a
-    worker thread; it may raise APIError. ``check`` holds the endpoint's own body checks; it
-    runs after the shared prompt and sampler checks and before submitting, which is where
-    each endpoint made them before they shared this path (a request with several faults
-    still reports the same one). Each prompt runs ``n`` times (``n`` choices)."""
-
-    prompts: Callable[[], list[Prompt]]
+    source: PromptSource
     max_tokens: int
     stream: bool
     n_probs: int = 0
     logprobs: bool = False
     n: int = 1
-    check: Callable[[], None] = _no_check
-    # structured output / forced format (server.constrained): checking it compiles the
-    # client's schema (in a compile child), so it is called from a worker thread
-    constraint: Callable[[], Constraint | None] = _no_constraint
     return_progress: bool = False  # PromptProgress events while the prompt is processed
     timings_per_token: bool = False  # streamed text chunks carry timings
     # llama-server's post_sampling_probs: the n_probs reported are the sampler chain's
@@ -64,8 +67,8 @@ class Submission:
 
 
 def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
-    """``job.prompts()`` with every token id and every prompt's length checked."""
-    prompts = job.prompts()
+    """``job.source.prompts()`` with every token id and every prompt's length checked."""
+    prompts = job.source.prompts()
     for p in prompts:
         check_tokens(p.tokens, backend)
         check_fits(p.tokens, backend)
@@ -85,7 +88,7 @@ def _prepare(st: ServerState, body: SamplingFields, job: Submission) -> _Prepare
     constraint (checking a schema or grammar may take a compile child
     --constraint-timeout seconds), the engine, the adapters, then the prompts (tokenizing a
     long prompt takes a while: off the event loop, so other streams keep flowing)."""
-    constraint = job.constraint()
+    constraint = job.source.constraint()
     engine = st.require_engine()
     adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
     return _Prepared(engine, adapters, _checked_prompts(job, st.backend), constraint)
@@ -129,7 +132,7 @@ async def submit(
         sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
     if job.post_sampling:
         sampling.post_probs = job.n_probs
-    job.check()
+    job.source.check()
     if constraint is not None:
         sampling.constraint = await bind_constraint(b, constraint)
     gen = _gen_params(st, body, job)
