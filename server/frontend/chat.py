@@ -126,7 +126,7 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     """Prompt tokens and the token index where the last user turn starts (-1 if unknown).
     Whether the prompt leaves the answer inside an open ``<think>`` is noted in
     ``plan.forced_open``."""
-    b = st.backend
+    b = st.require_backend()
     rendered = render_prompt(st, req, plan)
     plan.forced_open = rendered.in_reasoning or thinking_forced_open(rendered.prompt)
     text = rendered.prompt

@@ -19,7 +19,7 @@ from ..service.tokenizer import tokenize
 
 def completion_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
     """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each."""
-    b = st.backend
+    b = st.require_backend()
     if isinstance(prompt, str):
         return [Prompt(tokenize(b, prompt, True, True))]
     if not prompt:
@@ -44,7 +44,7 @@ def max_tokens_of(*values: int | None) -> int:
 def native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
     """Each of llama-server's prompt forms (server.api.prompts) as tokens: text is tokenized with
     special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
-    b = st.backend
+    b = st.require_backend()
 
     def tok(text: str, add_special: bool) -> list[int]:
         return tokenize(b, text, add_special, True)
@@ -54,7 +54,7 @@ def native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
 
 def infill_prompts(st: ServerState, body: InfillRequest, extra: list[Any]) -> list[Prompt]:
     """The FIM prompt: ``prompt`` (special tokens parsed, no BOS) goes after the prefix."""
-    b = st.backend
+    b = st.require_backend()
     lim = InfillLimits(
         n_batch=b.n_batch,
         n_predict=st.settings.n_predict,

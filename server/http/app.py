@@ -57,11 +57,10 @@ log = logging.getLogger("server")
 
 if TYPE_CHECKING:  # the type checker holds the real backend and draft to the engine's protocols
     from ..llama.backend import LlamaBackend
-    from ..llama.draft import DraftContext
-    from ..slots.backend_api import Backend
-    from ..slots.draft_kv import DraftMemory
+    from ..llama.draft import DraftContext, DraftOptions
+    from ..slots.model_api import DraftModel, ModelBackend
 
-    def _conforms(b: LlamaBackend, d: DraftContext) -> tuple[Backend, DraftMemory]:
+    def _conforms(b: LlamaBackend, d: DraftContext) -> tuple[ModelBackend, DraftModel]:
         return b, d
 
 
@@ -128,7 +127,9 @@ def kv_label(s: Settings) -> str:
     return "" if set(types) == {"f16"} else ":kv=" + "/".join(types)
 
 
-def disk_tier(s: Settings, cache: PromptCache | None, backend: Any, model: str) -> DiskTier | None:
+def disk_tier(
+    s: Settings, cache: PromptCache | None, backend: ModelBackend, model: str
+) -> DiskTier | None:
     """The disk tier under the RAM cache (--cache-disk DIR, --cache-disk-mib N), started:
     its index rebuilt from DIR's file headers. None when off."""
     if not s.cache_disk or s.cache_disk_mib == 0:
@@ -192,7 +193,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     )
 
 
-def draft_options(s: Settings) -> Any:
+def draft_options(s: Settings) -> DraftOptions:
     """The draft model's settings (server.llama.draft.DraftOptions) from the flags."""
     from ..llama.draft import DraftOptions
     from ..llama.params import tensor_overrides
@@ -210,7 +211,7 @@ def draft_options(s: Settings) -> Any:
     )
 
 
-def draft_context(s: Settings, backend: Any) -> Any:
+def draft_context(s: Settings, backend: LlamaBackend) -> DraftContext | None:
     """The draft model's context for draft-simple (None otherwise)."""
     if spec_config(s).kind != SPEC_DRAFT:
         return None
@@ -316,7 +317,7 @@ def load(st: ServerState) -> None:
 def _log_loaded(st: ServerState, path: str) -> None:
     """One line on what was loaded (after ``load`` set the engine and the template)."""
     s, b, engine, template = st.settings, st.backend, st.engine, st.template
-    if engine is None or template is None:
+    if engine is None or template is None or b is None:
         return
     log.info(
         "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
@@ -339,7 +340,7 @@ def _log_loaded(st: ServerState, path: str) -> None:
     )
 
 
-def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
+def _warn_setup(s: Settings, backend: ModelBackend, engine: Engine) -> None:
     """One warning for each setting that does less than it says."""
     if spec_types_ignored(s):
         log.warning(

@@ -114,14 +114,14 @@ async def run_embeddings(
 
 
 def _tokenizer(st: ServerState) -> Any:
-    b = st.backend
+    b = st.require_backend()
     return lambda text, add_special: tokenize(b, text, add_special, True)
 
 
 def _checked(st: ServerState, make: Any) -> list[list[int]]:
     """``make()``'s prompts, checked (worker thread: tokenizing may take a while)."""
     prompts = make()
-    b = st.backend
+    b = st.require_backend()
     check_prompts(prompts, b.n_vocab, min(b.n_ubatch, b.n_batch), b.n_ctx_slot)
     return prompts
 
@@ -131,7 +131,7 @@ async def _embeddings(request: Request, body: EmbeddingRequest, oai: bool) -> JS
     if not embeddings_on(st.settings):
         raise APIError(501, "This server does not support embeddings. Start it with `--embeddings`")
     st.require_engine()
-    b = st.backend
+    b = st.require_backend()
     if oai and b.pooling == POOLING_NONE:
         raise APIError(
             400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
@@ -178,7 +178,7 @@ async def rerank(request: Request, body: RerankRequest) -> Any:
         raise APIError(501, "This server does not support reranking. Start it with `--reranking`")
     st.require_engine()
     query, docs = rerank_inputs(body)
-    parts = RerankParts(*st.backend.rerank_parts())
+    parts = RerankParts(*st.require_backend().rerank_parts())
     tok = _tokenizer(st)
     make = lambda: [rerank_prompt(query, d, parts, tok) for d in docs]  # noqa: E731
     prompts = await prep(request, _checked, st, make)

@@ -24,7 +24,7 @@ async def infill(body: InfillRequest, request: Request) -> Response:
     malformed body; otherwise /completion's response, streamed or not."""
     st = state_of(request)
     st.require_engine()
-    missing = st.backend.fim.missing()
+    missing = st.require_backend().fim.missing()
     if missing:
         raise APIError(501, f"Infill is not supported by this model: {missing}")
     try:

@@ -20,6 +20,7 @@ from ..service.submit import PromptSource, submit
 from ..service.tasks import TaskGroup
 from ..service.tokenizer import tokenize as tokenize_text
 from ..service.validation import check_tokens
+from ..slots.model_api import Tokenizer
 from ..types import (
     Event,
     FinishReason,
@@ -72,7 +73,7 @@ async def props(request: Request) -> dict[str, Any]:
 def props_of(st: ServerState) -> dict[str, Any]:
     """The /props object of a loaded server (a 503 APIError while loading)."""
     engine = st.require_engine()
-    b = st.backend
+    b = st.require_backend()
     return {
         "default_generation_settings": {
             **generation_settings(st),
@@ -182,7 +183,7 @@ def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> li
     """llama-server's ``completion_probabilities``: log-probabilities (``logprob``,
     ``top_logprobs``), or with post_sampling_probs the probabilities the sampler chain left
     (``prob``, ``top_probs``)."""
-    out = token_logprobs(st.backend, lps, with_id=True)
+    out = token_logprobs(st.require_backend(), lps, with_id=True)
     if not task.sampling.post_probs:
         return out
 
@@ -332,10 +333,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     list where they are not valid UTF-8 alone, e.g. part of a multi-byte character)."""
     st = state_of(request)
     st.require_engine()
-    return await prep(request, _tokenized, st.backend, body)
+    return await prep(request, _tokenized, st.require_backend(), body)
 
 
-def _tokenized(b: Any, body: TokenizeRequest) -> dict[str, Any]:
+def _tokenized(b: Tokenizer, body: TokenizeRequest) -> dict[str, Any]:
     """/tokenize's answer (worker thread: a long text takes a while)."""
     toks = tokenize_text(b, body.content, body.add_special, body.parse_special)
     if not body.with_pieces:
@@ -358,10 +359,10 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     """The text of ``tokens``; APIError 400 for an id outside the vocabulary."""
     st = state_of(request)
     st.require_engine()
-    return await prep(request, _detokenized, st.backend, body.tokens)
+    return await prep(request, _detokenized, st.require_backend(), body.tokens)
 
 
-def _detokenized(b: Any, tokens: list[int]) -> dict[str, Any]:
+def _detokenized(b: Tokenizer, tokens: list[int]) -> dict[str, Any]:
     """/detokenize's answer (worker thread: a long list takes a while)."""
     check_tokens(tokens, b)
     return {"content": b.detokenize(tokens)}

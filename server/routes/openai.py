@@ -26,6 +26,7 @@ from ..service.state import ServerState, tenant_of
 from ..service.submit import submit
 from ..service.tasks import TaskGroup
 from ..service.usage import finish_reason, merged_timings, usage_of
+from ..slots.model_api import Tokenizer
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,
@@ -47,11 +48,13 @@ router = APIRouter()
 Choice = dict[str, Any]
 
 
-def _piece(backend: Any, tok: int) -> str:
+def _piece(backend: Tokenizer, tok: int) -> str:
     return backend.token_to_piece(tok).decode("utf-8", "replace")
 
 
-def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    backend: Tokenizer, lps: list[TokenLogprob], offset0: int = 0
+) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object; ``offset0`` is the choice's text length so
     far (streamed chunks continue the offsets of the ones before)."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -71,12 +74,12 @@ def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0)
     }
 
 
-def chat_logprobs(backend: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(backend: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
     """The chat ``logprobs`` object."""
     return {"content": token_logprobs(backend, lps)}
 
 
-def _prompt_text(backend: Any, raw: Any, tokens: list[int], i: int) -> str:
+def _prompt_text(backend: Tokenizer, raw: Any, tokens: list[int], i: int) -> str:
     """The text of prompt ``i`` as the client sent it (detokenized if it sent tokens)."""
     if isinstance(raw, str):
         return raw
@@ -196,7 +199,7 @@ class _CompletionChoices:
     """The choices of /v1/completions. Stateful per request: a streamed choice's log-prob
     offsets continue from its previous chunk, and its echoed prompt opens its first chunk."""
 
-    def __init__(self, backend: Any, body: CompletionRequest, group: TaskGroup) -> None:
+    def __init__(self, backend: Tokenizer, body: CompletionRequest, group: TaskGroup) -> None:
         self.b = backend
         self.logprobs = body.logprobs is not None
         self.offsets = [0] * len(group.tasks)
@@ -242,7 +245,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     st = state_of(request)
     job = completion_request(st, body)
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
-    choices = _CompletionChoices(st.backend, body, group)
+    choices = _CompletionChoices(st.require_backend(), body, group)
     shape = Shape("cmpl-", "text_completion", "text_completion", choices.text, choices.final)
     return await respond(request, group, body, shape, st.model_name)
 
@@ -253,7 +256,7 @@ def _chat_finish(r: TaskResult, has_calls: bool) -> str:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan) -> Shape:
+def _chat_shape(backend: Tokenizer, body: ChatRequest, n_choices: int, plan: ChatPlan) -> Shape:
     """The chat response's choices: a message each, or role, deltas, finish. The output goes
     through one parser per choice (reasoning, tool calls: server.api.tools) unless plain."""
     want_lp = body.logprobs
@@ -336,7 +339,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     plan = await prep(request, plan_chat, st, body)  # checks tool schemas: off the loop
     job = chat_request(st, body, plan)
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
-    shape = _chat_shape(st.backend, body, len(group.tasks), plan)
+    shape = _chat_shape(st.require_backend(), body, len(group.tasks), plan)
     return await respond(request, group, body, shape, st.model_name)
 
 
@@ -396,7 +399,7 @@ def _verbose_of(st: ServerState, group: TaskGroup) -> Verbose:
 
     def verbose(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
         task = group.tasks[index]
-        raw = b"".join(st.backend.token_to_piece(t, special=True) for t in task.prompt)
+        raw = b"".join(st.require_backend().token_to_piece(t, special=True) for t in task.prompt)
         prompt = raw.decode("utf-8", "replace")
         return completion_object(st, task, r, r.text if whole else "", prompt)
 

@@ -74,7 +74,7 @@ def _checked_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
     """The prompts of a completions body, each token id in the vocabulary (APIError 400)."""
     prompts = completion_prompts(st, prompt)
     for p in prompts:
-        check_tokens(p.tokens, st.backend)
+        check_tokens(p.tokens, st.require_backend())
     return prompts
 
 

@@ -215,7 +215,7 @@ async def _restore(
     appendices); the engine thread only loads what was proven (RestoreSlot, and
     AttachAppendices when the state's end was known only once loaded)."""
     t0 = time.perf_counter()
-    b = st.backend
+    b = st.require_backend()
     parsed = await asyncio.to_thread(
         slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
     )

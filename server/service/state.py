@@ -13,6 +13,7 @@ from ..api.errors import APIError
 from ..cache import tenancy
 from ..cli.config import Settings
 from ..slots.engine import Engine
+from ..slots.model_api import DraftModel, ModelBackend
 from .adapters import AdapterRegistry
 
 
@@ -24,8 +25,9 @@ class ServerState:
     ``load_error`` says why and ``engine`` stays None."""
 
     settings: Settings
-    backend: Any = None
-    draft: Any = None  # the draft model's context (draft-simple), owned like ``backend``
+    backend: ModelBackend | None = None
+    # the draft model's context (draft-simple), owned like ``backend``
+    draft: DraftModel | None = None
     engine: Engine | None = None
     template: ChatTemplate | None = None
     model_name: str = ""
@@ -47,6 +49,13 @@ class ServerState:
     sleeping: bool = False
     sleep_props: dict[str, Any] = field(default_factory=dict)
     sleep_metrics: bytes = b""
+
+    def require_backend(self) -> ModelBackend:
+        """The loaded model, or an APIError 503 while there is none (loading, asleep, or
+        its load failed)."""
+        if self.backend is None:
+            raise APIError(503, "Loading model", "unavailable_error")
+        return self.backend
 
     def require_engine(self) -> Engine:
         """The running engine, or an APIError 503 saying why there is none."""

@@ -12,6 +12,7 @@ from ..api.schemas import SamplingFields
 from ..cache import tenancy
 from ..constrained import Constraint
 from ..slots.engine import Engine
+from ..slots.model_api import ModelBackend
 from ..types import GenParams
 from .adapters import AdapterChoice
 from .pools import prepare
@@ -66,7 +67,7 @@ class Submission:
     post_sampling: bool = False
 
 
-def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
+def _checked_prompts(job: Submission, backend: ModelBackend) -> list[Prompt]:
     """``job.source.prompts()`` with every token id and every prompt's length checked."""
     prompts = job.source.prompts()
     for p in prompts:
@@ -91,7 +92,7 @@ def _prepare(st: ServerState, body: SamplingFields, job: Submission) -> _Prepare
     constraint = job.source.constraint()
     engine = st.require_engine()
     adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
-    return _Prepared(engine, adapters, _checked_prompts(job, st.backend), constraint)
+    return _Prepared(engine, adapters, _checked_prompts(job, st.require_backend()), constraint)
 
 
 def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenParams:
@@ -126,7 +127,7 @@ async def submit(
     ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
-    b = st.backend
+    b = st.require_backend()
     sampling = sampling_from(body, b, st.settings)
     if body.ignore_eos:  # as llama-server: every end-of-generation token banned
         sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
