@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -56,7 +56,7 @@ from .sleep import SleepController, SleepGate, release_memory
 log = logging.getLogger("server")
 
 if TYPE_CHECKING:  # the type checker holds the real backend and draft to the engine's protocols
-    from ..llama.backend import LlamaBackend
+    from ..llama.backend import LlamaBackend, ModelOptions
     from ..llama.draft import DraftContext, DraftOptions
     from ..slots.model_api import DraftModel, ModelBackend
 
@@ -71,7 +71,7 @@ def default_model_path() -> str:
     return str(assemble())
 
 
-def model_options(s: Settings, path: str) -> Any:
+def model_options(s: Settings, path: str) -> ModelOptions:
     """The backend's options from the settings (the one place they are mapped)."""
     from ..llama.backend import ModelOptions
     from ..llama.params import load_mode, tensor_overrides
@@ -252,7 +252,7 @@ def _clean_save_dir(path: str) -> None:
         os.unlink(stale)  # a save interrupted by a crash; never under a real name
 
 
-def _backend_options(st: ServerState, path: str) -> Any:
+def _backend_options(st: ServerState, path: str) -> ModelOptions:
     """The model options, with the LoRA adapters the flags name (the registry is built once:
     a reload after sleeping keeps the global scales set meanwhile)."""
     s = st.settings

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..api.embeddings import (
     POOLING_NONE,
@@ -62,7 +62,7 @@ def _emitter(
 
 
 async def run_embeddings(
-    st: Any, prompts: list[list[int]], request: Any = None
+    st: ServerState, prompts: list[list[int]], request: Request | None = None
 ) -> list[EmbedResult]:
     """Embed ``prompts`` on the engine, one task each (they share decodes with every other
     request's); results in prompt order. APIError: 503 when the queue is full or the engine
@@ -113,12 +113,12 @@ async def run_embeddings(
     return [r for r in out if r is not None]
 
 
-def _tokenizer(st: ServerState) -> Any:
+def _tokenizer(st: ServerState) -> Callable[[str, bool], list[int]]:
     b = st.require_backend()
     return lambda text, add_special: tokenize(b, text, add_special, True)
 
 
-def _checked(st: ServerState, make: Any) -> list[list[int]]:
+def _checked(st: ServerState, make: Callable[[], list[list[int]]]) -> list[list[int]]:
     """``make()``'s prompts, checked (worker thread: tokenizing may take a while)."""
     prompts = make()
     b = st.require_backend()
@@ -170,7 +170,7 @@ async def embeddings_native(request: Request, body: EmbeddingRequest) -> JSONRes
 @router.post("/reranking")
 @router.post("/v1/rerank")
 @router.post("/v1/reranking")
-async def rerank(request: Request, body: RerankRequest) -> Any:
+async def rerank(request: Request, body: RerankRequest) -> Response:
     """llama-server's reranking (needs --reranking, i.e. pooling rank): each document scored
     against the query, sorted, the first ``top_n``."""
     st = state_of(request)

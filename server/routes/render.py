@@ -12,7 +12,7 @@ input), ``sampling_params``, ``model``, ``stream``, ``stream_options``, ``cache_
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
@@ -25,6 +25,7 @@ from ..service.validation import check_tokens
 from .common import prep, state_of
 
 router = APIRouter()
+V = TypeVar("V")
 
 
 def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> dict[str, Any]:
@@ -33,7 +34,7 @@ def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> d
     s = st.settings
     stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
 
-    def pick(v: Any, default: Any) -> Any:
+    def pick(v: V | None, default: V) -> V:
         return default if v is None else v
 
     return {

@@ -38,7 +38,7 @@ log = logging.getLogger("server.slots")
 R = TypeVar("R")
 
 
-def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
+def slot_json(st: ServerState, s: Slot, viewer: str | None = None) -> dict[str, Any]:
     """One slot as llama-server shows it. With ``viewer`` (cache isolation on), another
     tenant's request parameters (stop strings, logit bias, seed...) are not shown."""
     # Read without locks from the event loop: each field is a consistent snapshot of
@@ -82,7 +82,7 @@ def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
     }
 
 
-def _draft_tokens(st: Any, s: Slot) -> int:
+def _draft_tokens(st: ServerState, s: Slot) -> int:
     return st.engine.draft_shared(s) if st.engine is not None else 0
 
 

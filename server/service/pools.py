@@ -31,6 +31,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from starlette.requests import Request
+
 from ..api.cancel import CancelFlag, run_with
 from ..api.errors import APIError
 
@@ -59,7 +61,7 @@ def pool(lane: str) -> concurrent.futures.ThreadPoolExecutor:
         return p
 
 
-def lane_of(request: Any) -> str:
+def lane_of(request: Request | None) -> str:
     """ "heavy" for a body over HEAVY_BYTES or without a length; "light" otherwise (no
     request, or one without a body: light)."""
     if request is None:
@@ -70,7 +72,7 @@ def lane_of(request: Any) -> str:
     return "heavy" if not length.isdigit() or int(length) > HEAVY_BYTES else "light"
 
 
-async def _until_gone(request: Any, gone: asyncio.Future[None]) -> None:
+async def _until_gone(request: Request, gone: asyncio.Future[None]) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(POLL_S)
     if not gone.done():
@@ -84,7 +86,7 @@ def _retrieve(f: asyncio.Future[Any]) -> None:
         f.exception()
 
 
-def _deadline(request: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> float:
+def _deadline(request: Request | None, loop: asyncio.AbstractEventLoop, timeout: float) -> float:
     """The request's deadline (loop time): set by its first ``prepare``, so the limit holds
     for the request's whole preparation, not for each hand-off."""
     state = getattr(request, "state", None)
@@ -104,7 +106,7 @@ def _timed_out(timeout: float) -> APIError:
     )
 
 
-async def prepare(request: Any, timeout: float, fn: Callable[..., T], *args: Any) -> T:
+async def prepare(request: Request | None, timeout: float, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on the request's lane (see the module docstring). APIError 408 after
     ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
     loop = asyncio.get_running_loop()
@@ -118,13 +120,14 @@ async def prepare(request: Any, timeout: float, fn: Callable[..., T], *args: Any
     gone: asyncio.Future[None] = loop.create_future()
     watchers: list[asyncio.Task[None]] = []
 
-    def watch() -> None:
-        watchers.append(asyncio.create_task(_until_gone(request, gone)))
+    def watch(req: Request) -> None:
+        watchers.append(asyncio.create_task(_until_gone(req, gone)))
 
-    timer = loop.call_later(WATCH_AFTER_S, watch) if request is not None else None
+    timer = loop.call_later(WATCH_AFTER_S, watch, request) if request is not None else None
+    either: set[asyncio.Future[Any]] = {fut, gone}
     try:
         done, _ = await asyncio.wait(
-            {fut, gone}, timeout=max(0.0, remaining), return_when="FIRST_COMPLETED"
+            either, timeout=max(0.0, remaining), return_when="FIRST_COMPLETED"
         )
         if fut in done:
             return fut.result()

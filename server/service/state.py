@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+
 from ..api.chat import ChatTemplate
 from ..api.errors import APIError
 from ..cache import tenancy
@@ -70,7 +72,7 @@ class ServerState:
         return self.engine
 
 
-def tenant_of(st: ServerState, request: Any, cache_salt: str | None = None) -> str:
+def tenant_of(st: ServerState, request: Request | None, cache_salt: str | None = None) -> str:
     """Whose cached prefixes a request may reuse (--cache-isolation; names: cache/tenancy.py):
 
     - ``none``: everyone's, except that a ``cache_salt`` keeps a request to its salt's;

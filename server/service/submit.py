@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
+
+from starlette.requests import Request
 
 from ..api.schemas import SamplingFields
 from ..cache import tenancy
@@ -115,7 +117,11 @@ def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenPa
 
 
 async def submit(
-    st: ServerState, body: SamplingFields, job: Submission, tenant: str = "", request: Any = None
+    st: ServerState,
+    body: SamplingFields,
+    job: Submission,
+    tenant: str = "",
+    request: Request | None = None,
 ) -> TaskGroup:
     """The one path from a generating request to running tasks.
 

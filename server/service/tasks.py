@@ -9,7 +9,8 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
-from typing import Any
+
+from starlette.requests import Request
 
 from ..api.errors import APIError
 from ..slots.engine import Engine, EngineDead
@@ -229,7 +230,7 @@ class TaskGroup:
         finally:
             await batches.aclose()
 
-    async def results(self, request: Any = None) -> list[TaskResult]:
+    async def results(self, request: Request | None = None) -> list[TaskResult]:
         """Wait for every task; the first error becomes an APIError.
 
         With ``request``, a client that disconnects cancels the tasks (within about
@@ -238,12 +239,12 @@ class TaskGroup:
         """
         watchers: list[asyncio.Task[None]] = []
 
-        def start_watcher() -> None:
-            watchers.append(asyncio.create_task(self._watch(request)))
+        def start_watcher(req: Request) -> None:
+            watchers.append(asyncio.create_task(self._watch(req)))
 
         timer = None
         if request is not None:
-            timer = self.loop.call_later(DISCONNECT_POLL_S, start_watcher)
+            timer = self.loop.call_later(DISCONNECT_POLL_S, start_watcher, request)
         out: list[TaskResult | None] = [None] * len(self.tasks)
         try:
             async for index, ev in self.events():
@@ -258,7 +259,7 @@ class TaskGroup:
                 w.cancel()
         return [r for r in out if r is not None]
 
-    async def _watch(self, request: Any) -> None:
+    async def _watch(self, request: Request) -> None:
         await until_disconnected(request)
         log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
         self.cancel()
@@ -341,7 +342,7 @@ def coalesced(batch: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
     return out
 
 
-async def until_disconnected(request: Any, period: float = DISCONNECT_POLL_S) -> None:
+async def until_disconnected(request: Request, period: float = DISCONNECT_POLL_S) -> None:
     """Returns once the client of ``request`` has gone (checked at once, then every
     ``period`` seconds). Polled: Starlette tells a non-streaming handler of a disconnect
     only when asked."""
