@@ -455,7 +455,7 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
     worker.configure(constraint_limits(settings))
-    st.metrics = ServerMetrics(st)
+    metrics = st.metrics = ServerMetrics(st)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -494,5 +494,5 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
         allowed_hosts=csv_list(settings.allowed_hosts or ""),
     )
     app.add_middleware(Cors, policy=policy)
-    app.add_middleware(RequestCounter, metrics=st.metrics)
+    app.add_middleware(RequestCounter, metrics=metrics)
     return app

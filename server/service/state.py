@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
@@ -17,6 +17,29 @@ from ..cli.config import Settings
 from ..slots.engine import Engine
 from ..slots.model_api import DraftModel, ModelBackend
 from .adapters import AdapterRegistry
+
+
+class Metrics(Protocol):
+    """The server's metrics as the routes and the engine see them (server.http.metrics'
+    ServerMetrics implements it)."""
+
+    def observe(self, what: str, value: float) -> None:
+        """An engine observation (engine thread)."""
+        ...
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        ...
+
+
+class NoMetrics:
+    """Metrics before the app set its own (unit tests build a bare ServerState)."""
+
+    def observe(self, what: str, value: float) -> None:
+        return None
+
+    def exposition(self) -> bytes:
+        return b""
 
 
 @dataclass
@@ -40,7 +63,7 @@ class ServerState:
     loading: bool = True
     load_error: str = ""
     on_load_failed: Callable[[], None] | None = None  # set by the CLI: stop serving
-    metrics: Any = None
+    metrics: Metrics = field(default_factory=NoMetrics)
     kv_events: Any = None  # --kv-events-endpoint: server.http.kv_setup.KVEventsRuntime
     started: float = field(default_factory=time.time)
     # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
