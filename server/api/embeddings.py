@@ -77,7 +77,7 @@ class RerankRequest(BaseBody):
 # ---- inputs -------------------------------------------------------------------------------
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -21,11 +21,11 @@ class BaseBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-def _absent(v: Any) -> bool:
+def _absent(v: object) -> bool:
     return v is None
 
 
-def _not_true(v: Any) -> bool:
+def _not_true(v: object) -> bool:
     return v is None or v is False
 
 

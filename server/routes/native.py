@@ -307,7 +307,7 @@ def _stream(
     return sse_batches(group, add, coalesce=True)
 
 
-def _text_chunk(index: int, text: str, tokens: Any) -> dict[str, Any]:
+def _text_chunk(index: int, text: str, tokens: list[int] | str) -> dict[str, Any]:
     """A streamed /completion text chunk (before its optional probabilities and timings)."""
     return {"index": index, "content": text, "stop": False, "id_slot": -1, "tokens": tokens}
 

@@ -264,7 +264,7 @@ def _chat_shape(backend: Tokenizer, body: ChatRequest, n_choices: int, plan: Cha
     calls_mode = plan.spec.parse_calls
     said = [False] * n_choices  # a choice's stream carried content
 
-    def chunks(index: int, d: Delta, lp: Any) -> list[Choice]:
+    def chunks(index: int, d: Delta, lp: dict[str, Any] | None) -> list[Choice]:
         deltas = deltas_of(d) or ([{}] if lp else [])
         return [
             {"index": index, "delta": x, "logprobs": lp if i == 0 else None, "finish_reason": None}

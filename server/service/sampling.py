@@ -74,7 +74,7 @@ def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Tokenizer) -> di
     return out
 
 
-def _bias_value(v: Any) -> float | None:
+def _bias_value(v: object) -> float | None:
     """A logit_bias value as a float (``false``: -inf), None when it is neither."""
     if v is False:
         return float("-inf")
