@@ -35,15 +35,22 @@ def _run_all(batch: Sequence[Delivery]) -> None:
         delivery()
 
 
-# one sink per loop, so the engine groups every task of a loop into one hand-off
+# one sink per loop, so the engine groups every task of a loop into one hand-off (two
+# sinks for one loop, should two threads race here, only cost that loop a second wake-up)
 _SINKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopSink] = weakref.WeakKeyDictionary()
+# loops that take no weak reference (an event loop implemented in C may not): kept for the
+# process's life (a server runs one loop)
+_KEPT: dict[asyncio.AbstractEventLoop, LoopSink] = {}
 
 
 def loop_sink(loop: asyncio.AbstractEventLoop) -> LoopSink:
     """The sink of ``loop`` (created on first use, freed with the loop)."""
-    sink = _SINKS.get(loop)
-    if sink is None:
-        sink = _SINKS[loop] = LoopSink(loop)
+    try:
+        sink = _SINKS.get(loop)
+        if sink is None:
+            sink = _SINKS[loop] = LoopSink(loop)
+    except TypeError:  # no weak references to this loop
+        sink = _KEPT.setdefault(loop, LoopSink(loop))
     return sink
 
 

@@ -86,3 +86,12 @@ def test_no_attributes_glued_onto_callables_for_the_engine() -> None:
         text = path.read_text()
         assert "emit.loop" not in text and "emit.deliver" not in text, path
         assert 'getattr(emit, "loop"' not in text, path
+
+
+def test_a_loop_without_weak_references_still_gets_one_sink() -> None:
+    class SlotsLoop:  # like an event loop implemented in C without __weakref__
+        __slots__ = ()
+
+    loop = SlotsLoop()
+    first = loop_sink(loop)  # type: ignore[arg-type]
+    assert loop_sink(loop) is first  # type: ignore[arg-type]
