@@ -10,7 +10,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi import Request
 
@@ -33,13 +33,15 @@ def state_of(request: Request) -> ServerState:
 
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
-async def prep(request: Request, fn: Callable[..., T], *args: Any) -> T:
+async def prep(request: Request, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args)`` off the event loop, on the request's own preparation pool
     (server.service.pools): abandoned when the client leaves, 408 once the request's
     preparation has taken --request-prep-timeout seconds."""
-    return await prepare(request, state_of(request).settings.request_prep_timeout, fn, *args)
+    timeout = state_of(request).settings.request_prep_timeout
+    return await prepare(request, timeout, fn, *args, **kwargs)
 
 
 def sse(obj: Any) -> str:

@@ -29,7 +29,8 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, ParamSpec, TypeVar
 
 from starlette.requests import Request
 
@@ -37,6 +38,7 @@ from ..api.cancel import CancelFlag, run_with
 from ..api.errors import APIError
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 HEAVY_BYTES = 256 * 1024  # a body over this (or of unknown length) takes the heavy lane
 _CPUS = os.cpu_count() or 2
@@ -106,15 +108,21 @@ def _timed_out(timeout: float) -> APIError:
     )
 
 
-async def prepare(request: Request | None, timeout: float, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on the request's lane (see the module docstring). APIError 408 after
+async def prepare(
+    request: Request | None,
+    timeout: float,
+    fn: Callable[P, T],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> T:
+    """``fn(*args, **kwargs)`` on the request's lane (see the module docstring). APIError 408 after
     ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
     loop = asyncio.get_running_loop()
     remaining = _deadline(request, loop, timeout) - loop.time()
     if remaining <= 0:  # an earlier hand-off of the request used up its time
         raise _timed_out(timeout)
     flag = CancelFlag()
-    cf = pool(lane_of(request)).submit(run_with, flag, fn, args)
+    cf = pool(lane_of(request)).submit(run_with, flag, partial(fn, *args, **kwargs), ())
     fut = asyncio.wrap_future(cf)
     fut.add_done_callback(_retrieve)
     gone: asyncio.Future[None] = loop.create_future()
