@@ -115,8 +115,8 @@ async def prepare(
     *args: P.args,
     **kwargs: P.kwargs,
 ) -> T:
-    """``fn(*args, **kwargs)`` on the request's lane (see the module docstring). APIError 408 after
-    ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
+    """``fn(*args, **kwargs)`` on the request's lane (see the module docstring). APIError
+    408 after ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
     loop = asyncio.get_running_loop()
     remaining = _deadline(request, loop, timeout) - loop.time()
     if remaining <= 0:  # an earlier hand-off of the request used up its time
