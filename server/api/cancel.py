@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 # A worker holding the GIL makes every other thread that wants it wait up to the switch
 # interval (5 ms) each time it takes it back, and the engine thread takes it back after
@@ -21,6 +21,9 @@ from typing import Any
 # waiting thread to wake and take it): no thread waits on it more than about a millisecond.
 YIELD_EVERY_S = 0.001
 YIELD_S = 0.0001
+
+
+T = TypeVar("T")
 
 
 class Cancelled(Exception):
@@ -64,7 +67,7 @@ def checkpoint() -> None:
         flag.next_yield = time.perf_counter() + YIELD_EVERY_S
 
 
-def run_with(flag: CancelFlag, fn: Any, args: tuple[Any, ...]) -> Any:
+def run_with(flag: CancelFlag, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
     """``fn(*args)`` with ``flag`` as this thread's flag (what ``checkpoint`` reads). A flag
     already set means the work was abandoned before it started: nothing runs."""
     if flag.set:

@@ -17,7 +17,7 @@ import numpy as np
 from ..cli.config import Settings
 from ..slots.embed import EmbedResult, too_large
 from .errors import APIError
-from .schemas import _Req
+from .schemas import BaseBody
 
 # llama_pooling_type values of --pooling's names
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
@@ -51,7 +51,7 @@ def pooling_of(s: Settings) -> int:
 # ---- request bodies -----------------------------------------------------------------------
 
 
-class EmbeddingRequest(_Req):
+class EmbeddingRequest(BaseBody):
     """/v1/embeddings, /embedding(s). ``input`` (or llama-server's ``content``): a string, a
     token list, a mixed list of strings and tokens, ``{"prompt_string": ...}``, ``{"content":
     [text parts]}``, or an array of these. Checked by ``embedding_prompts``."""
@@ -63,7 +63,7 @@ class EmbeddingRequest(_Req):
     model: str | None = None
 
 
-class RerankRequest(_Req):
+class RerankRequest(BaseBody):
     """/rerank (Jina's shape: ``documents``; TEI's: ``texts``, answered with a bare list)."""
 
     query: Any = None
@@ -77,7 +77,7 @@ class RerankRequest(_Req):
 # ---- inputs -------------------------------------------------------------------------------
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

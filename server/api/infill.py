@@ -54,7 +54,7 @@ def check_infill_body(body: dict[str, Any]) -> list[dict[str, Any]]:
     return extra
 
 
-def _is_mixed(v: Any) -> bool:
+def _is_mixed(v: object) -> bool:
     """A string, or a list of strings and token ids (llama-server's "mixed" prompt)."""
     if isinstance(v, str):
         return True

@@ -21,7 +21,7 @@ from .errors import APIError
 MAX_DEPTH = 512
 
 
-def json_depth(value: Any, limit: int | None = None) -> int:
+def json_depth(value: object, limit: int | None = None) -> int:
     """The deepest nesting of lists and dicts in ``value`` (0 for a scalar); stops early and
     returns ``limit + 1`` once ``limit`` is exceeded."""
     deepest = 0

@@ -26,7 +26,7 @@ _BAD_ELEMENT = (
 _NO_MTMD = "Multimodal data provided, but model does not support multimodal requests."
 
 
-def _is_token(x: Any) -> bool:
+def _is_token(x: object) -> bool:
     # JSON true/false arrive as bool, a subclass of int: they are no token ids
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -14,18 +14,18 @@ MAX_STOP_CHARS = 1000  # the partial-match scan per token is linear in this
 MAX_BIAS = 1024
 
 
-class _Req(BaseModel):
+class BaseBody(BaseModel):
     """Base of every request body."""
 
     # Unknown fields are ignored, as OpenAI-compatible servers do.
     model_config = ConfigDict(extra="ignore")
 
 
-def _absent(v: Any) -> bool:
+def _absent(v: object) -> bool:
     return v is None
 
 
-def _not_true(v: Any) -> bool:
+def _not_true(v: object) -> bool:
     return v is None or v is False
 
 
@@ -60,7 +60,7 @@ def _refuse_unsupported(v: Any, info: ValidationInfo) -> Any:
     return v
 
 
-class StreamOptions(_Req):
+class StreamOptions(BaseBody):
     """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with ``usage``."""
 
     include_usage: bool = False
@@ -72,7 +72,7 @@ class StreamOptions(_Req):
 LORA_SCALE_MAX = 10.0
 
 
-class LoraScale(_Req):
+class LoraScale(BaseBody):
     """llama-server's LoRA item: an adapter id (GET /lora-adapters) and its scale, within
     ``LORA_SCALE_MAX`` either way."""
 
@@ -80,7 +80,7 @@ class LoraScale(_Req):
     scale: Annotated[float, Field(ge=-LORA_SCALE_MAX, le=LORA_SCALE_MAX)] = 0.0
 
 
-class SamplingFields(_Req):
+class SamplingFields(BaseBody):
     """Fields every generating endpoint takes: sampler settings, stop strings, slot choice,
     prompt caching and a per-request timeout (``service.submit`` reads them)."""
 
@@ -164,14 +164,14 @@ class CompletionRequest(SamplingFields):
     _refused = field_validator("suffix", "best_of")(_refuse_unsupported)
 
 
-class ContentPart(_Req):
+class ContentPart(BaseBody):
     """A chat content part; only ``text`` parts are served (others are a 400)."""
 
     type: str
     text: str | None = None
 
 
-class CalledFunction(_Req):
+class CalledFunction(BaseBody):
     """The function of an assistant message's tool call: OpenAI sends ``arguments`` as JSON
     text (an object is accepted too)."""
 
@@ -179,7 +179,7 @@ class CalledFunction(_Req):
     arguments: str | dict[str, Any] = "{}"
 
 
-class MessageToolCall(_Req):
+class MessageToolCall(BaseBody):
     """A tool call in the history (an assistant message's ``tool_calls``)."""
 
     id: str | None = None
@@ -187,7 +187,7 @@ class MessageToolCall(_Req):
     function: CalledFunction
 
 
-class Message(_Req):
+class Message(BaseBody):
     """A chat message; the role is checked against the template's roles when rendering.
     Assistant messages may carry ``tool_calls`` (content then null), ``tool`` messages the
     ``tool_call_id`` they answer; ``reasoning_content`` goes to templates that show it."""
@@ -265,7 +265,7 @@ class NativeCompletionRequest(SamplingFields):
     return_tokens: bool = False  # the final object's ``tokens``: the generated token ids
 
 
-class TokenizeRequest(_Req):
+class TokenizeRequest(BaseBody):
     """/tokenize (llama-server's defaults: no BOS, special tokens parsed)."""
 
     content: str
@@ -274,13 +274,13 @@ class TokenizeRequest(_Req):
     with_pieces: bool = False
 
 
-class DetokenizeRequest(_Req):
+class DetokenizeRequest(BaseBody):
     """/detokenize."""
 
     tokens: list[int]
 
 
-class SlotActionBody(_Req):
+class SlotActionBody(BaseBody):
     """The body of /slots/{id}?action=save|restore: a file name within --slot-save-path."""
 
     filename: str

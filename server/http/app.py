@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -56,12 +56,11 @@ from .sleep import SleepController, SleepGate, release_memory
 log = logging.getLogger("server")
 
 if TYPE_CHECKING:  # the type checker holds the real backend and draft to the engine's protocols
-    from ..llama.backend import LlamaBackend
-    from ..llama.draft import DraftContext
-    from ..slots.backend_api import Backend
-    from ..slots.draft_kv import DraftMemory
+    from ..llama.backend import LlamaBackend, ModelOptions
+    from ..llama.draft import DraftContext, DraftOptions
+    from ..slots.model_api import DraftModel, ModelBackend
 
-    def _conforms(b: LlamaBackend, d: DraftContext) -> tuple[Backend, DraftMemory]:
+    def _conforms(b: LlamaBackend, d: DraftContext) -> tuple[ModelBackend, DraftModel]:
         return b, d
 
 
@@ -72,7 +71,7 @@ def default_model_path() -> str:
     return str(assemble())
 
 
-def model_options(s: Settings, path: str) -> Any:
+def model_options(s: Settings, path: str) -> ModelOptions:
     """The backend's options from the settings (the one place they are mapped)."""
     from ..llama.backend import ModelOptions
     from ..llama.params import load_mode, tensor_overrides
@@ -128,7 +127,9 @@ def kv_label(s: Settings) -> str:
     return "" if set(types) == {"f16"} else ":kv=" + "/".join(types)
 
 
-def disk_tier(s: Settings, cache: PromptCache | None, backend: Any, model: str) -> DiskTier | None:
+def disk_tier(
+    s: Settings, cache: PromptCache | None, backend: ModelBackend, model: str
+) -> DiskTier | None:
     """The disk tier under the RAM cache (--cache-disk DIR, --cache-disk-mib N), started:
     its index rebuilt from DIR's file headers. None when off."""
     if not s.cache_disk or s.cache_disk_mib == 0:
@@ -193,7 +194,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
     )
 
 
-def draft_options(s: Settings) -> Any:
+def draft_options(s: Settings) -> DraftOptions:
     """The draft model's settings (server.llama.draft.DraftOptions) from the flags."""
     from ..llama.draft import DraftOptions
     from ..llama.params import tensor_overrides
@@ -211,7 +212,7 @@ def draft_options(s: Settings) -> Any:
     )
 
 
-def draft_context(s: Settings, backend: Any) -> Any:
+def draft_context(s: Settings, backend: LlamaBackend) -> DraftContext | None:
     """The draft model's context for draft-simple (None otherwise)."""
     if spec_config(s).kind != SPEC_DRAFT:
         return None
@@ -252,7 +253,7 @@ def _clean_save_dir(path: str) -> None:
         os.unlink(stale)  # a save interrupted by a crash; never under a real name
 
 
-def _backend_options(st: ServerState, path: str) -> Any:
+def _backend_options(st: ServerState, path: str) -> ModelOptions:
     """The model options, with the LoRA adapters the flags name (the registry is built once:
     a reload after sleeping keeps the global scales set meanwhile)."""
     s = st.settings
@@ -317,7 +318,7 @@ def load(st: ServerState) -> None:
 def _log_loaded(st: ServerState, path: str) -> None:
     """One line on what was loaded (after ``load`` set the engine and the template)."""
     s, b, engine, template = st.settings, st.backend, st.engine, st.template
-    if engine is None or template is None:
+    if engine is None or template is None or b is None:
         return
     log.info(
         "model %s loaded: n_ctx=%d (per slot %d), %d slots, n_batch=%d, n_swa=%d, kv_unified=%s, "
@@ -340,7 +341,7 @@ def _log_loaded(st: ServerState, path: str) -> None:
     )
 
 
-def _warn_setup(s: Settings, backend: Any, engine: Engine) -> None:
+def _warn_setup(s: Settings, backend: ModelBackend, engine: Engine) -> None:
     """One warning for each setting that does less than it says."""
     if spec_types_ignored(s):
         log.warning(
@@ -455,7 +456,7 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
     worker.configure(constraint_limits(settings))
-    st.metrics = ServerMetrics(st)
+    metrics = st.metrics = ServerMetrics(st)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -494,5 +495,5 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
         allowed_hosts=csv_list(settings.allowed_hosts or ""),
     )
     app.add_middleware(Cors, policy=policy)
-    app.add_middleware(RequestCounter, metrics=st.metrics)
+    app.add_middleware(RequestCounter, metrics=metrics)
     return app

@@ -282,7 +282,7 @@ def _wants_scratch(model: Any, opts: ModelOptions) -> bool:
     return opts.scratch_seq and opts.kv_unified and n_swa == 0 and not recurrent
 
 
-def _context_params(opts: ModelOptions, n_ctx_train: int, scratch: bool) -> tuple[Any, int]:
+def context_params(opts: ModelOptions, n_ctx_train: int, scratch: bool) -> tuple[Any, int]:
     """llama_context_params from the options, and the decode thread count; ``scratch``: one
     sequence more than the slots (--cache-reuse)."""
     cparams = L.llama_context_default_params()
@@ -358,7 +358,7 @@ class LlamaBackend(SeqMemory):
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.scratch_seq = opts.n_parallel if _wants_scratch(self.model, opts) else -1
-        cparams, threads = _context_params(opts, self.n_ctx_train, self.scratch_seq >= 0)
+        cparams, threads = context_params(opts, self.n_ctx_train, self.scratch_seq >= 0)
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError("failed to create llama context (out of memory?)")

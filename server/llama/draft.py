@@ -15,7 +15,7 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
-from .backend import LlamaBackend, LlamaBatch, _context_params
+from .backend import LlamaBackend, LlamaBatch, context_params
 from .memory import SeqMemory, memory_layout
 from .params import KV_TYPES, model_params
 
@@ -76,7 +76,7 @@ class DraftContext(SeqMemory):
             if o.n_threads_batch > 0
             else target.opts.n_threads_batch,
         )
-        cparams, _ = _context_params(opts, L.llama_model_n_ctx_train(self.model), False)
+        cparams, _ = context_params(opts, L.llama_model_n_ctx_train(self.model), False)
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             self.close()

@@ -29,12 +29,13 @@ from ..api.errors import APIError, anthropic_error_body
 from ..api.schemas import ChatRequest
 from ..api.tools.parse import Delta, Message, parse_message
 from ..api.tools.plan import ChatPlan
+from ..frontend.chat import plan_chat, render_chat
+from ..frontend.requests import messages_request
 from ..service.state import ServerState, tenant_of
-from ..service.submit import Submission, submit
+from ..service.submit import submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
 from .common import SSE_HEADERS, Frame, json_str, prep, sse_batches, sse_named, state_of
-from .openai import _plan, chat_constraint, render_chat
 
 router = APIRouter()
 
@@ -59,15 +60,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     st = state_of(request)
     # a long history, tool schemas: off the loop, in one hand-off
     chat, plan = await prep(request, _chat_and_plan, st, body)
-    job = Submission(
-        prompts=lambda: [render_chat(st, chat, plan)],
-        max_tokens=body.max_tokens,
-        stream=body.stream,
-        constraint=lambda: chat_constraint(plan, chat),
-        # the first progress event opens the stream (the cached share is known then);
-        # later ones are pings while a long prompt is processed
-        return_progress=body.stream,
-    )
+    job = messages_request(st, body, chat, plan)
     group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt), request)
     omit = body.thinking is not None and body.thinking.display == "omitted"
     if not body.stream:
@@ -91,7 +84,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
 
 def _chat_and_plan(st: ServerState, body: CountTokensRequest) -> tuple[ChatRequest, ChatPlan]:
     chat = _chat_request(body)
-    return chat, _plan(st, chat)
+    return chat, plan_chat(st, chat)
 
 
 def _n_tokens(st: ServerState, body: CountTokensRequest) -> int:

@@ -10,7 +10,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from json.encoder import encode_basestring
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from fastapi import Request
 
@@ -19,6 +19,7 @@ from ..service.pools import prepare
 from ..service.sampling import default_sampling
 from ..service.state import ServerState
 from ..service.tasks import TaskGroup
+from ..slots.model_api import Tokenizer
 from ..types import Event, Task, TaskError, TokenLogprob
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
@@ -32,13 +33,15 @@ def state_of(request: Request) -> ServerState:
 
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
-async def prep(request: Request, fn: Callable[..., T], *args: Any) -> T:
+async def prep(request: Request, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args)`` off the event loop, on the request's own preparation pool
     (server.service.pools): abandoned when the client leaves, 408 once the request's
     preparation has taken --request-prep-timeout seconds."""
-    return await prepare(request, state_of(request).settings.request_prep_timeout, fn, *args)
+    timeout = state_of(request).settings.request_prep_timeout
+    return await prepare(request, timeout, fn, *args, **kwargs)
 
 
 def sse(obj: Any) -> str:
@@ -140,7 +143,7 @@ def sse_error(err: TaskError) -> str:
 
 
 def token_logprobs(
-    backend: Any, lps: list[TokenLogprob], with_id: bool = False
+    backend: Tokenizer, lps: list[TokenLogprob], with_id: bool = False
 ) -> list[dict[str, Any]]:
     """Per token: text, log-probability, bytes (and id), with the top alternatives alike.
     The shape of OpenAI's chat ``logprobs.content`` and llama-server's ``completion_probabilities``."""
@@ -161,7 +164,7 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
     Only a task adds the per-request fields (stop strings, logit bias, streaming, ...)."""
     p = task.sampling if task is not None else default_sampling(st.settings)
     out: dict[str, Any] = {
-        "n_ctx": st.backend.n_ctx_slot,
+        "n_ctx": st.require_backend().n_ctx_slot,
         "n_predict": task.gen.max_tokens if task is not None else st.settings.n_predict,
         "temperature": p.temperature,
         "top_k": p.top_k,

@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..api.embeddings import (
     POOLING_NONE,
@@ -30,11 +29,13 @@ from ..api.embeddings import (
     rerank_response,
 )
 from ..api.errors import APIError
+from ..service.sink import emitter
 from ..service.state import ServerState
 from ..service.tasks import until_disconnected
 from ..service.tokenizer import tokenize
 from ..slots.embed import EmbedEvent, EmbedResult, EmbedTask
 from ..slots.engine import EngineDead
+from ..slots.sink import Emitter
 from ..types import TaskError
 from .common import prep, state_of
 
@@ -52,22 +53,16 @@ class _ClientGone:
 CLIENT_GONE = _ClientGone()
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[EmbedEvent], None]:
-    """A task's ``emit``: thread-safe; the engine batches deliveries per loop (``deliver``)."""
-
-    def emit(ev: EmbedEvent) -> None:
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-        except RuntimeError:  # loop closed: the client is long gone
-            pass
-
-    emit.loop = loop  # type: ignore[attr-defined]
-    emit.deliver = q.put_nowait  # type: ignore[attr-defined]
-    return emit
+def _emitter(
+    loop: asyncio.AbstractEventLoop, q: asyncio.Queue[EmbedEvent | _ClientGone]
+) -> Emitter[EmbedEvent]:
+    """A task's ``emit``: thread-safe; the engine batches deliveries per loop
+    (service/sink.py)."""
+    return emitter(loop, q.put_nowait)
 
 
 async def run_embeddings(
-    st: Any, prompts: list[list[int]], request: Any = None
+    st: ServerState, prompts: list[list[int]], request: Request | None = None
 ) -> list[EmbedResult]:
     """Embed ``prompts`` on the engine, one task each (they share decodes with every other
     request's); results in prompt order. APIError: 503 when the queue is full or the engine
@@ -118,15 +113,15 @@ async def run_embeddings(
     return [r for r in out if r is not None]
 
 
-def _tokenizer(st: ServerState) -> Any:
-    b = st.backend
+def _tokenizer(st: ServerState) -> Callable[[str, bool], list[int]]:
+    b = st.require_backend()
     return lambda text, add_special: tokenize(b, text, add_special, True)
 
 
-def _checked(st: ServerState, make: Any) -> list[list[int]]:
+def _checked(st: ServerState, make: Callable[[], list[list[int]]]) -> list[list[int]]:
     """``make()``'s prompts, checked (worker thread: tokenizing may take a while)."""
     prompts = make()
-    b = st.backend
+    b = st.require_backend()
     check_prompts(prompts, b.n_vocab, min(b.n_ubatch, b.n_batch), b.n_ctx_slot)
     return prompts
 
@@ -136,7 +131,7 @@ async def _embeddings(request: Request, body: EmbeddingRequest, oai: bool) -> JS
     if not embeddings_on(st.settings):
         raise APIError(501, "This server does not support embeddings. Start it with `--embeddings`")
     st.require_engine()
-    b = st.backend
+    b = st.require_backend()
     if oai and b.pooling == POOLING_NONE:
         raise APIError(
             400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
@@ -175,7 +170,7 @@ async def embeddings_native(request: Request, body: EmbeddingRequest) -> JSONRes
 @router.post("/reranking")
 @router.post("/v1/rerank")
 @router.post("/v1/reranking")
-async def rerank(request: Request, body: RerankRequest) -> Any:
+async def rerank(request: Request, body: RerankRequest) -> Response:
     """llama-server's reranking (needs --reranking, i.e. pooling rank): each document scored
     against the query, sorted, the first ``top_n``."""
     st = state_of(request)
@@ -183,7 +178,7 @@ async def rerank(request: Request, body: RerankRequest) -> Any:
         raise APIError(501, "This server does not support reranking. Start it with `--reranking`")
     st.require_engine()
     query, docs = rerank_inputs(body)
-    parts = RerankParts(*st.backend.rerank_parts())
+    parts = RerankParts(*st.require_backend().rerank_parts())
     tok = _tokenizer(st)
     make = lambda: [rerank_prompt(query, d, parts, tok) for d in docs]  # noqa: E731
     prompts = await prep(request, _checked, st, make)

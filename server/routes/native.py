@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,13 +11,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..api.cancel import checkpoint
 from ..api.errors import APIError
-from ..api.prompts import prompt_echo, prompt_tokens, split_prompts
-from ..api.schemas import DetokenizeRequest, NativeCompletionRequest, TokenizeRequest
+from ..api.prompts import prompt_echo, split_prompts
+from ..api.schemas import DetokenizeRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest
+from ..frontend.requests import native_request
+from ..frontend.sources import NativeSource
 from ..service.state import ServerState, tenant_of
-from ..service.submit import Prompt, Submission, submit
+from ..service.submit import PromptSource, submit
 from ..service.tasks import TaskGroup
 from ..service.tokenizer import tokenize as tokenize_text
-from ..service.validation import check_tokens, constraint_of
+from ..service.validation import check_tokens
+from ..slots.model_api import Tokenizer
 from ..types import (
     Event,
     FinishReason,
@@ -70,7 +73,7 @@ async def props(request: Request) -> dict[str, Any]:
 def props_of(st: ServerState) -> dict[str, Any]:
     """The /props object of a loaded server (a 503 APIError while loading)."""
     engine = st.require_engine()
-    b = st.backend
+    b = st.require_backend()
     return {
         "default_generation_settings": {
             **generation_settings(st),
@@ -108,8 +111,8 @@ def props_of(st: ServerState) -> dict[str, Any]:
             "prefix_shared_tokens": engine.stats.prefix_shared_tokens,
             "prefix_waits_skipped": engine.stats.prefix_waits_skipped,
             "prefix_waits_abandoned": engine.stats.prefix_waits_abandoned,
-            "step_seconds_fixed": engine.sharing.speed.per_step,
-            "step_seconds_per_token": engine.sharing.speed.per_token,
+            "step_seconds_fixed": engine.step_speed[0],
+            "step_seconds_per_token": engine.step_speed[1],
         },
         "endpoint_slots": st.settings.slots,
         "endpoint_props": st.settings.props,
@@ -180,7 +183,7 @@ def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> li
     """llama-server's ``completion_probabilities``: log-probabilities (``logprob``,
     ``top_logprobs``), or with post_sampling_probs the probabilities the sampler chain left
     (``prob``, ``top_probs``)."""
-    out = token_logprobs(st.backend, lps, with_id=True)
+    out = token_logprobs(st.require_backend(), lps, with_id=True)
     if not task.sampling.post_probs:
         return out
 
@@ -196,17 +199,6 @@ def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> li
     return [{**prob(e), "top_probs": [prob(x) for x in e["top_logprobs"]]} for e in out]
 
 
-def _native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
-    """Each of llama-server's prompt forms (server.api.prompts) as tokens: text is tokenized with
-    special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
-    b = st.backend
-
-    def tokenize(text: str, add_special: bool) -> list[int]:
-        return tokenize_text(b, text, add_special, True)
-
-    return [Prompt(prompt_tokens(p, tokenize)) for p in prompts]
-
-
 @router.post("/completion")
 @router.post("/completions")  # llama-server: the native route, not OpenAI's
 async def completion(body: NativeCompletionRequest, request: Request) -> Response:
@@ -214,31 +206,21 @@ async def completion(body: NativeCompletionRequest, request: Request) -> Respons
     st = state_of(request)
     raw = split_prompts(body.prompt)
     echoes = [prompt_echo(p) for p in raw]
-    return await run_native(st, request, body, lambda: _native_prompts(st, raw), echoes)
+    return await run_native(st, request, body, NativeSource(st, body, raw), echoes)
 
 
 async def run_native(
     st: ServerState,
     request: Request,
-    body: Any,
-    prompts: Callable[[], list[Prompt]],
+    body: NativeCompletionRequest | InfillRequest,
+    source: PromptSource,
     echoes: list[str] | None = None,
 ) -> Response:
-    """Run one native-completion request (/completion, /infill) on ``prompts()``: the final
+    """Run one native-completion request (/completion, /infill) on ``source``: the final
     object (a list of them, by prompt, for several prompts), or the stream of chunks (each
     with its prompt's ``index``). ``echoes``: the ``prompt`` each result echoes (by default
     a text ``prompt`` of the body: llama-server echoes text only)."""
-    job = Submission(
-        prompts=prompts,
-        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
-        stream=body.stream,
-        n_probs=body.n_probs,
-        logprobs=body.n_probs > 0,
-        constraint=lambda: constraint_of(json_schema=body.json_schema, grammar=body.grammar),
-        return_progress=body.return_progress,
-        timings_per_token=body.timings_per_token,
-        post_sampling=body.post_sampling_probs,
-    )
+    job = native_request(body, source)
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
     if echoes is None:
         echoes = [body.prompt if isinstance(body.prompt, str) else ""] * len(group.tasks)
@@ -325,7 +307,7 @@ def _stream(
     return sse_batches(group, add, coalesce=True)
 
 
-def _text_chunk(index: int, text: str, tokens: Any) -> dict[str, Any]:
+def _text_chunk(index: int, text: str, tokens: list[int] | str) -> dict[str, Any]:
     """A streamed /completion text chunk (before its optional probabilities and timings)."""
     return {"index": index, "content": text, "stop": False, "id_slot": -1, "tokens": tokens}
 
@@ -351,10 +333,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     list where they are not valid UTF-8 alone, e.g. part of a multi-byte character)."""
     st = state_of(request)
     st.require_engine()
-    return await prep(request, _tokenized, st.backend, body)
+    return await prep(request, _tokenized, st.require_backend(), body)
 
 
-def _tokenized(b: Any, body: TokenizeRequest) -> dict[str, Any]:
+def _tokenized(b: Tokenizer, body: TokenizeRequest) -> dict[str, Any]:
     """/tokenize's answer (worker thread: a long text takes a while)."""
     toks = tokenize_text(b, body.content, body.add_special, body.parse_special)
     if not body.with_pieces:
@@ -377,10 +359,10 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     """The text of ``tokens``; APIError 400 for an id outside the vocabulary."""
     st = state_of(request)
     st.require_engine()
-    return await prep(request, _detokenized, st.backend, body.tokens)
+    return await prep(request, _detokenized, st.require_backend(), body.tokens)
 
 
-def _detokenized(b: Any, tokens: list[int]) -> dict[str, Any]:
+def _detokenized(b: Tokenizer, tokens: list[int]) -> dict[str, Any]:
     """/detokenize's answer (worker thread: a long list takes a while)."""
     check_tokens(tokens, b)
     return {"content": b.detokenize(tokens)}

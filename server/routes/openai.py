@@ -15,29 +15,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..api.cancel import checkpoint
-from ..api.chat import (
-    ROLES,
-    ChatTemplate,
-    Continuation,
-    Rendered,
-    TemplateError,
-    thinking_forced_open,
-)
 from ..api.errors import APIError
 from ..api.schemas import ChatRequest, CompletionRequest
 from ..api.tools.parse import Delta, Message, parse_message
-from ..api.tools.plan import ChatPlan, deltas_of, message_of, plan_chat
-from ..api.tools.prompt import prepare
-from ..api.tools.spec import ToolSpecError
+from ..api.tools.plan import ChatPlan, deltas_of, message_of
 from ..cli.config import csv_list
-from ..constrained import Constraint
+from ..frontend.chat import plan_chat
+from ..frontend.requests import chat_request, completion_request
 from ..service.state import ServerState, tenant_of
-from ..service.submit import Prompt, Submission, submit
+from ..service.submit import submit
 from ..service.tasks import TaskGroup
-from ..service.tokenizer import tokenize, tokenize_at
 from ..service.usage import finish_reason, merged_timings, usage_of
-from ..service.validation import constraint_of
+from ..slots.model_api import Tokenizer
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,
@@ -59,11 +48,13 @@ router = APIRouter()
 Choice = dict[str, Any]
 
 
-def _piece(backend: Any, tok: int) -> str:
+def _piece(backend: Tokenizer, tok: int) -> str:
     return backend.token_to_piece(tok).decode("utf-8", "replace")
 
 
-def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    backend: Tokenizer, lps: list[TokenLogprob], offset0: int = 0
+) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object; ``offset0`` is the choice's text length so
     far (streamed chunks continue the offsets of the ones before)."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -83,42 +74,18 @@ def completion_logprobs(backend: Any, lps: list[TokenLogprob], offset0: int = 0)
     }
 
 
-def chat_logprobs(backend: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(backend: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
     """The chat ``logprobs`` object."""
     return {"content": token_logprobs(backend, lps)}
 
 
-def _prompts(st: ServerState, prompt: Any) -> list[Prompt]:
-    """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each."""
-    b = st.backend
-    if isinstance(prompt, str):
-        return [Prompt(tokenize(b, prompt, True, True))]
-    if not prompt:
-        raise APIError(400, "the prompt is empty")
-    if all(isinstance(x, int) for x in prompt):
-        return [Prompt(list(prompt))]
-    out = []
-    for p in prompt:
-        checkpoint()
-        out.append(Prompt(tokenize(b, p, True, True) if isinstance(p, str) else list(p)))
-    return out
-
-
-def _prompt_text(backend: Any, raw: Any, tokens: list[int], i: int) -> str:
+def _prompt_text(backend: Tokenizer, raw: Any, tokens: list[int], i: int) -> str:
     """The text of prompt ``i`` as the client sent it (detokenized if it sent tokens)."""
     if isinstance(raw, str):
         return raw
     if isinstance(raw, list) and raw and isinstance(raw[i], str):
         return raw[i]
     return backend.detokenize(tokens)
-
-
-def _max_tokens(*values: int | None) -> int:
-    """The first limit the client set, by precedence; -1 (no limit) if none."""
-    for v in values:
-        if v is not None:
-            return v
-    return -1
 
 
 def model_object(st: ServerState) -> dict[str, Any]:
@@ -232,7 +199,7 @@ class _CompletionChoices:
     """The choices of /v1/completions. Stateful per request: a streamed choice's log-prob
     offsets continue from its previous chunk, and its echoed prompt opens its first chunk."""
 
-    def __init__(self, backend: Any, body: CompletionRequest, group: TaskGroup) -> None:
+    def __init__(self, backend: Tokenizer, body: CompletionRequest, group: TaskGroup) -> None:
         self.b = backend
         self.logprobs = body.logprobs is not None
         self.offsets = [0] * len(group.tasks)
@@ -276,145 +243,11 @@ class _CompletionChoices:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     """Legacy text completions: every prompt ``n`` times, choices prompt-major."""
     st = state_of(request)
-
-    def no_echo_logprobs() -> None:
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (no prompt log-probabilities)")
-
-    job = Submission(
-        prompts=lambda: _prompts(st, body.prompt),
-        max_tokens=_max_tokens(body.max_tokens, body.n_predict),
-        stream=body.stream,
-        n_probs=body.logprobs or 0,
-        logprobs=body.logprobs is not None,
-        n=body.n,
-        check=no_echo_logprobs,
-        constraint=lambda: constraint_of(json_schema=body.json_schema, grammar=body.grammar),
-        return_progress=body.return_progress,
-        timings_per_token=body.timings_per_token,
-    )
+    job = completion_request(st, body)
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
-    choices = _CompletionChoices(st.backend, body, group)
+    choices = _CompletionChoices(st.require_backend(), body, group)
     shape = Shape("cmpl-", "text_completion", "text_completion", choices.text, choices.final)
     return await respond(request, group, body, shape, st.model_name)
-
-
-def _messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them: text parts joined, developer as system."""
-    out = []
-    for m in req.messages:
-        checkpoint()  # the client may have left: stop between messages
-        if m.role not in ROLES:
-            raise APIError(400, f"unknown role {m.role!r} in messages")
-        if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"unsupported content part type {part.type!r} (only text)")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        else:
-            content = m.content or ""
-        role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": content}
-        if m.name:
-            msg["name"] = m.name
-        if m.tool_calls:
-            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.reasoning_content is not None:
-            msg["reasoning_content"] = m.reasoning_content
-        out.append(msg)
-    return out
-
-
-def _continuation(
-    st: ServerState, req: ChatRequest, messages: list[dict[str, Any]]
-) -> tuple[Continuation | None, bool]:
-    """Whether the final message is continued (and then taken off ``messages``), and whether
-    the template opens the assistant turn, as llama-server decides: ``continue_final_message``
-    (true, "content" or "reasoning_content"), else a final assistant message is continued
-    (--prefill-assistant, on by default). APIError 400 for the combinations it refuses."""
-    mode = req.continue_final_message
-    add_gen = req.add_generation_prompt
-    if mode is None and st.settings.prefill_assistant and messages[-1]["role"] == "assistant":
-        if len(messages) >= 2 and messages[-2]["role"] == "assistant":
-            raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.")
-        mode, add_gen = True, False
-    if not mode:
-        return None, add_gen
-    if add_gen:
-        raise APIError(
-            400, "Cannot set both add_generation_prompt and continue_final_message to true."
-        )
-    last, raw = messages.pop(), req.messages[-1]
-    if last.get("tool_calls"):
-        raise APIError(400, "Cannot continue an assistant message that contains tool calls.")
-    # parts join with a blank line here (llama.cpp's render_content), with "\n" elsewhere
-    if isinstance(raw.content, list):
-        content = "\n\n".join(p.text or "" for p in raw.content)
-    else:
-        content = last["content"]
-    reasoning = last.get("reasoning_content") or ""
-    if mode is True:  # auto: the reasoning when there is nothing else to continue
-        mode = "reasoning_content" if reasoning and not content else "content"
-    return Continuation(content, reasoning, mode == "reasoning_content"), False
-
-
-def _template(st: ServerState) -> ChatTemplate:
-    """The model's chat template; APIError 503 while no model is loaded (it comes with it)."""
-    if st.template is None:
-        raise APIError(503, "Loading model", "unavailable_error")
-    return st.template
-
-
-def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered:
-    """The chat template's rendering of ``req``: tools and tool history as ``plan`` says
-    (server.api.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
-    when the template rejects the messages, 500 when the template itself fails."""
-    messages = _messages(req)
-    continuation, add_gen = _continuation(st, req, messages)
-    try:
-        tpl = _template(st)
-        prepared = prepare(tpl, messages, plan.spec, plan.kwargs)
-        return tpl.render_chat(
-            prepared.messages,
-            add_generation_prompt=add_gen,
-            continuation=continuation,
-            **prepared.extra,
-        )
-    except TemplateError as e:
-        raise APIError(400 if e.client else 500, str(e)) from e
-
-
-def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
-    """Prompt tokens and the token index where the last user turn starts (-1 if unknown).
-    Whether the prompt leaves the answer inside an open ``<think>`` is noted in
-    ``plan.forced_open``."""
-    b = st.backend
-    rendered = render_prompt(st, req, plan)
-    plan.forced_open = rendered.in_reasoning or thinking_forced_open(rendered.prompt)
-    text = rendered.prompt
-    # Templates emit BOS themselves; tokenizing with add_special would add a second one.
-    has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
-    if has_bos:
-        text = text[len(b.bos_text) :]
-    # the last user turn's offset in ``text``: tokenized in pieces (linear time, see
-    # service.tokenizer), where a piece starts there its first token is the answer
-    mark = rendered.last_user_offset - (len(b.bos_text) if has_bos else 0)
-    tokens, at = tokenize_at(b, text, True, True, [mark] if mark > 0 else [])
-    user_start = at.get(mark, -1)
-    if rendered.last_user_offset > 0 and mark not in at:
-        head = rendered.prompt[: rendered.last_user_offset]
-        if has_bos:
-            head = head[len(b.bos_text) :]
-        head_tokens = tokenize(b, head, True, True)
-        # The boundary counts only where the head tokenizes alike alone and within the
-        # whole prompt (a token may straddle it).
-        if tokens[: len(head_tokens)] == head_tokens:
-            user_start = len(head_tokens)
-    return Prompt(tokens, user_start)
 
 
 def _chat_finish(r: TaskResult, has_calls: bool) -> str:
@@ -423,7 +256,7 @@ def _chat_finish(r: TaskResult, has_calls: bool) -> str:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan) -> Shape:
+def _chat_shape(backend: Tokenizer, body: ChatRequest, n_choices: int, plan: ChatPlan) -> Shape:
     """The chat response's choices: a message each, or role, deltas, finish. The output goes
     through one parser per choice (reasoning, tool calls: server.api.tools) unless plain."""
     want_lp = body.logprobs
@@ -431,7 +264,7 @@ def _chat_shape(backend: Any, body: ChatRequest, n_choices: int, plan: ChatPlan)
     calls_mode = plan.spec.parse_calls
     said = [False] * n_choices  # a choice's stream carried content
 
-    def chunks(index: int, d: Delta, lp: Any) -> list[Choice]:
+    def chunks(index: int, d: Delta, lp: dict[str, Any] | None) -> list[Choice]:
         deltas = deltas_of(d) or ([{}] if lp else [])
         return [
             {"index": index, "delta": x, "logprobs": lp if i == 0 else None, "finish_reason": None}
@@ -498,80 +331,15 @@ def _chat_progress_choice(index: int) -> Choice:
     }
 
 
-def _plan(st: ServerState, body: ChatRequest) -> ChatPlan:
-    """The request's tools and reasoning handling; APIError 400 for malformed tool fields
-    or a forced call together with another constraint on the output."""
-    st.require_engine()  # the template comes with the model
-    template = _template(st)
-    # Server defaults (llama-server's --reasoning-format, --chat-template-kwargs, -rea and
-    # --reasoning-effort) under the request's own values.
-    s = st.settings
-    effort = s.reasoning_effort
-    server_kwargs = dict(s.chat_template_kwargs or {})
-    if s.reasoning != "auto":  # -rea on|off: the template's thinking switch
-        server_kwargs.setdefault("enable_thinking", s.reasoning == "on")
-    try:
-        plan = plan_chat(
-            template,
-            tools=body.tools,
-            tool_choice=body.tool_choice,
-            parallel_tool_calls=body.parallel_tool_calls,
-            reasoning_format=body.reasoning_format,
-            # llama-server's deepseek-legacy also keeps the tags in content: not done here
-            default_reasoning_format=s.reasoning_format.replace("deepseek-legacy", "deepseek"),
-            chat_template_kwargs={**server_kwargs, **(body.chat_template_kwargs or {})},
-            reasoning_effort=body.reasoning_effort or effort,
-        )
-    except ToolSpecError as e:
-        raise APIError(400, str(e)) from None
-    if plan.spec.forced and (body.response_format or body.json_schema or body.grammar):
-        field = "response_format" if body.response_format else "json_schema or grammar"
-        raise APIError(400, f"{field} cannot be combined with a forced tool_choice")
-    return plan
-
-
-def chat_constraint(plan: ChatPlan, body: ChatRequest) -> Constraint | None:
-    """A chat request's constraint: the forced call's, else what its ``response_format``,
-    ``json_schema`` or ``grammar`` asks for. Compiles the client's schema (in a compile
-    child): call it from a worker thread (``Submission.constraint``)."""
-    return _tool_constraint(plan) or constraint_of(
-        response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
-    )
-
-
-def _tool_constraint(plan: ChatPlan) -> Constraint | None:
-    """The forced call's constraint (None unless tool_choice forces one)."""
-    try:
-        return plan.constraint()
-    except ToolSpecError as e:
-        raise APIError(400, str(e)) from None
-
-
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     """Chat completions: the messages rendered by the chat template, ``n`` choices."""
     st = state_of(request)
-
-    def top_logprobs_needs_logprobs() -> None:
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true")
-
-    plan = await prep(request, _plan, st, body)  # checks tool schemas: off the loop
-    job = Submission(
-        prompts=lambda: [render_chat(st, body, plan)],
-        max_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
-        stream=body.stream,
-        n_probs=body.top_logprobs or 0,
-        logprobs=body.logprobs,
-        n=body.n,
-        check=top_logprobs_needs_logprobs,
-        constraint=lambda: chat_constraint(plan, body),
-        return_progress=body.return_progress,
-        timings_per_token=body.timings_per_token,
-    )
+    plan = await prep(request, plan_chat, st, body)  # checks tool schemas: off the loop
+    job = chat_request(st, body, plan)
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
-    shape = _chat_shape(st.backend, body, len(group.tasks), plan)
+    shape = _chat_shape(st.require_backend(), body, len(group.tasks), plan)
     return await respond(request, group, body, shape, st.model_name)
 
 
@@ -631,7 +399,7 @@ def _verbose_of(st: ServerState, group: TaskGroup) -> Verbose:
 
     def verbose(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
         task = group.tasks[index]
-        raw = b"".join(st.backend.token_to_piece(t, special=True) for t in task.prompt)
+        raw = b"".join(st.require_backend().token_to_piece(t, special=True) for t in task.prompt)
         prompt = raw.decode("utf-8", "replace")
         return completion_object(st, task, r, r.text if whole else "", prompt)
 

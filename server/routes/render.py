@@ -12,18 +12,20 @@ input), ``sampling_params``, ``model``, ``stream``, ``stream_options``, ``cache_
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
 from ..api.schemas import ChatRequest, CompletionRequest, SamplingFields
+from ..frontend.chat import plan_chat, render_chat
+from ..frontend.completion import completion_prompts, max_tokens_of
 from ..service.state import ServerState
 from ..service.submit import Prompt
 from ..service.validation import check_tokens
 from .common import prep, state_of
-from .openai import _max_tokens, _plan, _prompts, render_chat
 
 router = APIRouter()
+V = TypeVar("V")
 
 
 def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> dict[str, Any]:
@@ -32,7 +34,7 @@ def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> d
     s = st.settings
     stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
 
-    def pick(v: Any, default: Any) -> Any:
+    def pick(v: V | None, default: V) -> V:
         return default if v is None else v
 
     return {
@@ -71,15 +73,15 @@ def generate_request(
 
 def _checked_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
     """The prompts of a completions body, each token id in the vocabulary (APIError 400)."""
-    prompts = _prompts(st, prompt)
+    prompts = completion_prompts(st, prompt)
     for p in prompts:
-        check_tokens(p.tokens, st.backend)
+        check_tokens(p.tokens, st.require_backend())
     return prompts
 
 
 def _rendered(st: ServerState, body: ChatRequest) -> Prompt:
     """The chat body's prompt as /v1/chat/completions renders it (one worker hand-off)."""
-    return render_chat(st, body, _plan(st, body))
+    return render_chat(st, body, plan_chat(st, body))
 
 
 @router.post("/v1/completions/render")
@@ -90,7 +92,7 @@ async def render_completion(body: CompletionRequest, request: Request) -> list[d
     st = state_of(request)
     st.require_engine()
     prompts = await prep(request, _checked_prompts, st, body.prompt)
-    limit = _max_tokens(body.max_tokens, body.n_predict)
+    limit = max_tokens_of(body.max_tokens, body.n_predict)
     return [generate_request(st, body, p.tokens, limit) for p in prompts]
 
 
@@ -100,5 +102,5 @@ async def render_chat_completion(body: ChatRequest, request: Request) -> dict[st
     continued final message as /v1/chat/completions renders them), as token ids."""
     st = state_of(request)
     prompt = await prep(request, _rendered, st, body)
-    limit = _max_tokens(body.max_completion_tokens, body.max_tokens)
+    limit = max_tokens_of(body.max_completion_tokens, body.max_tokens)
     return generate_request(st, body, prompt.tokens, limit)

@@ -29,8 +29,10 @@ from ..api.responses import (
 from ..api.schemas import ChatRequest, ResponsesRequest
 from ..api.tools.parse import Delta, Message, ToolCall, parse_message
 from ..api.tools.plan import ChatPlan
+from ..frontend.chat import plan_chat, render_chat
+from ..frontend.requests import responses_request
 from ..service.state import ServerState, tenant_of
-from ..service.submit import Submission, submit
+from ..service.submit import submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
 from .common import (
@@ -43,7 +45,6 @@ from .common import (
     sse_named,
     state_of,
 )
-from .openai import _max_tokens, _plan, chat_constraint, render_chat
 
 router = APIRouter()
 
@@ -69,14 +70,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     st = state_of(request)
     # the items mapped, tool schemas checked: off the loop, in one hand-off
     chat, plan = await prep(request, _chat_and_plan, st, body)
-    job = Submission(
-        prompts=lambda: [render_chat(st, chat, plan)],
-        max_tokens=_max_tokens(chat.max_completion_tokens, chat.max_tokens),
-        stream=chat.stream,
-        constraint=lambda: chat_constraint(plan, chat),
-        return_progress=chat.return_progress,
-        timings_per_token=chat.timings_per_token,
-    )
+    job = responses_request(st, chat, plan)
     group = await submit(st, chat, job, tenant_of(st, request, chat.cache_salt), request)
     model = chat.model or st.model_name
     if not chat.stream:
@@ -101,7 +95,7 @@ async def responses_input_tokens(body: ResponsesRequest, request: Request) -> di
 
 def _chat_and_plan(st: ServerState, body: ResponsesRequest) -> tuple[ChatRequest, ChatPlan]:
     chat = _chat_request(body)
-    return chat, _plan(st, chat)
+    return chat, plan_chat(st, chat)
 
 
 def _n_tokens(st: ServerState, body: ResponsesRequest) -> int:

@@ -38,7 +38,7 @@ log = logging.getLogger("server.slots")
 R = TypeVar("R")
 
 
-def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
+def slot_json(st: ServerState, s: Slot, viewer: str | None = None) -> dict[str, Any]:
     """One slot as llama-server shows it. With ``viewer`` (cache isolation on), another
     tenant's request parameters (stop strings, logit bias, seed...) are not shown."""
     # Read without locks from the event loop: each field is a consistent snapshot of
@@ -82,8 +82,8 @@ def slot_json(st: Any, s: Slot, viewer: str | None = None) -> dict[str, Any]:
     }
 
 
-def _draft_tokens(st: Any, s: Slot) -> int:
-    return st.engine.store.draft_shared(s) if st.engine is not None else 0
+def _draft_tokens(st: ServerState, s: Slot) -> int:
+    return st.engine.draft_shared(s) if st.engine is not None else 0
 
 
 @router.get("/slots")
@@ -215,14 +215,14 @@ async def _restore(
     appendices); the engine thread only loads what was proven (RestoreSlot, and
     AttachAppendices when the state's end was known only once loaded)."""
     t0 = time.perf_counter()
-    b = st.backend
+    b = st.require_backend()
     parsed = await asyncio.to_thread(
         slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
     )
     refusal = who.file_refusal(parsed, name)
     if refusal is not None:
         raise APIError(refusal.status, refusal.message)
-    keep = engine.store.ckpt.max_per_slot
+    keep = engine.checkpoints_per_slot
     plan = await asyncio.to_thread(plan_restore, b, parsed, keep)
     loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
     if isinstance(loaded, StateLoaded):  # the state alone: its appendices start where it ended

@@ -11,9 +11,9 @@ from fastapi import APIRouter, Request
 
 from ..api.schemas import ChatRequest
 from ..api.tools.plan import ChatPlan
+from ..frontend.chat import plan_chat, render_chat, render_prompt
 from ..service.state import ServerState
 from .common import prep, state_of
-from .openai import _plan, render_chat, render_prompt
 
 router = APIRouter()
 
@@ -25,11 +25,11 @@ class ApplyTemplateRequest(ChatRequest):
 def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan | None = None) -> str:
     """The chat template's text for ``body``, as /v1/chat/completions renders it (APIError
     400 when the template rejects the messages, 500 when the template itself fails)."""
-    return render_prompt(st, body, plan or _plan(st, body)).prompt
+    return render_prompt(st, body, plan or plan_chat(st, body)).prompt
 
 
 def _n_tokens(st: ServerState, body: ChatRequest) -> int:
-    return len(render_chat(st, body, _plan(st, body)).tokens)
+    return len(render_chat(st, body, plan_chat(st, body)).tokens)
 
 
 @router.post("/apply-template")

@@ -29,12 +29,16 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, ParamSpec, TypeVar
+
+from starlette.requests import Request
 
 from ..api.cancel import CancelFlag, run_with
 from ..api.errors import APIError
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 HEAVY_BYTES = 256 * 1024  # a body over this (or of unknown length) takes the heavy lane
 _CPUS = os.cpu_count() or 2
@@ -59,7 +63,7 @@ def pool(lane: str) -> concurrent.futures.ThreadPoolExecutor:
         return p
 
 
-def lane_of(request: Any) -> str:
+def lane_of(request: Request | None) -> str:
     """ "heavy" for a body over HEAVY_BYTES or without a length; "light" otherwise (no
     request, or one without a body: light)."""
     if request is None:
@@ -70,7 +74,7 @@ def lane_of(request: Any) -> str:
     return "heavy" if not length.isdigit() or int(length) > HEAVY_BYTES else "light"
 
 
-async def _until_gone(request: Any, gone: asyncio.Future[None]) -> None:
+async def _until_gone(request: Request, gone: asyncio.Future[None]) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(POLL_S)
     if not gone.done():
@@ -84,7 +88,7 @@ def _retrieve(f: asyncio.Future[Any]) -> None:
         f.exception()
 
 
-def _deadline(request: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> float:
+def _deadline(request: Request | None, loop: asyncio.AbstractEventLoop, timeout: float) -> float:
     """The request's deadline (loop time): set by its first ``prepare``, so the limit holds
     for the request's whole preparation, not for each hand-off."""
     state = getattr(request, "state", None)
@@ -104,27 +108,34 @@ def _timed_out(timeout: float) -> APIError:
     )
 
 
-async def prepare(request: Any, timeout: float, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on the request's lane (see the module docstring). APIError 408 after
-    ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
+async def prepare(
+    request: Request | None,
+    timeout: float,
+    fn: Callable[P, T],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> T:
+    """``fn(*args, **kwargs)`` on the request's lane (see the module docstring). APIError
+    408 after ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
     loop = asyncio.get_running_loop()
     remaining = _deadline(request, loop, timeout) - loop.time()
     if remaining <= 0:  # an earlier hand-off of the request used up its time
         raise _timed_out(timeout)
     flag = CancelFlag()
-    cf = pool(lane_of(request)).submit(run_with, flag, fn, args)
+    cf = pool(lane_of(request)).submit(run_with, flag, partial(fn, *args, **kwargs), ())
     fut = asyncio.wrap_future(cf)
     fut.add_done_callback(_retrieve)
     gone: asyncio.Future[None] = loop.create_future()
     watchers: list[asyncio.Task[None]] = []
 
-    def watch() -> None:
-        watchers.append(asyncio.create_task(_until_gone(request, gone)))
+    def watch(req: Request) -> None:
+        watchers.append(asyncio.create_task(_until_gone(req, gone)))
 
-    timer = loop.call_later(WATCH_AFTER_S, watch) if request is not None else None
+    timer = loop.call_later(WATCH_AFTER_S, watch, request) if request is not None else None
+    either: set[asyncio.Future[Any]] = {fut, gone}
     try:
         done, _ = await asyncio.wait(
-            {fut, gone}, timeout=max(0.0, remaining), return_when="FIRST_COMPLETED"
+            either, timeout=max(0.0, remaining), return_when="FIRST_COMPLETED"
         )
         if fut in done:
             return fut.result()

@@ -8,6 +8,7 @@ from typing import Any
 from ..api.errors import APIError
 from ..api.schemas import SamplingFields
 from ..cli.config import Settings
+from ..slots.model_api import Tokenizer
 from ..types import SamplingParams
 
 SAMPLING_FIELDS = (
@@ -32,7 +33,7 @@ def default_sampling(s: Settings | None) -> SamplingParams:
 
 
 def sampling_from(
-    req: SamplingFields, backend: Any, settings: Settings | None = None
+    req: SamplingFields, backend: Tokenizer, settings: Settings | None = None
 ) -> SamplingParams:
     """The request's sampler settings over the server defaults (``default_sampling``): a field
     the request leaves out (or sets to null) gets the default. APIError 400 for a top_k above
@@ -49,7 +50,7 @@ def sampling_from(
     return p
 
 
-def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Any) -> dict[int, float]:
+def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Tokenizer) -> dict[int, float]:
     """llama-server's logit_bias forms as token -> bias: ``[[tok, bias], ...]`` or
     ``{"tok": bias}``, where ``tok`` is a token id or a text whose every token (tokenized
     without BOS) gets the bias, and ``false`` as the bias bans the token. Unlike there, an
@@ -73,7 +74,7 @@ def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Any) -> dict[int
     return out
 
 
-def _bias_value(v: Any) -> float | None:
+def _bias_value(v: object) -> float | None:
     """A logit_bias value as a float (``false``: -inf), None when it is neither."""
     if v is False:
         return float("-inf")
@@ -82,7 +83,7 @@ def _bias_value(v: Any) -> float | None:
     return float(v)
 
 
-def _bias_tokens(key: Any, backend: Any, from_dict: bool) -> list[int]:
+def _bias_tokens(key: Any, backend: Tokenizer, from_dict: bool) -> list[int]:
     """The tokens one logit_bias key names: an id (a whole decimal string in the object
     form), or the tokens of a text. APIError 400 for an id outside the vocabulary."""
     tok: int | None = None

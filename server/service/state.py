@@ -6,14 +6,40 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from starlette.requests import Request
 
 from ..api.chat import ChatTemplate
 from ..api.errors import APIError
 from ..cache import tenancy
 from ..cli.config import Settings
 from ..slots.engine import Engine
+from ..slots.model_api import DraftModel, ModelBackend
 from .adapters import AdapterRegistry
+
+
+class Metrics(Protocol):
+    """The server's metrics as the routes and the engine see them (server.http.metrics'
+    ServerMetrics implements it)."""
+
+    def observe(self, what: str, value: float) -> None:
+        """An engine observation (engine thread)."""
+        ...
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        ...
+
+
+class NoMetrics:
+    """Metrics before the app set its own (unit tests build a bare ServerState)."""
+
+    def observe(self, what: str, value: float) -> None:
+        return None
+
+    def exposition(self) -> bytes:
+        return b""
 
 
 @dataclass
@@ -24,8 +50,9 @@ class ServerState:
     ``load_error`` says why and ``engine`` stays None."""
 
     settings: Settings
-    backend: Any = None
-    draft: Any = None  # the draft model's context (draft-simple), owned like ``backend``
+    backend: ModelBackend | None = None
+    # the draft model's context (draft-simple), owned like ``backend``
+    draft: DraftModel | None = None
     engine: Engine | None = None
     template: ChatTemplate | None = None
     model_name: str = ""
@@ -36,7 +63,7 @@ class ServerState:
     loading: bool = True
     load_error: str = ""
     on_load_failed: Callable[[], None] | None = None  # set by the CLI: stop serving
-    metrics: Any = None
+    metrics: Metrics = field(default_factory=NoMetrics)
     kv_events: Any = None  # --kv-events-endpoint: server.http.kv_setup.KVEventsRuntime
     started: float = field(default_factory=time.time)
     # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
@@ -47,6 +74,13 @@ class ServerState:
     sleeping: bool = False
     sleep_props: dict[str, Any] = field(default_factory=dict)
     sleep_metrics: bytes = b""
+
+    def require_backend(self) -> ModelBackend:
+        """The loaded model, or an APIError 503 while there is none (loading, asleep, or
+        its load failed)."""
+        if self.backend is None:
+            raise APIError(503, "Loading model", "unavailable_error")
+        return self.backend
 
     def require_engine(self) -> Engine:
         """The running engine, or an APIError 503 saying why there is none."""
@@ -61,7 +95,7 @@ class ServerState:
         return self.engine
 
 
-def tenant_of(st: ServerState, request: Any, cache_salt: str | None = None) -> str:
+def tenant_of(st: ServerState, request: Request | None, cache_salt: str | None = None) -> str:
     """Whose cached prefixes a request may reuse (--cache-isolation; names: cache/tenancy.py):
 
     - ``none``: everyone's, except that a ``cache_salt`` keeps a request to its salt's;

@@ -1,17 +1,20 @@
-"""The one path from a generating request to running tasks (``submit``): an endpoint
-describes only what is its own in a ``Submission``."""
+"""The one path from a generating request to running tasks (``submit``): the front end
+(server.frontend) turns each API body into one ``Submission``, the typed engine request,
+whose ``source`` (a ``PromptSource``) does the body's tokenizer work."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
+
+from starlette.requests import Request
 
 from ..api.schemas import SamplingFields
 from ..cache import tenancy
 from ..constrained import Constraint
 from ..slots.engine import Engine
+from ..slots.model_api import ModelBackend
 from ..types import GenParams
 from .adapters import AdapterChoice
 from .pools import prepare
@@ -28,34 +31,37 @@ class Prompt(NamedTuple):
     user_start: int = -1  # token index of the last user turn (-1: unknown, or not chat)
 
 
-def _no_constraint() -> Constraint | None:
-    return None
+class PromptSource(Protocol):
+    """What an API body asks the engine to run, as tokens: the front end implements it
+    (server.frontend.sources), one class per kind of body.
 
+    ``prompts()`` does the tokenizer work (it may render a chat template first) and runs in
+    a worker thread; it may raise APIError. ``constraint()`` is the structured output /
+    forced format (server.constrained): checking it compiles the client's schema (in a
+    compile child), so it too runs in a worker thread. ``check()`` holds the endpoint's own
+    body checks; it runs after the shared prompt and sampler checks and before submitting,
+    which is where each endpoint made them before they shared this path (a request with
+    several faults still reports the same one)."""
 
-def _no_check() -> None:
-    return None
+    def prompts(self) -> list[Prompt]: ...
+
+    def constraint(self) -> Constraint | None: ...
+
+    def check(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class Submission:
-    """What one endpoint asks of the engine, beyond the SamplingFields of its body.
+    """The typed engine request of one API body, beyond the SamplingFields of its body:
+    its prompts' ``source`` and how its tasks run. Each prompt runs ``n`` times (``n``
+    choices)."""
 
-    ``prompts`` does the tokenizer work (it may render a chat template first) and runs in a
-    worker thread; it may raise APIError. ``check`` holds the endpoint's own body checks; it
-    runs after the shared prompt and sampler checks and before submitting, which is where
-    each endpoint made them before they shared this path (a request with several faults
-    still reports the same one). Each prompt runs ``n`` times (``n`` choices)."""
-
-    prompts: Callable[[], list[Prompt]]
+    source: PromptSource
     max_tokens: int
     stream: bool
     n_probs: int = 0
     logprobs: bool = False
     n: int = 1
-    check: Callable[[], None] = _no_check
-    # structured output / forced format (server.constrained): checking it compiles the
-    # client's schema (in a compile child), so it is called from a worker thread
-    constraint: Callable[[], Constraint | None] = _no_constraint
     return_progress: bool = False  # PromptProgress events while the prompt is processed
     timings_per_token: bool = False  # streamed text chunks carry timings
     # llama-server's post_sampling_probs: the n_probs reported are the sampler chain's
@@ -63,9 +69,9 @@ class Submission:
     post_sampling: bool = False
 
 
-def _checked_prompts(job: Submission, backend: Any) -> list[Prompt]:
-    """``job.prompts()`` with every token id and every prompt's length checked."""
-    prompts = job.prompts()
+def _checked_prompts(job: Submission, backend: ModelBackend) -> list[Prompt]:
+    """``job.source.prompts()`` with every token id and every prompt's length checked."""
+    prompts = job.source.prompts()
     for p in prompts:
         check_tokens(p.tokens, backend)
         check_fits(p.tokens, backend)
@@ -85,10 +91,10 @@ def _prepare(st: ServerState, body: SamplingFields, job: Submission) -> _Prepare
     constraint (checking a schema or grammar may take a compile child
     --constraint-timeout seconds), the engine, the adapters, then the prompts (tokenizing a
     long prompt takes a while: off the event loop, so other streams keep flowing)."""
-    constraint = job.constraint()
+    constraint = job.source.constraint()
     engine = st.require_engine()
     adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
-    return _Prepared(engine, adapters, _checked_prompts(job, st.backend), constraint)
+    return _Prepared(engine, adapters, _checked_prompts(job, st.require_backend()), constraint)
 
 
 def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenParams:
@@ -111,7 +117,11 @@ def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenPa
 
 
 async def submit(
-    st: ServerState, body: SamplingFields, job: Submission, tenant: str = "", request: Any = None
+    st: ServerState,
+    body: SamplingFields,
+    job: Submission,
+    tenant: str = "",
+    request: Request | None = None,
 ) -> TaskGroup:
     """The one path from a generating request to running tasks.
 
@@ -123,13 +133,13 @@ async def submit(
     ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
-    b = st.backend
+    b = st.require_backend()
     sampling = sampling_from(body, b, st.settings)
     if body.ignore_eos:  # as llama-server: every end-of-generation token banned
         sampling.logit_bias = {**sampling.logit_bias, **dict.fromkeys(b.eog_tokens(), -math.inf)}
     if job.post_sampling:
         sampling.post_probs = job.n_probs
-    job.check()
+    job.source.check()
     if constraint is not None:
         sampling.constraint = await bind_constraint(b, constraint)
     gen = _gen_params(st, body, job)

@@ -8,11 +8,14 @@ import collections
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from functools import partial
+
+from starlette.requests import Request
 
 from ..api.errors import APIError
 from ..slots.engine import Engine, EngineDead
 from ..types import Event, GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
+from .sink import emitter
 
 log = logging.getLogger("server.service")
 
@@ -66,18 +69,9 @@ class TaskGroup:
 
     def _emitter(self, index: int) -> Callable[[Event], None]:
         """The ``emit`` of the task at ``index``: thread-safe, never blocks."""
-        loop, deliver = self.loop, self.box.deliver
-
-        def emit(ev: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(deliver, (index, ev))
-            except RuntimeError:  # loop closed: the client is long gone
-                pass
-
-        # The engine batches a step's events per loop: one wake-up, then deliver() on the loop.
-        emit.loop = loop  # type: ignore[attr-defined]
-        emit.deliver = lambda ev: deliver((index, ev))  # type: ignore[attr-defined]
-        return emit
+        # the engine batches a step's events per loop (service/sink.py): one wake-up, then
+        # the box's deliver() on the loop, event by event
+        return emitter(self.loop, partial(self.box.deliver_to, index))
 
     async def _wait(self, timeout: float) -> None:
         """Until an event is delivered or the group's tick fires (at most ``timeout``
@@ -236,7 +230,7 @@ class TaskGroup:
         finally:
             await batches.aclose()
 
-    async def results(self, request: Any = None) -> list[TaskResult]:
+    async def results(self, request: Request | None = None) -> list[TaskResult]:
         """Wait for every task; the first error becomes an APIError.
 
         With ``request``, a client that disconnects cancels the tasks (within about
@@ -245,12 +239,12 @@ class TaskGroup:
         """
         watchers: list[asyncio.Task[None]] = []
 
-        def start_watcher() -> None:
-            watchers.append(asyncio.create_task(self._watch(request)))
+        def start_watcher(req: Request) -> None:
+            watchers.append(asyncio.create_task(self._watch(req)))
 
         timer = None
         if request is not None:
-            timer = self.loop.call_later(DISCONNECT_POLL_S, start_watcher)
+            timer = self.loop.call_later(DISCONNECT_POLL_S, start_watcher, request)
         out: list[TaskResult | None] = [None] * len(self.tasks)
         try:
             async for index, ev in self.events():
@@ -265,7 +259,7 @@ class TaskGroup:
                 w.cancel()
         return [r for r in out if r is not None]
 
-    async def _watch(self, request: Any) -> None:
+    async def _watch(self, request: Request) -> None:
         await until_disconnected(request)
         log.info("client disconnected; cancelling %d task(s)", len(self.tasks))
         self.cancel()
@@ -290,6 +284,10 @@ class _Mailbox:
             self.waiter = None
             if not w.done():
                 w.set_result(None)
+
+    def deliver_to(self, index: int, ev: Event) -> None:
+        """``deliver`` of task ``index``'s event (a task's receiver: service/sink.py)."""
+        self.deliver((index, ev))
 
     def lagging(self, index: int) -> Callable[[int], bool]:
         """Whether the reader of task ``index`` is more than MAX_BACKLOG of its ``n_sent``
@@ -344,7 +342,7 @@ def coalesced(batch: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
     return out
 
 
-async def until_disconnected(request: Any, period: float = DISCONNECT_POLL_S) -> None:
+async def until_disconnected(request: Request, period: float = DISCONNECT_POLL_S) -> None:
     """Returns once the client of ``request`` has gone (checked at once, then every
     ``period`` seconds). Polled: Starlette tells a non-streaming handler of a disconnect
     only when asked."""

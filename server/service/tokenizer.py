@@ -22,9 +22,9 @@ import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from ..api.cancel import checkpoint
+from ..slots.model_api import Tokenizer
 
 CHUNK = 16 * 1024  # characters per piece (a piece holds a few hundred special tokens)
 _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace, which llama.cpp strips with
@@ -114,7 +114,7 @@ class Splitter:
         return None
 
 
-def _read_specials(backend: Any) -> list[Special] | None:
+def _read_specials(backend: Tokenizer) -> list[Special] | None:
     """The special tokens of a backend's vocabulary (``Backend.special_tokens``: llama.cpp's
     ``cache_special_tokens``); None when the backend has none to give (a test fake) or a
     token text is not UTF-8."""
@@ -133,11 +133,11 @@ class _Splitters:
     raw: Splitter | None  # not parse_special: the user-defined ones
 
 
-_cache: weakref.WeakKeyDictionary[Any, _Splitters] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Tokenizer, _Splitters] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def splitter_of(backend: Any, parse_special: bool) -> Splitter | None:
+def splitter_of(backend: Tokenizer, parse_special: bool) -> Splitter | None:
     """The backend's splitter (read once per backend), None where it cannot be cut."""
     with _lock:
         got = _cache.get(backend)
@@ -153,7 +153,9 @@ def splitter_of(backend: Any, parse_special: bool) -> Splitter | None:
     return got.parsed if parse_special else got.raw
 
 
-def _ends(backend: Any, add_special: bool, parse_special: bool) -> tuple[list[int], list[int]]:
+def _ends(
+    backend: Tokenizer, add_special: bool, parse_special: bool
+) -> tuple[list[int], list[int]]:
     """What ``add_special`` puts before and after a text: the empty text's tokens, split as
     llama.cpp adds them (BOS before, EOS or SEP after; two: one each)."""
     if not add_special:
@@ -166,14 +168,14 @@ def _ends(backend: Any, add_special: bool, parse_special: bool) -> tuple[list[in
     return [], empty
 
 
-def tokenize(backend: Any, text: str, add_special: bool, parse_special: bool) -> list[int]:
+def tokenize(backend: Tokenizer, text: str, add_special: bool, parse_special: bool) -> list[int]:
     """``backend.tokenize(text, add_special, parse_special)``, the same ids, in time linear in
     the text (see the module docstring); checks the request's cancellation between pieces."""
     return tokenize_at(backend, text, add_special, parse_special, ())[0]
 
 
 def tokenize_at(
-    backend: Any, text: str, add_special: bool, parse_special: bool, marks: Iterable[int]
+    backend: Tokenizer, text: str, add_special: bool, parse_special: bool, marks: Iterable[int]
 ) -> tuple[list[int], dict[int, int]]:
     """``tokenize``, and for each character offset in ``marks`` where the text could be cut,
     the index of the token it starts at (tokenizing ``text[:mark]`` alone gives exactly the

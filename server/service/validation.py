@@ -8,8 +8,10 @@ import asyncio
 from typing import Any
 
 from ..api.errors import APIError
-from ..constrained import CompiledConstraint, Constraint, ConstraintError, request_constraint
+from ..constrained import Constraint, ConstraintError, request_constraint
 from ..constrained.matcher import compile_executor
+from ..slots.model_api import ModelBackend, Tokenizer
+from ..types import TokenConstraint
 
 
 def constraint_of(
@@ -25,7 +27,7 @@ def constraint_of(
         raise APIError(400, f"cannot constrain the output: {e}") from None
 
 
-def compile_constraint(backend: Any, c: Constraint) -> CompiledConstraint:
+def compile_constraint(backend: ModelBackend, c: Constraint) -> TokenConstraint:
     """``c`` bound to the model's vocabulary (cached per constraint); APIError 400 naming the
     offending part when it cannot be compiled: never unconstrained decoding instead."""
     try:
@@ -34,7 +36,7 @@ def compile_constraint(backend: Any, c: Constraint) -> CompiledConstraint:
         raise APIError(400, f"cannot constrain the output: {e}") from None
 
 
-async def bind_constraint(backend: Any, c: Constraint) -> CompiledConstraint:
+async def bind_constraint(backend: ModelBackend, c: Constraint) -> TokenConstraint:
     """``compile_constraint`` off the event loop, on the compile thread: binding takes
     milliseconds to tens of them, and its stack is large enough for whatever a compile child
     passed."""
@@ -42,7 +44,7 @@ async def bind_constraint(backend: Any, c: Constraint) -> CompiledConstraint:
     return await loop.run_in_executor(compile_executor(), compile_constraint, backend, c)
 
 
-def check_tokens(tokens: list[int], backend: Any) -> None:
+def check_tokens(tokens: list[int], backend: Tokenizer) -> None:
     """APIError 400 unless every token id is in the vocabulary (llama.cpp does not check)."""
     n = backend.n_vocab
     for t in tokens:
@@ -50,7 +52,7 @@ def check_tokens(tokens: list[int], backend: Any) -> None:
             raise APIError(400, f"token id {t} is outside the vocabulary (0..{n - 1})")
 
 
-def check_fits(prompt: list[int], backend: Any) -> None:
+def check_fits(prompt: list[int], backend: ModelBackend) -> None:
     """APIError 400 for an empty prompt or one that leaves no room in a slot's context."""
     if not prompt:
         raise APIError(400, "the prompt is empty")

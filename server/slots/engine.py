@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from ..cache.disk import DiskTier
@@ -28,7 +29,7 @@ from .cache_reuse import CacheReuse
 from .checkpoints import CheckpointPolicy
 from .commands import Command
 from .draft_kv import DraftMemory
-from .embed import EmbedQueue, EmbedTask
+from .embed import EmbedEvent, EmbedQueue, EmbedTask
 from .executor import Executor
 from .kv_watch import SlotWatcher
 from .options import EngineOptions
@@ -37,6 +38,7 @@ from .runner import Runner
 from .sampling import ParallelSampling
 from .scheduler import Scheduler
 from .sharing import PrefixSharing
+from .sink import Delivery, Emitter, EventSink
 from .slot import Slot, SlotRun, SlotState
 from .spec_step import Speculation
 from .stats import EngineStats
@@ -45,6 +47,7 @@ from .update import Updater
 
 log = logging.getLogger("server.slots.engine")
 R = TypeVar("R")
+E = TypeVar("E")
 
 _DECODING = (SlotState.PREFILL, SlotState.GENERATE)
 
@@ -85,7 +88,9 @@ class Engine:
         )
         self._inbox: queue.SimpleQueue[Task | EmbedTask | _Op | None] = queue.SimpleQueue()
         self._ops: list[_Op] = []
-        self._outbox: list[tuple[Callable[[Event], None], Event]] = []
+        # events queued for delivery, each bound to its receiver, with its sink (None: a
+        # plain callable, called on this thread at the flush)
+        self._outbox: list[tuple[EventSink | None, Delivery]] = []
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -95,9 +100,7 @@ class Engine:
         self.kv_watch: SlotWatcher | None = None
         self._wire_phases(cache, disk)
         # --embedding: prompt-only tasks run on idle slots within a step (slots/embed.py)
-        # Any: the outbox is typed for Task/Event, embeddings share it (one type in the rewrite)
-        send: Any = self._send
-        self.embed = EmbedQueue(backend, self.store, send, self._flush)
+        self.embed = EmbedQueue(backend, self.store, self._send_embed, self._flush)
 
     def _wire_phases(self, cache: PromptCache | None, disk: DiskTier | None) -> None:
         """The step's phases (slots/plan.py): decide (admit and place, resolve waiters,
@@ -298,29 +301,36 @@ class Engine:
     def _send(self, task: Task, ev: Event) -> None:
         """Queue an event for its task; see ``_flush`` for when it is delivered."""
         task.n_sent += 1
-        self._outbox.append((task.emit, ev))
+        self._queue(task.emit, ev)
+
+    def _send_embed(self, task: EmbedTask, ev: EmbedEvent) -> None:
+        """Queue an embedding task's event, as ``_send``."""
+        task.n_sent += 1
+        self._queue(task.emit, ev)
+
+    def _queue(self, emit: Callable[[E], None], ev: E) -> None:
+        if isinstance(emit, Emitter):
+            self._outbox.append((emit.sink, emit.bind(ev)))
+        else:
+            self._outbox.append((None, partial(emit, ev)))
 
     def _flush(self) -> None:
-        """Deliver queued events with one wake-up per event loop. Called just before
-        llama_decode (which releases the GIL for milliseconds), so the HTTP side serializes
-        and sends chunks while the model runs instead of contending with this thread for the
-        GIL between decodes. Emitters without a loop (tests) are called directly."""
+        """Deliver queued events with one ``EventSink.deliver`` per sink (one wake-up per
+        event loop). Called just before llama_decode (which releases the GIL for
+        milliseconds), so the HTTP side serializes and sends chunks while the model runs
+        instead of contending with this thread for the GIL between decodes. Plain callables
+        (tests) are called directly."""
         if not self._outbox:
             return
         out, self._outbox = self._outbox, []
-        by_loop: dict[Any, list] = {}
-        for emit, ev in out:
-            loop = getattr(emit, "loop", None)
-            if loop is None:
-                emit(ev)
+        by_sink: dict[EventSink, list[Delivery]] = {}
+        for sink, delivery in out:
+            if sink is None:
+                delivery()
             else:
-                # a loop-bound emitter carries .deliver (set by service.tasks.TaskGroup._emitter)
-                by_loop.setdefault(loop, []).append((emit.deliver, ev))  # type: ignore[attr-defined]
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver_all, items)
-            except RuntimeError:  # loop closed: the clients are gone
-                pass
+                by_sink.setdefault(sink, []).append(delivery)
+        for sink, batch in by_sink.items():
+            sink.deliver(batch)
 
     # ---- admission ----------------------------------------------------------------
 
@@ -417,6 +427,24 @@ class Engine:
 
     # ---- integrity ----------------------------------------------------------------
 
+    # ---- what the HTTP side may read (public; routes never reach into the parts) ----
+
+    @property
+    def checkpoints_per_slot(self) -> int:
+        """The most context checkpoints a slot keeps (--ctx-checkpoints)."""
+        return self.store.ckpt.max_per_slot
+
+    @property
+    def step_speed(self) -> tuple[float | None, float | None]:
+        """The measured step time as (seconds per step, seconds per token); None until
+        measured (share_cost.StepSpeed)."""
+        speed = self.sharing.speed
+        return speed.per_step, speed.per_token
+
+    def draft_shared(self, slot: Slot) -> int:
+        """Tokens of ``slot``'s draft-model sequence shared with another (SlotStore)."""
+        return self.store.draft_shared(slot)
+
     def check_integrity(self) -> list[str]:
         """The slot store's invariant (tokens == KV, for the target and a draft model's
         context) and the RAM cache's (its accounting and its prefix index); returns
@@ -426,11 +454,6 @@ class Engine:
         if self.cache is not None:
             problems += [f"RAM cache: {p}" for p in self.cache.check_integrity()]
         return problems
-
-
-def _deliver_all(items: list) -> None:
-    for deliver, ev in items:
-        deliver(ev)
 
 
 @dataclass

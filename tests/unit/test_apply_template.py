@@ -10,7 +10,7 @@ import pytest
 
 from server.api.chat import ChatTemplate
 from server.cli.config import Settings
-from server.routes.openai import _plan
+from server.frontend.chat import plan_chat as _plan
 from server.routes.template import ApplyTemplateRequest, render_text
 from server.service.state import ServerState
 from tests.llama_sdist import vendored

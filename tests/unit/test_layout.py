@@ -34,6 +34,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("server.api",),
     # server state, tenancy, submission of tasks
     ("server.service",),
+    # the front end: every API body as one typed engine request (service.submit.Submission),
+    # the chat pipeline (render, plan, constraint) and the completion prompts
+    ("server.frontend",),
     # the FastAPI routers
     ("server.routes",),
     # the app (the one place that builds the llama backend and wires everything),
@@ -54,6 +57,7 @@ KEPT_APART: dict[str, tuple[str, ...]] = {
     "server.slots": ("server.llama", "server.constrained"),
     "server.api": ("server.llama",),
     "server.service": ("server.llama",),
+    "server.frontend": ("server.llama",),
     "server.routes": ("server.llama",),
     # the HTTP plumbing beside the app serves it; it never reaches for the app's parts
     "server.http.middleware": ("server.routes", "server.service", "server.http.app"),
@@ -243,3 +247,50 @@ def test_functions_are_at_most_60_lines():
                 if n > 60:
                     long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert long == []
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``from X import _name`` in ``path``: a private name taken from another module."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}")
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert _private_imports(ROOT / "tests" / "unit" / "test_layout.py") == []
+    bad = ast.parse("from .openai import _plan, render_chat\nfrom . import _x\n")
+    names = [a.name for n in ast.walk(bad) if isinstance(n, ast.ImportFrom) for a in n.names]
+    assert [n for n in names if n.startswith("_")] == ["_plan", "_x"]  # what the rule sees
+    found = [x for p in PKG.rglob("*.py") for x in _private_imports(p)]
+    assert found == []
+
+
+# what the front end owns: no route module defines them (they live in server.frontend)
+FRONT_END_NAMES = {"render_chat", "render_prompt", "plan_chat", "chat_constraint", "chat_messages"}
+
+
+def test_the_chat_pipeline_lives_in_the_front_end():
+    defined: dict[str, set[str]] = {}
+    for p in [*(PKG / "routes").rglob("*.py"), PKG / "frontend" / "chat.py"]:
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name in FRONT_END_NAMES:
+                defined.setdefault(node.name, set()).add(_module_name(p))
+    assert defined == dict.fromkeys(FRONT_END_NAMES, {"server.frontend.chat"})
+
+
+def test_submit_takes_typed_inputs_not_callbacks():
+    """``service.submit.Submission`` (the typed engine request) holds values and a
+    PromptSource, no callables into the routes."""
+    import dataclasses
+    import typing
+
+    from server.service.submit import PromptSource, Submission
+
+    hints = typing.get_type_hints(Submission)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(Submission)}
+    assert fields["source"] is PromptSource
+    assert not [n for n, t in fields.items() if "Callable" in repr(t)]

@@ -1,0 +1,200 @@
+"""The chat pipeline every chat-shaped API shares (OpenAI chat, Anthropic Messages,
+Responses, /apply-template, the render and token-count endpoints): a body's messages as
+the chat template takes them, its tools and reasoning plan (``plan_chat``), the rendered
+prompt as tokens (``render_chat``) and its output constraint (``chat_constraint``).
+
+Everything here runs on a request's preparation pool (``service.pools``), never on the
+event loop: rendering and tokenizing a long history take a while, and ``checkpoint()``
+stops a request whose client left between messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api.cancel import checkpoint
+from ..api.chat import (
+    ROLES,
+    ChatTemplate,
+    Continuation,
+    Rendered,
+    TemplateError,
+    thinking_forced_open,
+)
+from ..api.errors import APIError
+from ..api.schemas import ChatRequest
+from ..api.tools.plan import ChatPlan
+from ..api.tools.plan import plan_chat as plan_tools
+from ..api.tools.prompt import prepare
+from ..api.tools.spec import ToolSpecError
+from ..constrained import Constraint
+from ..service.state import ServerState
+from ..service.submit import Prompt
+from ..service.tokenizer import tokenize, tokenize_at
+from ..service.validation import constraint_of
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: text parts joined, developer as system."""
+    out = []
+    for m in req.messages:
+        checkpoint()  # the client may have left: stop between messages
+        if m.role not in ROLES:
+            raise APIError(400, f"unknown role {m.role!r} in messages")
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"unsupported content part type {part.type!r} (only text)")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        else:
+            content = m.content or ""
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        out.append(msg)
+    return out
+
+
+def _continuation(
+    st: ServerState, req: ChatRequest, messages: list[dict[str, Any]]
+) -> tuple[Continuation | None, bool]:
+    """Whether the final message is continued (and then taken off ``messages``), and whether
+    the template opens the assistant turn, as llama-server decides: ``continue_final_message``
+    (true, "content" or "reasoning_content"), else a final assistant message is continued
+    (--prefill-assistant, on by default). APIError 400 for the combinations it refuses."""
+    mode = req.continue_final_message
+    add_gen = req.add_generation_prompt
+    if mode is None and st.settings.prefill_assistant and messages[-1]["role"] == "assistant":
+        if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+            raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.")
+        mode, add_gen = True, False
+    if not mode:
+        return None, add_gen
+    if add_gen:
+        raise APIError(
+            400, "Cannot set both add_generation_prompt and continue_final_message to true."
+        )
+    last, raw = messages.pop(), req.messages[-1]
+    if last.get("tool_calls"):
+        raise APIError(400, "Cannot continue an assistant message that contains tool calls.")
+    # parts join with a blank line here (llama.cpp's render_content), with "\n" elsewhere
+    if isinstance(raw.content, list):
+        content = "\n\n".join(p.text or "" for p in raw.content)
+    else:
+        content = last["content"]
+    reasoning = last.get("reasoning_content") or ""
+    if mode is True:  # auto: the reasoning when there is nothing else to continue
+        mode = "reasoning_content" if reasoning and not content else "content"
+    return Continuation(content, reasoning, mode == "reasoning_content"), False
+
+
+def template_of(st: ServerState) -> ChatTemplate:
+    """The model's chat template; APIError 503 while no model is loaded (it comes with it)."""
+    if st.template is None:
+        raise APIError(503, "Loading model", "unavailable_error")
+    return st.template
+
+
+def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered:
+    """The chat template's rendering of ``req``: tools and tool history as ``plan`` says
+    (server.api.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
+    when the template rejects the messages, 500 when the template itself fails."""
+    messages = chat_messages(req)
+    continuation, add_gen = _continuation(st, req, messages)
+    try:
+        tpl = template_of(st)
+        prepared = prepare(tpl, messages, plan.spec, plan.kwargs)
+        return tpl.render_chat(
+            prepared.messages,
+            add_generation_prompt=add_gen,
+            continuation=continuation,
+            **prepared.extra,
+        )
+    except TemplateError as e:
+        raise APIError(400 if e.client else 500, str(e)) from e
+
+
+def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
+    """Prompt tokens and the token index where the last user turn starts (-1 if unknown).
+    Whether the prompt leaves the answer inside an open ``<think>`` is noted in
+    ``plan.forced_open``."""
+    b = st.require_backend()
+    rendered = render_prompt(st, req, plan)
+    plan.forced_open = rendered.in_reasoning or thinking_forced_open(rendered.prompt)
+    text = rendered.prompt
+    # Templates emit BOS themselves; tokenizing with add_special would add a second one.
+    has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
+    if has_bos:
+        text = text[len(b.bos_text) :]
+    # the last user turn's offset in ``text``: tokenized in pieces (linear time, see
+    # service.tokenizer), where a piece starts there its first token is the answer
+    mark = rendered.last_user_offset - (len(b.bos_text) if has_bos else 0)
+    tokens, at = tokenize_at(b, text, True, True, [mark] if mark > 0 else [])
+    user_start = at.get(mark, -1)
+    if rendered.last_user_offset > 0 and mark not in at:
+        head = rendered.prompt[: rendered.last_user_offset]
+        if has_bos:
+            head = head[len(b.bos_text) :]
+        head_tokens = tokenize(b, head, True, True)
+        # The boundary counts only where the head tokenizes alike alone and within the
+        # whole prompt (a token may straddle it).
+        if tokens[: len(head_tokens)] == head_tokens:
+            user_start = len(head_tokens)
+    return Prompt(tokens, user_start)
+
+
+def plan_chat(st: ServerState, body: ChatRequest) -> ChatPlan:
+    """The request's tools and reasoning handling; APIError 400 for malformed tool fields
+    or a forced call together with another constraint on the output."""
+    st.require_engine()  # the template comes with the model
+    template = template_of(st)
+    # Server defaults (llama-server's --reasoning-format, --chat-template-kwargs, -rea and
+    # --reasoning-effort) under the request's own values.
+    s = st.settings
+    effort = s.reasoning_effort
+    server_kwargs = dict(s.chat_template_kwargs or {})
+    if s.reasoning != "auto":  # -rea on|off: the template's thinking switch
+        server_kwargs.setdefault("enable_thinking", s.reasoning == "on")
+    try:
+        plan = plan_tools(
+            template,
+            tools=body.tools,
+            tool_choice=body.tool_choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            reasoning_format=body.reasoning_format,
+            # llama-server's deepseek-legacy also keeps the tags in content: not done here
+            default_reasoning_format=s.reasoning_format.replace("deepseek-legacy", "deepseek"),
+            chat_template_kwargs={**server_kwargs, **(body.chat_template_kwargs or {})},
+            reasoning_effort=body.reasoning_effort or effort,
+        )
+    except ToolSpecError as e:
+        raise APIError(400, str(e)) from None
+    if plan.spec.forced and (body.response_format or body.json_schema or body.grammar):
+        field = "response_format" if body.response_format else "json_schema or grammar"
+        raise APIError(400, f"{field} cannot be combined with a forced tool_choice")
+    return plan
+
+
+def chat_constraint(plan: ChatPlan, body: ChatRequest) -> Constraint | None:
+    """A chat request's constraint: the forced call's, else what its ``response_format``,
+    ``json_schema`` or ``grammar`` asks for. Compiles the client's schema (in a compile
+    child): call it from a worker thread (``Submission.constraint``)."""
+    return _tool_constraint(plan) or constraint_of(
+        response_format=body.response_format, json_schema=body.json_schema, grammar=body.grammar
+    )
+
+
+def _tool_constraint(plan: ChatPlan) -> Constraint | None:
+    """The forced call's constraint (None unless tool_choice forces one)."""
+    try:
+        return plan.constraint()
+    except ToolSpecError as e:
+        raise APIError(400, str(e)) from None

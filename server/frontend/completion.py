@@ -1,0 +1,74 @@
+"""The prompts of the completion-shaped APIs as tokens: OpenAI's /v1/completions
+(``completion_prompts``), llama-server's /completion (``native_prompts``) and /infill
+(``infill_prompts``), and the output limit a body asks for (``max_tokens_of``). Worker
+threads only (``service.pools``): tokenizing a long prompt takes a while."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api.cancel import checkpoint
+from ..api.errors import APIError
+from ..api.infill import InfillLimits, infill_prompt
+from ..api.prompts import prompt_tokens
+from ..api.schemas import InfillRequest
+from ..service.state import ServerState
+from ..service.submit import Prompt
+from ..service.tokenizer import tokenize
+
+
+def completion_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
+    """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each."""
+    b = st.require_backend()
+    if isinstance(prompt, str):
+        return [Prompt(tokenize(b, prompt, True, True))]
+    if not prompt:
+        raise APIError(400, "the prompt is empty")
+    if all(isinstance(x, int) for x in prompt):
+        return [Prompt(list(prompt))]
+    out = []
+    for p in prompt:
+        checkpoint()
+        out.append(Prompt(tokenize(b, p, True, True) if isinstance(p, str) else list(p)))
+    return out
+
+
+def max_tokens_of(*values: int | None) -> int:
+    """The first limit the client set, by precedence; -1 (no limit) if none."""
+    for v in values:
+        if v is not None:
+            return v
+    return -1
+
+
+def native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
+    """Each of llama-server's prompt forms (server.api.prompts) as tokens: text is tokenized with
+    special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
+    b = st.require_backend()
+
+    def tok(text: str, add_special: bool) -> list[int]:
+        return tokenize(b, text, add_special, True)
+
+    return [Prompt(prompt_tokens(p, tok)) for p in prompts]
+
+
+def infill_prompts(st: ServerState, body: InfillRequest, extra: list[Any]) -> list[Prompt]:
+    """The FIM prompt: ``prompt`` (special tokens parsed, no BOS) goes after the prefix."""
+    b = st.require_backend()
+    lim = InfillLimits(
+        n_batch=b.n_batch,
+        n_predict=st.settings.n_predict,
+        n_ctx=b.n_ctx_slot,
+        spm=st.settings.spm_infill,
+    )
+    bos = b.bos_id if b.add_bos and b.bos_id >= 0 else None
+
+    def tok(text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return tokenize(b, text, add_special, parse_special)
+
+    tokens = tok(body.prompt or "", False, True)
+    return [
+        Prompt(
+            infill_prompt(tok, b.fim, bos, body.input_prefix, body.input_suffix, extra, tokens, lim)
+        )
+    ]

@@ -1,0 +1,82 @@
+"""Each API body as the one typed engine request (``service.submit.Submission``): its
+prompt source (``sources``) and how its tasks run. Routes call one of these, then
+``service.submit``; the answer's shape stays theirs."""
+
+from __future__ import annotations
+
+from ..api.anthropic_schemas import MessagesRequest
+from ..api.schemas import ChatRequest, CompletionRequest, InfillRequest, NativeCompletionRequest
+from ..api.tools.plan import ChatPlan
+from ..service.state import ServerState
+from ..service.submit import PromptSource, Submission
+from .completion import max_tokens_of
+from .sources import ChatSource, CompletionSource
+
+
+def completion_request(st: ServerState, body: CompletionRequest) -> Submission:
+    """/v1/completions: every prompt ``n`` times, choices prompt-major."""
+    return Submission(
+        source=CompletionSource(st, body),
+        max_tokens=max_tokens_of(body.max_tokens, body.n_predict),
+        stream=body.stream,
+        n_probs=body.logprobs or 0,
+        logprobs=body.logprobs is not None,
+        n=body.n,
+        return_progress=body.return_progress,
+        timings_per_token=body.timings_per_token,
+    )
+
+
+def chat_request(st: ServerState, body: ChatRequest, plan: ChatPlan) -> Submission:
+    """/v1/chat/completions: the rendered conversation, ``n`` choices."""
+    return Submission(
+        source=ChatSource(st, body, plan, openai=True),
+        max_tokens=max_tokens_of(body.max_completion_tokens, body.max_tokens),
+        stream=body.stream,
+        n_probs=body.top_logprobs or 0,
+        logprobs=body.logprobs,
+        n=body.n,
+        return_progress=body.return_progress,
+        timings_per_token=body.timings_per_token,
+    )
+
+
+def messages_request(
+    st: ServerState, body: MessagesRequest, chat: ChatRequest, plan: ChatPlan
+) -> Submission:
+    """Anthropic's /v1/messages, run as its chat request ``chat``. The first progress event
+    opens the stream (the cached share is known then); later ones are pings while a long
+    prompt is processed."""
+    return Submission(
+        source=ChatSource(st, chat, plan),
+        max_tokens=body.max_tokens,
+        stream=body.stream,
+        return_progress=body.stream,
+    )
+
+
+def responses_request(st: ServerState, chat: ChatRequest, plan: ChatPlan) -> Submission:
+    """OpenAI's /v1/responses, run as its chat request ``chat``."""
+    return Submission(
+        source=ChatSource(st, chat, plan),
+        max_tokens=max_tokens_of(chat.max_completion_tokens, chat.max_tokens),
+        stream=chat.stream,
+        return_progress=chat.return_progress,
+        timings_per_token=chat.timings_per_token,
+    )
+
+
+def native_request(
+    body: NativeCompletionRequest | InfillRequest, source: PromptSource
+) -> Submission:
+    """llama-server's /completion and /infill (``source``: NativeSource or InfillSource)."""
+    return Submission(
+        source=source,
+        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
+        stream=body.stream,
+        n_probs=body.n_probs,
+        logprobs=body.n_probs > 0,
+        return_progress=body.return_progress,
+        timings_per_token=body.timings_per_token,
+        post_sampling=body.post_sampling_probs,
+    )
