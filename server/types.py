@@ -18,8 +18,9 @@ StateBuf = ctypes.Array | bytearray
 _task_ids = itertools.count(1)
 
 
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix, compared in 64-token slices at C speed."""
+def lcp(a: Sequence[object], b: Sequence[object]) -> int:
+    """Length of the longest common prefix, compared in 64-token slices at C speed (items
+    compared with ``==``: tokens, or whole prompt items, ``cache.items``)."""
     n = min(len(a), len(b))
     i = 0
     step = 64

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..types import lcp
+
 
 @dataclass(frozen=True)
 class ImageItem:
@@ -35,21 +37,11 @@ PromptItem = int | ImageItem
 
 def common_prefix(a: Sequence[PromptItem], b: Sequence[PromptItem]) -> int:
     """How many leading items ``a`` and ``b`` share: whole items only (an image matches an
-    equal image, never a token or another image). Compared in 64-item slices at C speed
-    (list equality compares items with ``==``, identity first), then one by one: the cost
-    is the common length's, each item compared once (galloping or comparing the whole
-    length first measured slower where the two lists hold distinct int objects, as a
-    tokenized prompt and a slot's tokens do)."""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
+    equal image, never a token or another image: ``types.lcp`` compares items with ``==``,
+    identity first, in 64-item slices at C speed, then one by one)."""
+    if not a or not b or a[0] != b[0]:
         return 0
-    i = 0
-    step = 64
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return lcp(a, b)
 
 
 def n_positions(items: Sequence[PromptItem], n_items: int | None = None) -> int:
