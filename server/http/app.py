@@ -42,9 +42,10 @@ from ..routes import (
 from ..routes import cache as cache_routes
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
+from ..routes import sleep as sleep_routes
 from ..service.adapters import registry_of
 from ..service.state import ServerState
-from ..slots.commands import SpillToDisk
+from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 from . import kv_setup
@@ -293,7 +294,7 @@ def load(st: ServerState) -> None:
         )
         if s.warmup:
             backend.warmup()
-        cache = prompt_cache(s, backend.n_ctx)
+        cache, st.kept_cache = st.kept_cache or prompt_cache(s, backend.n_ctx), None
         st.kv_events = kv_setup.start(s, st.model_name, cache)  # before the disk tier scans
         disk = disk_tier(s, cache, backend, path)
         st.draft = draft_context(s, backend)
@@ -376,36 +377,52 @@ def close_engine(st: ServerState) -> None:
         st.backend.close()
 
 
-def put_to_sleep(st: ServerState) -> None:
-    """--sleep-idle-seconds: remember what /props and /metrics say, then free the model,
-    its context and KV cache (the slots and RAM cache reach the disk tier first, when
-    there is one, so conversations resume from it after waking)."""
+def put_to_sleep(st: ServerState, level: int = 2) -> None:
+    """Free the model, its context and KV cache, remembering what /props and /metrics
+    say. Conversations: the slots and the RAM cache reach the disk tier first, when there
+    is one (they resume from it after waking). Level 1 without a disk tier: the slots are
+    saved into the RAM cache, which stays in memory (``kept_cache``) for the next load.
+    Level 2 (and --sleep-idle-seconds) frees the RAM cache too."""
     st.sleep_props = native.props_of(st)
     st.sleep_metrics = st.metrics.exposition() if st.settings.metrics else b""
     st.sleeping = True
+    engine = st.engine
+    if level == 1 and engine is not None and engine.disk is None and engine.cache is not None:
+        try:
+            engine.submit_command(SaveIdleSlots()).result(SPILL_S)
+            st.kept_cache = engine.cache
+        except Exception as e:  # a dead or stuck engine: nothing more to keep
+            log.warning("sleep: could not keep the slots in the RAM cache: %s", e)
     close_engine(st)
     st.engine = st.backend = st.draft = None
     gc.collect()
     release_memory()
 
 
+def drop_kept_cache(st: ServerState) -> None:
+    """Level 2 while asleep at level 1: the RAM cache kept across the sleep is freed."""
+    st.kept_cache = None
+    gc.collect()
+    release_memory()
+
+
 def wake_up(st: ServerState) -> None:
-    """Load everything again (the disk tier's index is rebuilt from its directory)."""
+    """Load everything again (the disk tier's index is rebuilt from its directory; a RAM
+    cache kept at level 1 is taken over)."""
     st.loading = True
     load(st)
     st.sleeping = False
 
 
-def sleep_controller(st: ServerState) -> SleepController | None:
-    """The sleep watcher for --sleep-idle-seconds N (None when N <= 0)."""
-    idle = st.settings.sleep_idle_seconds
-    if idle <= 0:
-        return None
+def sleep_controller(st: ServerState) -> SleepController:
+    """Sleep and wake: the idle watcher runs for --sleep-idle-seconds N > 0 (level 2);
+    POST /sleep puts the server to sleep by hand at any setting."""
     return SleepController(
-        idle,
+        st.settings.sleep_idle_seconds,
         can_sleep=lambda: st.engine is not None and not st.loading,
-        go_to_sleep=lambda: put_to_sleep(st),
+        go_to_sleep=lambda level: put_to_sleep(st, level),
         wake_up=lambda: wake_up(st),
+        deepen=lambda: drop_kept_cache(st),
     )
 
 
@@ -442,6 +459,7 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
     app.include_router(cache_routes.router)
     app.include_router(lora.router)
     app.include_router(metrics_routes.router)
+    app.include_router(sleep_routes.router)
     app.include_router(embedding_routes.router)
     app.include_router(cors_proxy.router)
     page = webui.load_assets() if settings.webui else {}
@@ -464,7 +482,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
             threading.Thread(target=load, args=(st,), name="loader", daemon=True).start()
         else:
             load(st)
-        watcher = asyncio.create_task(sleeper.run()) if sleeper is not None else None
+        watcher = asyncio.create_task(sleeper.run()) if sleeper.idle_s > 0 else None
         yield
         if watcher is not None:
             watcher.cancel()
@@ -473,12 +491,13 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     sleeper = sleep_controller(st)
     app = FastAPI(title="llama-slot-server", lifespan=lifespan)
     app.state.server = st
+    app.state.sleeper = sleeper  # POST /sleep, /wake_up, GET /is_sleeping
     errors.install(app)
     public = install_routes(app, settings)
     # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
-    if sleeper is not None:  # innermost: only requests that passed every check are tasks
-        app.add_middleware(SleepGate, controller=sleeper)
+    # innermost: only requests that passed every check are tasks
+    app.add_middleware(SleepGate, controller=sleeper)
     app.add_middleware(BodyLimit, max_bytes=int(settings.max_body_mb * MiB))
     keys = load_api_keys(settings)
     if settings.cache_isolation == "key" and not keys:

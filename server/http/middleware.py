@@ -222,6 +222,8 @@ LOCAL_ONLY = (
     LocalOnly("/cors-proxy"),
     LocalOnly("/lora-adapters"),
     LocalOnly("/debug"),
+    LocalOnly("/sleep"),  # vLLM's sleep mode: frees the model (GET /is_sleeping is open)
+    LocalOnly("/wake_up"),
     LocalOnly("/models/load"),  # the router's
     LocalOnly("/models/unload"),
     LocalOnly("/models", query="reload"),

@@ -1,5 +1,7 @@
 """``--sleep-idle-seconds N``: after N seconds without a task the model, its context and the
 KV cache are freed (``go_to_sleep``); the next task reloads them (``wake_up``) and waits.
+``POST /sleep?level=1|2`` (vLLM's) does the same by hand (server.routes.sleep); level 2,
+which the idle sleep uses, frees the RAM cache too.
 
 A task is any request but the read-only ones (``READ_ONLY``: health, props, model list,
 metrics), which neither wake the server nor reset its timer, as in llama-server. The gate
@@ -14,6 +16,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,8 +31,15 @@ READ_ONLY = frozenset(
         ("GET", "/v1/models"),
         ("GET", "/metrics"),
         ("HEAD", "/health"),
+        ("GET", "/is_sleeping"),
+        # sleeping is no task: it must not wake a sleeping server, nor count as one running
+        ("POST", "/sleep"),
     }
 )
+
+
+# What ``SleepController.sleep_now`` did.
+SleepOutcome = Literal["asleep", "busy", "unloaded"]
 
 
 def is_task(scope: Scope) -> bool:
@@ -47,23 +57,27 @@ def release_memory() -> None:
 class SleepController:
     """Counts running tasks and idle time; puts the server to sleep and wakes it.
 
-    ``can_sleep()`` says whether there is a loaded model to free; ``go_to_sleep`` and
-    ``wake_up`` run on a worker thread, never two at once."""
+    ``can_sleep()`` says whether there is a loaded model to free; ``go_to_sleep(level)``,
+    ``wake_up`` and ``deepen`` (level 1 -> 2 while asleep) run on a worker thread, never
+    two at once. ``idle_s <= 0``: no idle watcher, only sleep by hand."""
 
     def __init__(
         self,
         idle_s: float,
         can_sleep: Callable[[], bool],
-        go_to_sleep: Callable[[], None],
+        go_to_sleep: Callable[[int], None],
         wake_up: Callable[[], None],
+        deepen: Callable[[], None] = lambda: None,
     ) -> None:
         self.idle_s = idle_s
         self.can_sleep = can_sleep
         self.go_to_sleep = go_to_sleep
         self.wake_up = wake_up
+        self.deepen = deepen
         self.active = 0
         self.last = time.monotonic()
         self.sleeping = False
+        self.level = 0  # while sleeping: 1 or 2
         self._lock: asyncio.Lock | None = None
 
     @property
@@ -76,13 +90,38 @@ class SleepController:
         """A task begins: wake the server first if it sleeps (or is falling asleep)."""
         self.active += 1
         self.last = time.monotonic()
+        await self.wake()
+
+    async def wake(self) -> None:
+        """Wake the server if it sleeps (or is falling asleep); returns once it is awake."""
         if self.sleeping or self.lock.locked():
             async with self.lock:
                 if self.sleeping:
                     t0 = time.monotonic()
                     await asyncio.to_thread(self.wake_up)
-                    self.sleeping = False
+                    self.sleeping, self.level = False, 0
                     log.info("woke up in %.2f s", time.monotonic() - t0)
+
+    async def sleep_now(self, level: int) -> SleepOutcome:
+        """Sleep by hand at ``level`` (1 or 2). Refused while tasks run (``busy``) or while
+        no model is loaded (``unloaded``). Asleep at level 1, level 2 deepens the sleep."""
+        async with self.lock:
+            if self.sleeping:
+                if level > self.level:
+                    await asyncio.to_thread(self.deepen)
+                    self.level = level
+                return "asleep"
+            if self.active > 0:
+                return "busy"
+            if not self.can_sleep():
+                return "unloaded"
+            t0 = time.monotonic()
+            self.sleeping, self.level = True, level
+            await asyncio.to_thread(self.go_to_sleep, level)
+            log.info(
+                "sleeping at level %d by request (freed in %.2f s)", level, time.monotonic() - t0
+            )
+            return "asleep"
 
     def leave(self) -> None:
         """A task ended (its answer is sent): the idle timer starts again from now."""
@@ -109,8 +148,8 @@ class SleepController:
                 if not self.due():
                     continue
                 t0 = time.monotonic()
-                self.sleeping = True
-                await asyncio.to_thread(self.go_to_sleep)
+                self.sleeping, self.level = True, 2
+                await asyncio.to_thread(self.go_to_sleep, 2)
                 log.info(
                     "sleeping after %.0f s idle (freed in %.2f s)",
                     self.idle_s,

@@ -74,6 +74,9 @@ class ServerState:
     sleeping: bool = False
     sleep_props: dict[str, Any] = field(default_factory=dict)
     sleep_metrics: bytes = b""
+    # POST /sleep?level=1 without a disk tier: the RAM cache (the slots saved into it) kept
+    # across the sleep; the next load serves from it. None otherwise.
+    kept_cache: Any = None
 
     def require_backend(self) -> ModelBackend:
         """The loaded model, or an APIError 503 while there is none (loading, asleep, or

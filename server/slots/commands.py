@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..cache import slot_file, tenancy
 from ..cache.saved import Extras, InSlot, SavedState
-from . import disk_glue
+from . import disk_glue, ram
 from .file_plan import RestorePlan, saved_state
 from .slot import Slot
 from .stats import EngineStats
@@ -320,3 +320,24 @@ class SpillToDisk:
         if host.disk is None:
             return Spilled(0)
         return Spilled(disk_glue.spill(host.store, host.cache, host.disk))
+
+
+@dataclass(frozen=True)
+class SlotsCached:
+    n_saved: int
+
+
+@dataclass(frozen=True)
+class SaveIdleSlots:
+    """Copy every idle slot's state into the RAM cache (POST /sleep without a disk tier:
+    the RAM cache outlives the engine, the slots do not); nothing without a RAM cache."""
+
+    slot: int = field(default=-1, init=False)
+
+    def run(self, host: Host) -> SlotsCached:
+        cache = host.cache
+        if cache is None:
+            return SlotsCached(0)
+        n = sum(ram.save(host.store, cache, s) for s in host.store.slots if s.idle)
+        cache.update()
+        return SlotsCached(n)

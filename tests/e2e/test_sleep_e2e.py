@@ -96,3 +96,88 @@ def test_router_instance_sleeps_and_wakes(make_server, tmp_path):
     seen = [e["data"]["status"] for e in events if e["model"] == "small"]
     assert seen[:3] == ["loading", "loaded", "sleeping"], seen
     assert "loaded" in seen[3:], seen  # woken by the second request
+
+
+# ---- vLLM's sleep mode by hand: POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping ----
+
+
+def first_turn(s: ServerProc) -> tuple[str, int]:
+    """A conversation's first turn, several 512-token windows long: (the follow-up's prompt,
+    the first turn's prompt tokens)."""
+    prompt = long_text(1400)
+    r = s.client.post("/completion", json={"prompt": prompt, "n_predict": 4, "ignore_eos": True})
+    assert r.status_code == 200
+    n_first = r.json()["tokens_evaluated"]
+    assert n_first > 1500
+    return prompt + r.json()["content"] + " And then the next chapter began.", n_first
+
+
+def second_turn(s: ServerProc, follow: str) -> dict:
+    r = s.client.post("/completion", json={"prompt": follow, "n_predict": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def asleep(s: ServerProc) -> bool:
+    flag = s.client.get("/is_sleeping").json()["is_sleeping"]
+    assert s.client.get("/props").json()["is_sleeping"] is flag
+    return flag
+
+
+def test_sleep_level_1_keeps_the_conversation_in_ram_and_a_request_wakes_it(make_server):
+    # no disk tier: level 1 keeps the slots in the RAM cache across the sleep
+    s = make_server("-np", "2")
+    assert s.client.post("/sleep", params={"level": "3"}).status_code == 400
+    assert s.client.post("/sleep", params={"level": "x"}).status_code == 400
+    follow, n_first = first_turn(s)
+    awake = vm_rss_kib(s.proc.pid)
+    r = s.client.post("/sleep")  # level 1 by default
+    assert r.status_code == 200 and r.json() == {"is_sleeping": True, "level": 1}
+    assert asleep(s)
+    assert awake - vm_rss_kib(s.proc.pid) > 200_000  # the model freed
+    assert s.client.get("/health").status_code == 200
+    assert asleep(s)  # read-only endpoints leave it asleep
+    body = second_turn(s, follow)  # a task wakes it, and its prompt comes from the RAM cache
+    assert body["tokens_cached"] >= n_first - 1, body
+    assert not asleep(s)
+
+
+def test_sleep_level_2_frees_the_ram_cache_the_disk_tier_carries_it(make_server, tmp_path):
+    s = make_server("-np", "2", "--cache-disk", str(tmp_path / "disk"))
+    follow, n_first = first_turn(s)
+    r = s.client.post("/sleep", params={"level": "2"})
+    assert r.status_code == 200 and r.json()["level"] == 2
+    assert asleep(s)
+    assert s.client.post("/wake_up", params={"tags": "bogus"}).status_code == 400
+    r = s.client.post("/wake_up", params={"tags": "weights,kv_cache"})
+    assert r.status_code == 200 and r.json() == {"is_sleeping": False}
+    assert not asleep(s)
+    body = second_turn(s, follow)
+    assert body["tokens_cached"] >= n_first - 1, body
+
+
+def test_level_2_without_a_disk_tier_forgets_the_conversation(make_server):
+    # the rule stated in README: level 1 then 2 (deepened while asleep) frees the RAM cache
+    s = make_server("-np", "1", "-m", smollm2_path())
+    prompt = long_text(1400)
+    r = s.client.post("/completion", json={"prompt": prompt, "n_predict": 2})
+    assert r.status_code == 200
+    assert s.client.post("/sleep").json()["level"] == 1
+    assert s.client.post("/sleep", params={"level": "2"}).json()["level"] == 2
+    assert s.client.post("/wake_up").status_code == 200
+    r = s.client.post("/completion", json={"prompt": prompt, "n_predict": 2})
+    assert r.json()["tokens_cached"] == 0, r.json()
+
+
+def test_sleep_endpoints_need_the_key_and_refuse_other_pages(make_server):
+    s = make_server("-np", "1", "-m", smollm2_path(), "--api-key", "k1")
+    evil = {"Origin": "http://evil.example", "Authorization": "Bearer k1"}
+    for path in ("/sleep", "/wake_up"):
+        assert s.client.post(path).status_code == 401
+        assert s.client.post(path, headers=evil).status_code == 403
+    assert s.client.get("/is_sleeping").status_code == 401
+    key = {"Authorization": "Bearer k1"}
+    assert s.client.post("/sleep", headers=key).status_code == 200
+    assert s.client.get("/is_sleeping", headers=key).json() == {"is_sleeping": True}
+    assert s.client.post("/wake_up", headers=key).status_code == 200
+    assert s.client.get("/is_sleeping", headers=key).json() == {"is_sleeping": False}

@@ -34,6 +34,8 @@ SERVER_LOCAL_ONLY = {
     ("POST", "/lora-adapters"),  # every client's adapter scales
     ("GET", "/cors-proxy"),  # other hosts
     ("POST", "/cors-proxy"),
+    ("POST", "/sleep"),  # vLLM's sleep mode: frees the model
+    ("POST", "/wake_up"),
 }
 _GENERATE = [
     "/completion",
@@ -66,7 +68,15 @@ _GENERATE = [
     "/v1/reranking",
     "/predict",  # Vertex: each instance runs through the whole app (and this guard) again
 ]
-_READ = ["/health", "/v1/health", "/v1/models", "/models", "/v1/models/{model_id:path}", "/metrics"]
+_READ = [
+    "/is_sleeping",
+    "/health",
+    "/v1/health",
+    "/v1/models",
+    "/models",
+    "/v1/models/{model_id:path}",
+    "/metrics",
+]
 _DOCS = ["/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"]
 _PAGE = ["/", "/index.html"]
 SERVER_OPEN = (

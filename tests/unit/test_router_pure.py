@@ -145,7 +145,8 @@ def test_sleep_controller_sleeps_when_idle_and_one_wake_serves_many():
     calls: list[str] = []
     loaded = [True]
 
-    def sleep() -> None:
+    def sleep(level: int) -> None:
+        assert level == 2  # the idle sleep frees the RAM cache too
         calls.append("sleep")
         loaded[0] = False
 
