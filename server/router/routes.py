@@ -92,6 +92,16 @@ async def props(request: Request) -> Response:
     )
 
 
+@router.post("/sleep")
+@router.post("/wake_up")
+@router.get("/is_sleeping")
+async def sleep_mode(request: Request) -> Response:
+    """vLLM's sleep mode, per instance: the one ``?model=`` names (400 without one), never
+    started for it (400 when it is not running)."""
+    name = request.query_params.get("model")
+    return await _proxy(request, name, RoutedBody(b""), autoload=False)
+
+
 def model_json(inst: Instance, created: int, private: bool) -> dict[str, Any]:
     """One entry of ``GET /models`` (llama-server's fields); the model's file and the
     instance's command line only when ``private`` (``may_see_paths``)."""
@@ -232,11 +242,14 @@ def silence_limit(st: RouterState, inst: Instance, asked: float | None) -> float
     return max(limit, asked or 0.0) + UPSTREAM_GRACE_S
 
 
-async def _proxy(request: Request, name: str | None, body: RoutedBody) -> Response:
-    """Hold the named instance (starting it when allowed), then pass the request on. A
-    client that leaves while waiting gives up its place; the start goes on for others."""
+async def _proxy(
+    request: Request, name: str | None, body: RoutedBody, autoload: bool | None = None
+) -> Response:
+    """Hold the named instance (starting it when allowed: ``autoload``, by default the
+    request's or the router's), then pass the request on. A client that leaves while
+    waiting gives up its place; the start goes on for others."""
     st = state_of(request)
-    inst = st.manager.require(name, autoload_of(st, request))
+    inst = st.manager.require(name, autoload_of(st, request) if autoload is None else autoload)
     release = st.manager.hold(inst)
     try:
         waiting = asyncio.create_task(st.manager.ready(inst))

@@ -181,3 +181,18 @@ def test_sleep_endpoints_need_the_key_and_refuse_other_pages(make_server):
     assert s.client.get("/is_sleeping", headers=key).json() == {"is_sleeping": True}
     assert s.client.post("/wake_up", headers=key).status_code == 200
     assert s.client.get("/is_sleeping", headers=key).json() == {"is_sleeping": False}
+
+
+def test_router_sleeps_and_wakes_the_named_instance(make_server, tmp_path):
+    (tmp_path / "small.gguf").symlink_to(smollm2_path())
+    r = make_server("--models-dir", str(tmp_path))
+    assert r.client.post("/sleep").status_code == 400  # which instance?
+    # not running: never started just to be put to sleep
+    assert r.client.post("/sleep", params={"model": "small"}).status_code == 400
+    body = {"model": "small", "prompt": "Hi", "n_predict": 2}
+    assert r.client.post("/completion", json=body).status_code == 200
+    small = {"model": "small"}
+    assert r.client.post("/sleep", params={**small, "level": "2"}).json()["level"] == 2
+    assert r.client.get("/is_sleeping", params=small).json() == {"is_sleeping": True}
+    assert r.client.post("/wake_up", params=small).status_code == 200
+    assert r.client.get("/is_sleeping", params=small).json() == {"is_sleeping": False}

@@ -91,11 +91,16 @@ ROUTER_LOCAL_ONLY = {
     ("GET", "/props"),  # with ?model=: the instance's
     ("POST", "/models/load"),
     ("POST", "/models/unload"),
+    ("POST", "/sleep"),  # with ?model=: the instance's
+    ("POST", "/wake_up"),
 }
 ROUTER_LOCAL_ONLY_QUERIES = [("GET", "/models?reload=1"), ("GET", "/v1/models?reload=1")]
 _CATCH_ALL = {(m, "/{path:path}") for m in ("GET", "POST", "PUT", "PATCH", "DELETE")}
 ROUTER_OPEN = (
-    {("GET", p) for p in ["/health", "/v1/health", "/models", "/v1/models", "/models/sse"]}
+    {
+        ("GET", p)
+        for p in ["/health", "/v1/health", "/models", "/v1/models", "/models/sse", "/is_sleeping"]
+    }
     | {("GET", p) for p in [*_DOCS, *_PAGE]}
     | {("HEAD", p) for p in [*_DOCS, *_PAGE]}
     | _CATCH_ALL
