@@ -278,7 +278,12 @@ def load(st: ServerState) -> None:
         # as llama-server: the aliases form a sorted set, the first one names the model
         st.model_aliases = sorted(set(csv_list(s.alias or "")))
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
-        backend = LlamaBackend(_backend_options(st, path), compiler=llama_compiler)
+        backend = st.kept_backend  # asleep at level 1: the model kept, a new context
+        if backend is not None:
+            st.kept_backend = None
+            backend.open_context()
+        else:
+            backend = LlamaBackend(_backend_options(st, path), compiler=llama_compiler)
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
         # a compile child started now (beside the rest of the load), not by the first schema
         threading.Thread(target=worker.pool().warm, name="constraint-warm", daemon=True).start()
@@ -361,9 +366,10 @@ def _warn_setup(s: Settings, backend: ModelBackend, engine: Engine) -> None:
         log.warning("cache_reuse is not supported by this context, it will be disabled")
 
 
-def close_engine(st: ServerState) -> None:
+def close_engine(st: ServerState, keep_model: bool = False) -> None:
     """Shutdown (and sleep): the idle slots and the RAM cache to the disk tier, then the
-    engine stopped, the disk tier, draft model and model closed."""
+    engine stopped, the disk tier, draft model and model closed. ``keep_model`` (sleep
+    level 1): only the model's context is freed; the model waits in ``kept_backend``."""
     if st.engine is not None:
         spill_to_disk(st)
         st.engine.stop()
@@ -374,15 +380,22 @@ def close_engine(st: ServerState) -> None:
     if st.backend is not None and (thread is None or not thread.is_alive()):
         if st.draft is not None:
             st.draft.close()  # before the model it may share
-        st.backend.close()
+        free_context = getattr(st.backend, "free_context", None)  # LlamaBackend's
+        if keep_model and free_context is not None:
+            free_context()
+            st.kept_backend = st.backend
+        else:
+            st.backend.close()
+    if not keep_model:
+        drop_kept(st)  # at shutdown while asleep at level 1
 
 
 def put_to_sleep(st: ServerState, level: int = 2) -> None:
-    """Free the model, its context and KV cache, remembering what /props and /metrics
-    say. Conversations: the slots and the RAM cache reach the disk tier first, when there
-    is one (they resume from it after waking). Level 1 without a disk tier: the slots are
-    saved into the RAM cache, which stays in memory (``kept_cache``) for the next load.
-    Level 2 (and --sleep-idle-seconds) frees the RAM cache too."""
+    """Free the context and KV cache (level 1) and the model too (level 2, and
+    --sleep-idle-seconds), remembering what /props and /metrics say. Conversations: the
+    slots and the RAM cache reach the disk tier first, when there is one (they resume from
+    it after waking). Level 1 without a disk tier: the slots are saved into the RAM cache,
+    which stays in memory (``kept_cache``) for the next load; level 2 frees it."""
     st.sleep_props = native.props_of(st)
     st.sleep_metrics = st.metrics.exposition() if st.settings.metrics else b""
     st.sleeping = True
@@ -393,17 +406,20 @@ def put_to_sleep(st: ServerState, level: int = 2) -> None:
             st.kept_cache = engine.cache
         except Exception as e:  # a dead or stuck engine: nothing more to keep
             log.warning("sleep: could not keep the slots in the RAM cache: %s", e)
-    close_engine(st)
+    close_engine(st, keep_model=level == 1)
     st.engine = st.backend = st.draft = None
     gc.collect()
     release_memory()
 
 
-def drop_kept_cache(st: ServerState) -> None:
-    """Level 2 while asleep at level 1: the RAM cache kept across the sleep is freed."""
-    st.kept_cache = None
-    gc.collect()
-    release_memory()
+def drop_kept(st: ServerState) -> None:
+    """Level 2 while asleep at level 1 (or shutdown): the model and the RAM cache kept
+    across the sleep are freed."""
+    backend, st.kept_backend, st.kept_cache = st.kept_backend, None, None
+    if backend is not None:
+        backend.close()
+        gc.collect()
+        release_memory()
 
 
 def wake_up(st: ServerState) -> None:
@@ -422,7 +438,7 @@ def sleep_controller(st: ServerState) -> SleepController:
         can_sleep=lambda: st.engine is not None and not st.loading,
         go_to_sleep=lambda level: put_to_sleep(st, level),
         wake_up=lambda: wake_up(st),
-        deepen=lambda: drop_kept_cache(st),
+        deepen=lambda: drop_kept(st),
     )
 
 

@@ -1,7 +1,7 @@
 """``--sleep-idle-seconds N``: after N seconds without a task the model, its context and the
 KV cache are freed (``go_to_sleep``); the next task reloads them (``wake_up``) and waits.
-``POST /sleep?level=1|2`` (vLLM's) does the same by hand (server.routes.sleep); level 2,
-which the idle sleep uses, frees the RAM cache too.
+``POST /sleep?level=1|2`` (vLLM's) sleeps by hand (server.routes.sleep): level 1 frees the
+context and KV but keeps the model; level 2, which the idle sleep uses, frees everything.
 
 A task is any request but the read-only ones (``READ_ONLY``: health, props, model list,
 metrics), which neither wake the server nor reset its timer, as in llama-server. The gate

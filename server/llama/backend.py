@@ -752,6 +752,25 @@ class LlamaBackend(SeqMemory):
         if ret != 0:
             log.warning("warm-up decode failed (%d)", ret)
 
+    def free_context(self) -> None:
+        """Sleep level 1: the context and its KV cache freed, the model (weights) kept;
+        ``open_context`` makes a new context before the next use."""
+        if self.ctx:
+            L.llama_free(self.ctx)
+            self.ctx = None
+            self.mem = None
+
+    def open_context(self) -> None:
+        """A new context for the kept model, with the options of the first (its sizes are
+        those already read: the same parameters give the same context)."""
+        cparams, _ = context_params(self.opts, self.n_ctx_train, self.scratch_seq >= 0)
+        ctx = L.llama_init_from_model(self.model, cparams)
+        if not ctx:
+            raise RuntimeError("failed to create llama context (out of memory?)")
+        self.ctx, self.mem = ctx, L.llama_get_memory(ctx)
+        self.lora.rebind(ctx)
+        self._embeddings_on = False
+
     def close(self) -> None:
         self.batch.free()
         if self.ctx:

@@ -34,6 +34,12 @@ class LoraAdapters:
             self._handles.append(h)
         self._applied: tuple[tuple[int, float], ...] = ()  # (id, scale) last set
 
+    def rebind(self, ctx: Any) -> None:
+        """A new context of the same model (a wake from sleep level 1): nothing is set on it
+        yet; the next ``apply`` sets the adapters again."""
+        self._ctx = ctx
+        self._applied = ()
+
     def __len__(self) -> int:
         return len(self._handles)
 

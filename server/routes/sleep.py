@@ -29,8 +29,9 @@ def controller(request: Request) -> SleepController:
 
 @router.post("/sleep")
 async def sleep(request: Request) -> dict[str, Any]:
-    """Free the model, its context and KV cache (level 1 keeps the conversations in the
-    RAM cache or disk tier; level 2 frees the RAM cache too). 409 while requests run."""
+    """Level 1: free the context and KV cache, keep the model and the conversations (RAM
+    cache or disk tier); level 2: free the model and the RAM cache too (the disk tier
+    keeps them). 409 while requests run."""
     raw = request.query_params.get("level", "1")
     level = LEVELS.get(raw.strip())
     if level is None:

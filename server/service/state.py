@@ -77,6 +77,9 @@ class ServerState:
     # POST /sleep?level=1 without a disk tier: the RAM cache (the slots saved into it) kept
     # across the sleep; the next load serves from it. None otherwise.
     kept_cache: Any = None
+    # POST /sleep?level=1: the model (server.llama.backend.LlamaBackend) with its context
+    # freed; the next load opens a new context on it. None otherwise.
+    kept_backend: Any = None
 
     def require_backend(self) -> ModelBackend:
         """The loaded model, or an APIError 503 while there is none (loading, asleep, or
