@@ -298,3 +298,16 @@ def test_non_finite_logits_are_a_400_on_every_sampling_path(make_server, tmp_pat
     r = s.client.post("/completion", json={**on, "lora": [], "temperature": 0})
     assert r.status_code == 200 and r.json()["content"], r.text
     s.assert_integrity()
+
+
+def test_an_adapter_applies_again_after_sleep_level_1(make_server, adapters):
+    # level 1 keeps the model (and its adapters) but makes a new context: the adapter must
+    # be set on the new one, not taken as still applied
+    a, _ = adapters
+    s = make_server("-np", "1", "--lora", a)
+    base, with_a = _lp(s, NONE), _lp(s, A)
+    assert _gap(base, with_a) > 2 * LOGPROB_TOL
+    assert s.client.post("/sleep", params={"level": "1"}).status_code == 200
+    after = _lp(s, A)  # wakes it
+    assert _gap(after, with_a) <= LOGPROB_TOL, (after, with_a)
+    assert _gap(_lp(s, NONE), base) <= LOGPROB_TOL
