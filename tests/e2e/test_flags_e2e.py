@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import ROOT, ServerProc, free_port, long_text
+from tests.e2e.conftest import ROOT, ServerProc, free_port, gemma_path, long_text
 
 PREFIX = "/llm/v2"
 
@@ -50,6 +50,23 @@ def test_api_prefix_serves_every_route_under_it_and_nothing_outside():
         # an unknown route under the prefix is the app's own 404; the server keeps serving
         assert s.client.get("/nope").status_code == 404
         assert s.client.get("/health").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_api_prefix_and_pings_in_router_mode(tmp_path):
+    """The router serves under the prefix (its instances do not: it forwards paths without
+    it) and its instances' pings reach the client."""
+    (tmp_path / "gemma.gguf").symlink_to(gemma_path())
+    s = PrefixedServer("--models-dir", str(tmp_path), "--api-prefix", PREFIX, "-c", "2048")
+    try:
+        assert [m["id"] for m in s.client.get("/v1/models").json()["data"]] == ["gemma"]
+        root = httpx.Client(base_url=s.url, timeout=30)
+        assert root.get("/health").status_code == 404
+        assert root.get("/v1/models").status_code == 404
+        body = {"model": "gemma", "messages": [{"role": "user", "content": long_text(N_WORDS, 3)}]}
+        body.update(max_tokens=4, sse_ping_interval=0.2)
+        assert _check_stream(_stream_lines(s, "/v1/chat/completions", body)) >= 1
     finally:
         s.stop()
 
