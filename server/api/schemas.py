@@ -105,6 +105,9 @@ class SamplingFields(BaseBody):
     # llama-server's debug field: __verbose in OpenAI responses (default: --verbose)
     verbose: bool | None = None
     timeout: Annotated[float, Field(gt=0, le=86_400)] | None = None  # seconds
+    # llama-server's: seconds a stream may stay silent before an SSE comment ping (<= 0:
+    # never; default --sse-ping-interval)
+    sse_ping_interval: Annotated[float, Field(ge=-1, le=86_400)] | None = None
     # vLLM's field: names the tenant whose cached prefixes this request may reuse
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # llama-server's constrained decoding (server.constrained.request_constraint reads them)

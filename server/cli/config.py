@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from .flags import ANY, BOOL, COMPAT, COMPAT_GROUPS, INT_PAIR, OPTIONS, SWITCH, Compat, Opt
 
@@ -67,6 +67,12 @@ class Settings(BaseModel):
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    reuse_port: bool = False  # SO_REUSEPORT on the listening sockets (server.cli.main.bind)
+    # every route under this prefix ("" none): server.http.middleware.ApiPrefix
+    api_prefix: str = ""
+    # seconds a stream may stay silent before an SSE comment ping (<= 0: never), llama-server's
+    # default; a request's ``sse_ping_interval`` overrides it (server.routes.common)
+    sse_ping_interval: float = 30.0
     ctx_size: int = Field(8192, ge=0)
     parallel: int = Field(AUTO_PARALLEL, ge=1, le=256)
     batch_size: int = Field(2048, ge=1)
@@ -74,6 +80,8 @@ class Settings(BaseModel):
     threads: int = -1
     threads_batch: int = -1
     n_gpu_layers: int = -1
+    # llama-server's per-slot context cap; without -c it also sizes the pool (parallel * N)
+    kv_unified_per_slot: int = Field(0, ge=0)
     kv_unified: bool = True
     swa_full: bool = False
     flash_attn: str = "auto"
@@ -216,6 +224,25 @@ class Settings(BaseModel):
         if isinstance(v, list) and any(isinstance(x, list) for x in v):
             return [y for x in v for y in (x if isinstance(x, list) else [x])]
         return v
+
+    @field_validator("api_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        """llama-server's form: a path without the trailing slash ("/" alone: no prefix)."""
+        v = v.rstrip("/")
+        segments = v.split("/")[1:]
+        plain = all(s and s not in (".", "..") for s in segments)
+        if v and (not v.startswith("/") or not plain or any(c in v for c in "\\%?#")):
+            raise ValueError(f"expected a path such as /llm, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _per_slot_pool(self) -> Settings:
+        """--kv-unified-per-slot N without -c sizes the KV pool to --parallel * N, as
+        llama-server does (-c given, even 0, keeps the pool; N then only caps a slot)."""
+        if self.kv_unified_per_slot > 0 and "ctx_size" not in self.model_fields_set:
+            self.ctx_size = self.parallel * self.kv_unified_per_slot
+        return self
 
     @field_validator("parallel", mode="before")
     @classmethod

@@ -96,6 +96,7 @@ OPTIONS: list[Opt] = [
     _o("-t --threads", "threads", "LLAMA_ARG_THREADS", "threads for generation (default: all cores)", int),
     _o("-tb --threads-batch", "threads_batch", "LLAMA_ARG_THREADS_BATCH", "threads for prompt processing (default: same as --threads)", int),
     _o("-ngl --gpu-layers --n-gpu-layers", "n_gpu_layers", "LLAMA_ARG_N_GPU_LAYERS", "layers to offload to the GPU: a number, auto or all (default: all)", n_gpu_layers),
+    _o("--kv-unified-per-slot", "kv_unified_per_slot", "LLAMA_ARG_KV_UNIFIED_PER_SLOT", "context limit per slot; without -c the KV pool is sized to --parallel * N (default: 0, unset)", int),
     _o("-kvu --kv-unified", "kv_unified", "LLAMA_ARG_KV_UNIFIED", "one KV buffer shared by all slots (default: on)", "bool", neg="-no-kvu --no-kv-unified"),
     _o("--swa-full", "swa_full", "LLAMA_ARG_SWA_FULL", "full-size KV cache for sliding-window layers (default: off)", "bool"),
     _o("-fa --flash-attn", "flash_attn", "LLAMA_ARG_FLASH_ATTN", "flash attention: on, off or auto (default: auto)", choices=("on", "off", "auto")),
@@ -166,6 +167,9 @@ OPTIONS: list[Opt] = [
     # --- HTTP ---
     _o("--host", "host", "LLAMA_ARG_HOST", "address(es) to listen on, comma-separated (default: 127.0.0.1)"),
     _o("--port", "port", "LLAMA_ARG_PORT", "port to listen on (default: 8080)", int),
+    _o("--reuse-port", "reuse_port", "LLAMA_ARG_REUSE_PORT", "SO_REUSEPORT: several servers may bind the same port (default: off)", "bool"),
+    _o("--api-prefix", "api_prefix", "LLAMA_ARG_API_PREFIX", "serve every route under this path prefix, e.g. /llm (default: none)"),
+    _o("--sse-ping-interval", "sse_ping_interval", "LLAMA_ARG_SSE_PING_INTERVAL", "seconds of silence in a stream before an SSE comment ping (default: 30; <= 0 disables)", float),
     _o("--slots", "slots", "LLAMA_ARG_ENDPOINT_SLOTS", "expose the /slots endpoint (default: on)", "bool", neg="--no-slots"),
     _o("--metrics", "metrics", "LLAMA_ARG_ENDPOINT_METRICS", "expose Prometheus metrics at /metrics (default: off)", "bool"),
     _o("--props", "props", "LLAMA_ARG_ENDPOINT_PROPS", "allow changing global properties with POST /props (default: off)", "bool"),
@@ -423,7 +427,6 @@ COMPAT: list[Compat] = [
     *_group(
         "KV cache",
         ("-dt --defrag-thold", "LLAMA_ARG_DEFRAG_THOLD", float, ANY),  # deprecated there too
-        ("--kv-unified-per-slot", "LLAMA_ARG_KV_UNIFIED_PER_SLOT", int),
         ("--cache-prompt | --no-cache-prompt", "LLAMA_ARG_CACHE_PROMPT", BOOL, True),
         ("-cb --cont-batching | -nocb --no-cont-batching", "LLAMA_ARG_CONT_BATCHING", BOOL, True),
     ),
@@ -567,9 +570,6 @@ COMPAT: list[Compat] = [
     ),
     *_group(
         "HTTP extras",
-        ("--reuse-port", "LLAMA_ARG_REUSE_PORT", SWITCH),
-        ("--api-prefix", "LLAMA_ARG_API_PREFIX", str, ""),
-        ("--sse-ping-interval", "LLAMA_ARG_SSE_PING_INTERVAL", int, -1),
         ("--threads-http", "LLAMA_ARG_THREADS_HTTP", int, ANY),  # asyncio: no HTTP threads
     ),
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import sys
 import time
 from types import FrameType
@@ -15,6 +14,7 @@ import uvicorn
 from ..http import kv_setup
 from ..http.app import create_app
 from ..http.heap import settle_heap
+from ..http.listen import bind
 from ..router.app import router_mode
 from ..router.app import serve as serve_router
 from .config import Settings, csv_list, parse_settings, warn_ignored
@@ -59,21 +59,6 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def bind(hosts: list[str], port: int) -> list[socket.socket]:
-    """Listening sockets for ``--host a,b`` (llama-server listens on each address)."""
-    socks = []
-    for host in hosts:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host.strip("[]"), port))
-        sock.listen(2048)
-        socks.append(sock)
-    return socks
-
-
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     problem = kv_setup.check(settings)
@@ -101,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     # handler it restores, the process then exits with 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     hosts = csv_list(settings.host)
-    sockets = bind(hosts, settings.port) if len(hosts) > 1 else None
+    # uvicorn binds one host itself; several, or --reuse-port, need our own sockets
+    many = len(hosts) > 1 or settings.reuse_port
+    sockets = bind(hosts, settings.port, settings.reuse_port) if many else None
     state = app.state.server
     server = DrainingServer(config, state)
     state.on_load_failed = lambda: setattr(server, "should_exit", True)

@@ -51,7 +51,7 @@ from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecCon
 from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
 from .metrics import ServerMetrics
-from .middleware import ApiKeyAuth, BodyLimit, RequestCounter, RequestGuard
+from .middleware import ApiKeyAuth, ApiPrefix, BodyLimit, RequestCounter, RequestGuard
 from .sleep import SleepController, SleepGate, release_memory
 
 log = logging.getLogger("server")
@@ -88,6 +88,7 @@ def model_options(s: Settings, path: str) -> ModelOptions:
         n_threads_batch=s.threads_batch,
         n_gpu_layers=s.n_gpu_layers,
         kv_unified=s.kv_unified,
+        n_ctx_slot_cap=s.kv_unified_per_slot,
         swa_full=s.swa_full,
         scratch_seq=s.cache_reuse > 0 and s.kv_unified,
         flash_attn=s.flash_attn,
@@ -510,7 +511,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     app.state.sleeper = sleeper  # POST /sleep, /wake_up, GET /is_sleeping
     errors.install(app)
     public = install_routes(app, settings)
-    # Outermost last: count -> CORS (answers preflights) -> guard (host, origin, JSON
+    # Outermost last: (prefix ->) count -> CORS (answers preflights) -> guard (host, origin, JSON
     # bodies) -> key -> body limit.
     # innermost: only requests that passed every check are tasks
     app.add_middleware(SleepGate, controller=sleeper)
@@ -531,4 +532,6 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
     )
     app.add_middleware(Cors, policy=policy)
     app.add_middleware(RequestCounter, metrics=metrics)
+    if settings.api_prefix:  # outermost: everything below sees paths without the prefix
+        app.add_middleware(ApiPrefix, prefix=settings.api_prefix)
     return app

@@ -397,3 +397,36 @@ class RequestCounter:
             await self.app(scope, receive, send_wrapper)
         finally:
             self.metrics.count_request(endpoint, status)
+
+
+class ApiPrefix:
+    """--api-prefix: every route is served under ``prefix`` (llama-server registers each at
+    prefix + path, /health included): ``prefix/x`` reaches the app as ``/x``, so every rule
+    below (the path check, the guard, the key's public paths, metrics) sees the path as
+    without a prefix; any other path is a 404 the app never sees. Outermost."""
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix  # "/a/b": no trailing slash (Settings._prefix)
+        self.raw = prefix.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        raw = scope.get("raw_path")
+        # the prefix must be the decoded and the raw path's first segments, both (an
+        # encoded prefix is no prefix: the two readings of the path would differ)
+        under = path.startswith(self.prefix + "/") and (
+            raw is None or raw.startswith(self.raw + b"/")
+        )
+        if not under:
+            if scope["type"] == "http":
+                await send_json(send, 404, error_body_for(path, 404, "File Not Found"))
+            return  # a websocket not accepted: closed with 403 by the server
+        scope = dict(scope)
+        scope["path"] = path[len(self.prefix) :]
+        if raw is not None:
+            scope["raw_path"] = raw[len(self.raw) :]
+        await self.app(scope, receive, send)

@@ -69,6 +69,8 @@ class ModelOptions:
     n_threads_batch: int = -1
     n_gpu_layers: int = -1
     kv_unified: bool = True
+    # --kv-unified-per-slot: a slot's context is at most this (0: no cap)
+    n_ctx_slot_cap: int = 0
     swa_full: bool = False
     # one sequence more than the slots, --cache-reuse's scratch (unified KV only)
     scratch_seq: bool = False
@@ -369,9 +371,10 @@ class LlamaBackend(SeqMemory):
         self.n_ubatch = L.llama_n_ubatch(self.ctx)
         self.n_seq = opts.n_parallel
         self.kv_unified = opts.kv_unified
-        self.n_ctx_slot = _slot_context(
-            self.n_ctx if opts.kv_unified else self.n_ctx // opts.n_parallel, self.n_ctx_train
-        )
+        n_ctx_seq = self.n_ctx if opts.kv_unified else self.n_ctx // opts.n_parallel
+        if opts.n_ctx_slot_cap > 0:
+            n_ctx_seq = min(n_ctx_seq, opts.n_ctx_slot_cap)
+        self.n_ctx_slot = _slot_context(n_ctx_seq, self.n_ctx_train)
         self.n_swa, self.is_recurrent, self.kv_kinds = memory_layout(self.model, opts.swa_full)
         # K/V ggml types of every layer (a state of others is refused); --context-shift
         self.kv_type_ids = (KV_TYPES[opts.type_k], KV_TYPES[opts.type_v])

@@ -23,7 +23,8 @@ from ..api import errors
 from ..cli.config import Settings, csv_list, load_api_keys
 from ..http.cors import Cors, CorsPolicy, effective_origins
 from ..http.heap import settle_heap
-from ..http.middleware import ApiKeyAuth, BodyLimit, RequestGuard
+from ..http.listen import bind
+from ..http.middleware import ApiKeyAuth, ApiPrefix, BodyLimit, RequestGuard
 from ..routes import webui
 from .manager import Manager, RouterConfig
 from .presets import FlagTable, ModelSpec, PresetError, build_specs, flag_table, parse_argv
@@ -101,6 +102,8 @@ def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
         allowed_hosts=csv_list(s.allowed_hosts or ""),
     )
     app.add_middleware(Cors, policy=policy)
+    if s.api_prefix:  # outermost: the routes and the forward see paths without it
+        app.add_middleware(ApiPrefix, prefix=s.api_prefix)
     return app
 
 
@@ -120,4 +123,4 @@ def serve(s: Settings, argv: list[str], uvicorn_options: dict[str, Any]) -> None
 
     server.handle_exit = on_exit  # type: ignore[method-assign]
     settle_heap()
-    server.run()
+    server.run(sockets=bind(csv_list(s.host), s.port, True) if s.reuse_port else None)

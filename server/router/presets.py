@@ -40,6 +40,8 @@ ROUTER_ONLY = frozenset(
         "models_max",
         "models_autoload",
         "alias",
+        "api_prefix",
+        "reuse_port",
     }
 )
 # Preset-only keys (not flags): llama-server's names.

@@ -63,15 +63,24 @@ def sse_named(events: list[tuple[str, Any]]) -> str:
 AddEvent = Callable[[list[str], int, Event], None]
 
 
+# llama-server's keep-alive while a stream is silent (--sse-ping-interval): an SSE comment
+# line, which every SSE client skips (some, e.g. undici, time out after a silence).
+SSE_PING = ":\n\n"
+
+
 async def sse_batches(group: TaskGroup, add: AddEvent, coalesce: bool) -> AsyncIterator[str]:
     """The SSE text of ``group``'s events, one string per batch (``TaskGroup.batches``):
     the events delivered together go out in one write, each rendered by ``add`` in order,
     so the bytes are those of rendering them one at a time (a batch that renders to
     nothing is not written). ``coalesce``: a reader far behind gets its text merged
     (only for a stream whose text events are valid for any run of text). Leaving the
-    iteration early closes the batches at once, which cancels the unfinished tasks."""
+    iteration early closes the batches at once, which cancels the unfinished tasks. An empty
+    batch (the group's ping interval passed in silence) is written as ``SSE_PING``."""
     async with contextlib.aclosing(group.batches(coalesce=coalesce)) as batches:
         async for batch in batches:
+            if not batch:  # silent for the group's ping interval: llama-server's ping
+                yield SSE_PING
+                continue
             out: list[str] = []
             for index, ev in batch:
                 add(out, index, ev)

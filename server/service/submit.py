@@ -116,6 +116,13 @@ def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenPa
     )
 
 
+def _ping_interval(st: ServerState, body: SamplingFields) -> float:
+    """Seconds a stream may stay silent before a ping (<= 0: never): the request's
+    ``sse_ping_interval``, else --sse-ping-interval (llama-server's rule)."""
+    given = body.sse_ping_interval
+    return st.settings.sse_ping_interval if given is None else given
+
+
 async def submit(
     st: ServerState,
     body: SamplingFields,
@@ -148,6 +155,7 @@ async def submit(
         timeout=body.timeout or st.settings.timeout,
         max_queue=st.settings.max_queue,
         drain_deadline=lambda: st.drain_deadline,
+        ping=_ping_interval(st, body) if job.stream else 0.0,
     )
     for p in prompts:
         for _ in range(job.n):

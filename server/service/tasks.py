@@ -44,8 +44,10 @@ class TaskGroup:
         timeout: float = 600.0,
         max_queue: int = 256,
         drain_deadline: Callable[[], float | None] = lambda: None,
+        ping: float = 0.0,
     ) -> None:
         self.engine = engine
+        self.ping = ping  # > 0: ``batches`` yields an empty batch after this much silence
         self.drain_deadline = drain_deadline
         self.timeout = timeout
         self.max_queue = max_queue
@@ -177,21 +179,31 @@ class TaskGroup:
         """Every event delivered since the last batch, in order, until every task ended: a
         streaming route shapes and writes a batch at once. A timeout, a shutdown's end of
         grace or a dead engine ends the unfinished tasks with a TaskError each (so streams
-        can report it). ``coalesce``: a task with more than COALESCE_AFTER events waiting
+        can report it). With ``ping`` > 0, an empty batch after that many seconds without
+        one (a stream's keep-alive, ``routes.common.sse_batches``). ``coalesce``: a task with more than COALESCE_AFTER events waiting
         (a reader that far behind) gets its adjacent TextChunks merged into one
         (``merge_text``); a reader that keeps up gets every event as it was sent."""
         open_ = set(range(len(self.tasks)))
         deadline = time.monotonic() + self.timeout
+        ping = self.ping
+        quiet_since = time.monotonic()  # the last batch (for ``ping``)
         try:
             while open_:
                 failure = self._ended(deadline)
                 if failure is None and not self.pending:
-                    await self._wait(max(0.0, min(1.0, deadline - time.monotonic())))
+                    now = time.monotonic()
+                    wait = min(1.0, deadline - now)
+                    if ping > 0:  # wake no later than the ping is due
+                        wait = min(wait, quiet_since + ping - now)
+                    await self._wait(max(0.0, wait))
                     if not self.pending:
                         failure = self._ended(deadline)
                         if failure is None and not self.engine.alive:
                             failure = TaskError(500, "the engine stopped", "server_error")
                         if failure is None:
+                            if ping > 0 and time.monotonic() - quiet_since >= ping:
+                                quiet_since = time.monotonic()
+                                yield []  # silent for ``ping`` s: the reader pings
                             continue
                 if failure is not None:
                     self.cancel()
@@ -199,6 +211,8 @@ class TaskGroup:
                     open_.clear()
                     yield batch
                     return
+                if ping > 0:  # one clock read per batch, not per event
+                    quiet_since = time.monotonic()
                 yield self._take(open_, coalesce)
         finally:
             if self._tick is not None:

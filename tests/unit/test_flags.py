@@ -426,3 +426,35 @@ def test_spm_infill_reaches_the_settings_and_is_not_ignored():
 def test_underscores_in_long_flags_are_dashes_as_in_llama_server():
     s = parse_settings(["--backend_sampling", "--ctx_size", "1024", "--alias=a_b"], env={})
     assert s.backend_sampling and s.ctx_size == 1024 and s.alias == "a_b"
+
+
+def test_flags_once_ignored_now_set_settings():
+    """--api-prefix, --reuse-port, --sse-ping-interval and --kv-unified-per-slot were accepted
+    and ignored; now each is a setting (and no longer in the ignored warning)."""
+    argv = ["--api-prefix", "/llm/", "--reuse-port", "--sse-ping-interval", "5"]
+    s = parse_settings([*argv, "--kv-unified-per-slot", "1000", "-np", "3"], env={})
+    assert (s.api_prefix, s.reuse_port, s.sse_ping_interval) == ("/llm", True, 5.0)
+    assert (s.kv_unified_per_slot, s.ctx_size) == (1000, 3000)  # no -c: pool = np * N
+    assert ignored_flags(s) == []
+    d = Settings()
+    assert (d.api_prefix, d.reuse_port, d.sse_ping_interval, d.kv_unified_per_slot) == (
+        "",
+        False,
+        30.0,  # llama-server's default
+        0,
+    )
+    # -c given (even 0, the training context) keeps the pool, as llama-server does
+    for ctx in ("0", "4096"):
+        s = parse_settings(["--kv-unified-per-slot", "1000", "-c", ctx], env={})
+        assert s.ctx_size == int(ctx)
+    env = {"LLAMA_ARG_KV_UNIFIED_PER_SLOT": "256", "LLAMA_ARG_API_PREFIX": "/a/b"}
+    s = parse_settings([], env=env)
+    assert (s.ctx_size, s.api_prefix) == (4 * 256, "/a/b")
+
+
+@pytest.mark.parametrize("prefix", ["llm", "/a/../b", "/a//b", "/a%2fb", "/a?b"])
+def test_a_malformed_api_prefix_fails(prefix, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--api-prefix", prefix], env={})
+    assert e.value.code == 2
+    assert "--api-prefix" in capsys.readouterr().err
