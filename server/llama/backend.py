@@ -388,15 +388,8 @@ class LlamaBackend(SeqMemory):
         self._eog: dict[int, bool] = {}
         self._eog_all: tuple[int, ...] | None = None
         self.bos_id = L.llama_vocab_bos(self.vocab)
-        self.bos_text = (
-            self.token_to_piece(self.bos_id, special=True).decode("utf-8", "replace")
-            if self.bos_id >= 0
-            else ""
-        )
-        self.eos_text = ""
-        eos = L.llama_vocab_eos(self.vocab)
-        if eos >= 0:
-            self.eos_text = self.token_to_piece(eos, special=True).decode("utf-8", "replace")
+        self.bos_text = self._special_text(self.bos_id)
+        self.eos_text = self._special_text(L.llama_vocab_eos(self.vocab))
         self.architecture = self.meta("general.architecture") or ""
         self.chat_template = self._model_chat_template()
         self.model_size = L.llama_model_size(self.model)
@@ -407,6 +400,12 @@ class LlamaBackend(SeqMemory):
         self.n_embd_out = L.llama_model_n_embd_out(self.model)
         self.n_cls_out = max(1, L.llama_model_n_cls_out(self.model))
         self._embeddings_on = False
+
+    def _special_text(self, token: int) -> str:
+        """A special token's text ('' for -1: the vocabulary has no such token)."""
+        if token < 0:
+            return ""
+        return self.token_to_piece(token, special=True).decode("utf-8", "replace")
 
     # ---- metadata -----------------------------------------------------------------
 

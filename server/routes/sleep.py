@@ -7,23 +7,33 @@ running request); /wake_up is one, so the gate has woken the server before it ge
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 
 from ..api.errors import APIError
 
-if TYPE_CHECKING:
-    from ..http.sleep import SleepController
-
 router = APIRouter()
+
+
+class Sleeper(Protocol):
+    """What these routes need of the app's sleep controller (server.http.sleep, a layer
+    above the routes: it is reached through ``app.state.sleeper``, never imported)."""
+
+    sleeping: bool
+    level: int
+
+    async def sleep_now(self, level: int) -> str: ...
+
+    async def wake(self) -> None: ...
+
 
 LEVELS = {"1": 1, "2": 2}
 # vLLM's wake_up tags; both are always woken together here (the model and its KV)
 WAKE_TAGS = frozenset({"weights", "kv_cache"})
 
 
-def controller(request: Request) -> SleepController:
+def controller(request: Request) -> Sleeper:
     return request.app.state.sleeper
 
 
