@@ -151,6 +151,12 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     return Prompt(tokens, user_start)
 
 
+def chat_token_count(st: ServerState, req: ChatRequest) -> int:
+    """How many tokens ``req``'s prompt renders to (the count_tokens / input_tokens
+    endpoints of every chat API): planned and rendered as a generation would be."""
+    return len(render_chat(st, req, plan_chat(st, req)).tokens)
+
+
 def plan_chat(st: ServerState, body: ChatRequest) -> ChatPlan:
     """The request's tools and reasoning handling; APIError 400 for malformed tool fields
     or a forced call together with another constraint on the output."""

@@ -29,7 +29,7 @@ from ..api.errors import APIError, anthropic_error_body
 from ..api.schemas import ChatRequest
 from ..api.tools.parse import Delta, Message, parse_message
 from ..api.tools.plan import ChatPlan
-from ..frontend.chat import plan_chat, render_chat
+from ..frontend.chat import chat_token_count, plan_chat
 from ..frontend.requests import messages_request
 from ..service.state import ServerState, tenant_of
 from ..service.submit import submit
@@ -88,8 +88,7 @@ def _chat_and_plan(st: ServerState, body: CountTokensRequest) -> tuple[ChatReque
 
 
 def _n_tokens(st: ServerState, body: CountTokensRequest) -> int:
-    chat, plan = _chat_and_plan(st, body)
-    return len(render_chat(st, chat, plan).tokens)
+    return chat_token_count(st, _chat_request(body))
 
 
 class _MessageStream:

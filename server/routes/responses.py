@@ -29,7 +29,7 @@ from ..api.responses import (
 from ..api.schemas import ChatRequest, ResponsesRequest
 from ..api.tools.parse import Delta, Message, ToolCall, parse_message
 from ..api.tools.plan import ChatPlan
-from ..frontend.chat import plan_chat, render_chat
+from ..frontend.chat import chat_token_count, plan_chat
 from ..frontend.requests import responses_request
 from ..service.state import ServerState, tenant_of
 from ..service.submit import submit
@@ -99,8 +99,7 @@ def _chat_and_plan(st: ServerState, body: ResponsesRequest) -> tuple[ChatRequest
 
 
 def _n_tokens(st: ServerState, body: ResponsesRequest) -> int:
-    chat, plan = _chat_and_plan(st, body)
-    return len(render_chat(st, chat, plan).tokens)
+    return chat_token_count(st, _chat_request(body))
 
 
 class _ResponseStream:
