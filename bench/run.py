@@ -149,7 +149,7 @@ def _workload_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected workload numbers like 1,3: {text!r}") from e
     bad = [i for i in ids if i not in WORKLOADS]
     if bad or not ids:
-        raise argparse.ArgumentTypeError(f"workloads are 1..{len(WORKLOADS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"workloads are {sorted(WORKLOADS)}, got {text!r}")
     return ids
 
 
@@ -240,10 +240,15 @@ def main_specs(
 
 
 def variant_specs(
-    base: list[ServerSpec], variants: tuple[Variant, ...], plain: bool = True
+    base: list[ServerSpec],
+    variants: tuple[Variant, ...],
+    plain: bool = True,
+    save_root: Path | None = None,
 ) -> list[ServerSpec]:
-    """Each of llama-server and ours plain, then once per variant (its flags appended, its
-    suffix on the name); llama-cpp-python's server takes no such flags and is left out."""
+    """Each of llama-server and ours plain, then once per variant (its flags appended, and
+    its ours-only flags to ours, its suffix on the name); llama-cpp-python's server takes no
+    such flags and is left out. ``save_root``: the run's temporary directory, needed by
+    ours-only flags that name a place in it."""
     out = []
     for spec in base:
         if spec.name == LCP:
@@ -251,7 +256,9 @@ def variant_specs(
         if plain:  # (a workload with variants_only leaves the plain servers out)
             out.append(spec)
         for v in variants:
-            argv = [*spec.argv, *v.flags]
+            own = v.ours_flags if spec.name == OURS else ()
+            assert save_root is not None or not own, "ours-only flags need the save root"
+            argv = [*spec.argv, *v.flags, *(f.format(save_root=save_root) for f in own)]
             out.append(dataclasses.replace(spec, name=spec.name + v.suffix, argv=argv))
     return out
 
@@ -475,7 +482,10 @@ def run(args: argparse.Namespace) -> int:
         for wid in (w for w in wids if WORKLOADS[w].variants):
             w = WORKLOADS[wid]
             specs = variant_specs(
-                main_specs(args, model, save_root, meta), w.variants, not w.variants_only
+                main_specs(args, model, save_root, meta),
+                w.variants,
+                not w.variants_only,
+                save_root,
             )
             label = f" (workload {wid})"
             run_phase(specs, [wid], args, sizes, save_root, results, meta, label, optional=True)

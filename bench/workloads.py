@@ -12,6 +12,16 @@ from typing import Any
 
 import httpx
 
+from .agent import (
+    AGENT_FLAGS,
+    AGENT_SUFFIX,
+    LLAMA_AGENT,
+    OURS_AGENT,
+    OURS_AGENT_FLAGS,
+    AgentShape,
+    agent_metrics,
+    run_agents,
+)
 from .client import (
     StreamResult,
     agrees,
@@ -69,6 +79,13 @@ class Sizes:
     w12_texts: int = 32  # per request
     w12_words: int = 8  # per text (~10 tokens)
     w12_concurrency: int = 2
+    w16_convs: int = 24
+    w16_turns: int = 8
+    w16_system: int = 2000
+    w16_tools: int = 20
+    w16_result: int = 300
+    w16_out: int = 24
+    w16_concurrency: int = 4
 
 
 FULL = Sizes()
@@ -86,6 +103,8 @@ QUICK = Sizes(
     w7_doc=800,
     w11_texts=3,
     w12_requests=2,
+    w16_convs=8,
+    w16_turns=4,
 )
 
 
@@ -121,6 +140,8 @@ Runner = Callable[[Ctx, ServerProcess, int], Awaitable[Sample]]
 class Variant:
     suffix: str  # appended to the server name, e.g. "-ngram"
     flags: tuple[str, ...]  # appended to both servers' command lines
+    # appended to ours only; "{save_root}" becomes the run's temporary directory
+    ours_flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -760,6 +781,47 @@ W12 = Workload(
     variants_only=True,
 )
 
+# --- 16: agents: many tool-calling conversations over few slots (bench/agent.py) ---------------
+
+
+async def w16_agents(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample:
+    s = ctx.sizes
+    shape = AgentShape(
+        s.w16_convs,
+        s.w16_turns,
+        s.w16_system,
+        s.w16_tools,
+        s.w16_result,
+        s.w16_out,
+        s.w16_concurrency,
+    )
+    wall, results = await run_agents(ctx.client, srv.url, ctx.book, f"w16-r{rep}", shape)
+    return Sample(metrics=agent_metrics(wall, results), ttft_ms=_ttfts_ms(results))
+
+
+W16 = Workload(
+    16,
+    "Agents: tool-calling conversations over few slots",
+    lambda s: (
+        f"{s.w16_convs} agent conversations x {s.w16_turns} turns over 4 slots, "
+        f"{s.w16_concurrency} requests in flight, round-robin: a shared ~{s.w16_system}-token "
+        f"system prompt with {s.w16_tools} tools, then per turn a {s.w16_out}-token tool call "
+        f"and a ~{s.w16_result}-token tool result; both servers `{' '.join(AGENT_FLAGS)}` (the "
+        f"{AGENT_SUFFIX} columns), ours also `--cache-disk` (the RAM cache cannot hold them all)"
+    ),
+    (
+        Metric("wall_s", "wall time", "s", False),
+        Metric("prompt_computed", "prompt tokens computed", "tok", False),
+        Metric("ttft_p50_ms", "turn TTFT p50", "ms", False),
+        Metric("ttft_p99_ms", "turn TTFT p99", "ms", False, chart=False),
+    ),
+    w16_agents,
+    variants=(Variant(AGENT_SUFFIX, AGENT_FLAGS, OURS_AGENT_FLAGS),),
+    # llama-server's wall over ours: the target is ours <= 0.4x llama-server's
+    variant_ratios=(VariantRatio(LLAMA_AGENT, OURS_AGENT, "wall_s", 2.5),),
+    variants_only=True,
+)
+
 WORKLOADS: dict[int, Workload] = {
-    w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12)
+    w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W16)
 }
