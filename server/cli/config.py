@@ -8,9 +8,8 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
-from collections.abc import Callable
 from typing import TypedDict
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import dataclass
 from collections.abc import Callable
-
-from ..types import JsonObject, JsonValue
+from dataclasses import dataclass
 
 from ..llama.ggml_types import CACHE_TYPES
+from ..types import JsonObject, JsonValue
 
 
 def n_gpu_layers(text: str) -> int:
@@ -47,7 +46,9 @@ class Opt:
     dest: str
     env: str
     help: str
-    kind: FlagKind = str  # a type or converter, or "bool": a switch, or a --x / --no-x pair with neg
+    kind: FlagKind = (
+        str  # a type or converter, or "bool": a switch, or a --x / --no-x pair with neg
+    )
     neg: tuple[str, ...] = ()
     choices: tuple[str, ...] | None = None
     repeat: bool = False  # may be given several times: the values are collected in order
@@ -398,7 +399,10 @@ OPTIONS += [
 
 
 # a row of _group: (flags, env, value) or (flags, env, value, ours)
-_Row = tuple[str, str, FlagKind | tuple[str, ...]] | tuple[str, str, FlagKind | tuple[str, ...], object]
+_Row = (
+    tuple[str, str, FlagKind | tuple[str, ...]]
+    | tuple[str, str, FlagKind | tuple[str, ...], object]
+)
 
 
 def _group(group: str, *rows: _Row) -> list[Compat]:

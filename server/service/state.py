@@ -72,7 +72,7 @@ class ServerState:
     # --sleep-idle-seconds (server.http.sleep): while sleeping there is no backend or
     # engine; /props and /metrics answer from what they said just before
     sleeping: bool = False
-    sleep_props: dict[str, Any] = field(default_factory=dict)
+    sleep_props: dict[str, object] = field(default_factory=dict)
     sleep_metrics: bytes = b""
     # POST /sleep?level=1 without a disk tier: the RAM cache (the slots saved into it) kept
     # across the sleep; the next load serves from it. None otherwise.
