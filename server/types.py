@@ -12,6 +12,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+# JSON as ``json.loads`` returns it: for the values of a client's body that are arbitrary by
+# nature (a tool's parameters, chat_template_kwargs, a JSON schema). Whoever reads one
+# narrows it with isinstance first; a value a module only passes on is typed ``object``.
+JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
+JsonObject = dict[str, JsonValue]
+
 # Sequence state bytes live in one buffer (a ctypes array or a bytearray), never a list.
 StateBuf = ctypes.Array | bytearray
 
@@ -248,7 +254,7 @@ class TaskError:
     status: int
     message: str
     type: str = "server_error"
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any
 
 from ..types import FinishReason, TaskResult
 from .anthropic_schemas import (
@@ -50,7 +49,7 @@ def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
+def _system(system: str | list[TextBlock] | None) -> list[dict[str, object]]:
     """The system prompt as a chat message (none when absent)."""
     if system is None:
         return []
@@ -64,12 +63,13 @@ def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
 def _document(b: DocumentBlock, where: str) -> str:
     """A plain-text document's text (its title and context first)."""
     src = b.source
-    if src.get("type") != "text" or not isinstance(src.get("data"), str):
+    data = src.get("data")
+    if src.get("type") != "text" or not isinstance(data, str):
         raise AnthropicInputError(
             f"{where}: only documents with a plain-text source "
             '({"type": "text", "media_type": "text/plain", "data": ...}) are supported'
         )
-    return "\n\n".join(t for t in (b.title, b.context, src["data"]) if t)
+    return "\n\n".join(t for t in (b.title, b.context, data) if t)
 
 
 def _result_text(b: ToolResultBlock, where: str) -> str:
@@ -88,12 +88,13 @@ def _result_text(b: ToolResultBlock, where: str) -> str:
     return f"Error: {text}" if b.is_error else text
 
 
-def _user(m: AnthropicMessage, where: str, calls: set[str]) -> list[dict[str, Any]]:
+def _user(m: AnthropicMessage, where: str, calls: set[str]) -> list[dict[str, object]]:
     """A user message: its tool results as ``tool`` messages (each answering a call of the
     assistant message before it), then its text as one user message."""
     if isinstance(m.content, str):
         return [{"role": "user", "content": m.content}]
-    tools, parts = [], []
+    tools: list[dict[str, object]] = []
+    parts: list[dict[str, object]] = []
     for j, b in enumerate(m.content):
         at = f"{where}.content.{j}"
         if isinstance(b, TextBlock):
@@ -112,17 +113,18 @@ def _user(m: AnthropicMessage, where: str, calls: set[str]) -> list[dict[str, An
             tools.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
         else:
             raise AnthropicInputError(f"{at}: {b.type} blocks belong in assistant messages")
-    return tools + ([{"role": "user", "content": parts}] if parts or not tools else [])
+    user: list[dict[str, object]] = [{"role": "user", "content": parts}]
+    return tools + (user if parts or not tools else [])
 
 
-def _assistant(m: AnthropicMessage, where: str) -> tuple[dict[str, Any], set[str]]:
+def _assistant(m: AnthropicMessage, where: str) -> tuple[dict[str, object], set[str]]:
     """An assistant message: text, reasoning (thinking blocks) and tool calls; with the ids
     of its calls, which the next user message's tool results must answer."""
     if isinstance(m.content, str):
         return {"role": "assistant", "content": m.content}, set()
     parts: list[dict[str, str]] = []
     reasoning: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[dict[str, object]] = []
     ids: set[str] = set()
     for j, b in enumerate(m.content):
         if isinstance(b, TextBlock):
@@ -137,7 +139,7 @@ def _assistant(m: AnthropicMessage, where: str) -> tuple[dict[str, Any], set[str
             raise AnthropicInputError(
                 f"{where}.content.{j}: {b.type} blocks belong in user messages"
             )
-    msg: dict[str, Any] = {"role": "assistant", "content": parts or ""}
+    msg: dict[str, object] = {"role": "assistant", "content": parts or ""}
     if calls:
         msg["tool_calls"] = calls
     if reasoning:
@@ -145,7 +147,7 @@ def _assistant(m: AnthropicMessage, where: str) -> tuple[dict[str, Any], set[str
     return msg, ids
 
 
-def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+def chat_messages(req: CountTokensRequest) -> list[dict[str, object]]:
     """The chat messages of a Messages body: the system prompt, then each message (a user
     message's tool results become ``tool`` messages). No messages at all is one empty user
     turn, as llama-server is lenient there."""
@@ -165,11 +167,11 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def _tools(tools: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
     """Custom tools as chat functions; Anthropic's own and server tools are refused."""
     if tools is None:
         return None
-    out = []
+    out: list[dict[str, object]] = []
     for i, t in enumerate(tools):
         kind = t.get("type")
         if kind not in (None, "custom"):
@@ -186,14 +188,14 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
                 f"tools.{i}.strict: strict tool use is not supported (force the call with "
                 'tool_choice {"type": "tool"} to constrain its input)'
             )
-        fn: dict[str, Any] = {"name": t["name"], "parameters": t["input_schema"]}
+        fn: dict[str, object] = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description") is not None:
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
     return out
 
 
-def _tool_choice(tc: ToolChoice | None) -> tuple[Any, bool]:
+def _tool_choice(tc: ToolChoice | None) -> tuple[object, bool]:
     """The chat ``tool_choice`` and ``parallel_tool_calls`` (Anthropic allows several calls
     unless ``disable_parallel_tool_use``)."""
     if tc is None:
@@ -206,9 +208,9 @@ def _tool_choice(tc: ToolChoice | None) -> tuple[Any, bool]:
     return choice, not tc.disable_parallel_tool_use
 
 
-def _thinking(req: CountTokensRequest) -> dict[str, Any]:
+def _thinking(req: CountTokensRequest) -> dict[str, object]:
     """The chat fields of ``thinking`` and ``output_config``."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     t = req.thinking
     if t is not None and t.type == "enabled":
         if t.budget_tokens is None:
@@ -236,7 +238,7 @@ def _stops(req: CountTokensRequest) -> list[str] | None:
     return stops or None
 
 
-def to_chat_body(req: CountTokensRequest) -> dict[str, Any]:
+def to_chat_body(req: CountTokensRequest) -> dict[str, object]:
     """The chat body (ChatRequest's fields) of a Messages body; AnthropicInputError names
     what cannot be mapped."""
     body = req.model_dump(
@@ -261,7 +263,7 @@ def to_chat_body(req: CountTokensRequest) -> dict[str, Any]:
 # ---- the answer ----------------------------------------------------------------------
 
 
-def tool_input(arguments: str) -> dict[str, Any]:
+def tool_input(arguments: str) -> dict[str, object]:
     """A call's arguments as the ``input`` object; a call cut short by ``max_tokens`` (not
     valid JSON) has ``{}``, as llama-server's."""
     try:
@@ -271,10 +273,10 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def content_blocks(m: Message, omit_thinking: bool = False) -> list[dict[str, Any]]:
+def content_blocks(m: Message, omit_thinking: bool = False) -> list[dict[str, object]]:
     """The answer's blocks: thinking first, then text, then one tool_use per call. Local
     models sign nothing: ``signature`` is empty."""
-    blocks: list[dict[str, Any]] = []
+    blocks: list[dict[str, object]] = []
     if m.reasoning:
         text = "" if omit_thinking else m.reasoning
         blocks.append({"type": "thinking", "thinking": text, "signature": ""})
@@ -310,8 +312,8 @@ def usage(r: TaskResult) -> dict[str, int]:
 
 
 def message_object(
-    msg_id: str, model: str, blocks: list[dict[str, Any]], r: TaskResult, has_calls: bool
-) -> dict[str, Any]:
+    msg_id: str, model: str, blocks: list[dict[str, object]], r: TaskResult, has_calls: bool
+) -> dict[str, object]:
     """The whole ``message`` of a non-streamed answer."""
     reason, sequence = stop_reason(r, has_calls)
     return {

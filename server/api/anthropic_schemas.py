@@ -9,7 +9,7 @@ are taken too (``SamplingFields``)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -27,7 +27,7 @@ class _Block(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     # prompt caching breakpoints: every prompt is cached here without being asked
-    cache_control: Any = None
+    cache_control: object = None
 
 
 class TextBlock(_Block):
@@ -37,14 +37,14 @@ class TextBlock(_Block):
 
 class ImageBlock(_Block):
     type: Literal["image"]
-    source: dict[str, Any] = Field(default_factory=dict)
+    source: dict[str, object] = Field(default_factory=dict)
 
 
 class DocumentBlock(_Block):
     """A document; only a plain-text source is served (``{"type": "text", "data": ...}``)."""
 
     type: Literal["document"]
-    source: dict[str, Any] = Field(default_factory=dict)
+    source: dict[str, object] = Field(default_factory=dict)
     title: str | None = None
     context: str | None = None
 
@@ -53,7 +53,7 @@ class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: Annotated[str, Field(min_length=1, max_length=256)]
     name: Annotated[str, Field(min_length=1, max_length=256)]
-    input: dict[str, Any] = Field(default_factory=dict)
+    input: dict[str, object] = Field(default_factory=dict)
 
 
 class ToolResultBlock(_Block):
@@ -107,7 +107,7 @@ class AnthropicMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _known_blocks(cls, v: Any) -> Any:
+    def _known_blocks(cls, v: object) -> object:
         """An unknown block type named plainly (not as pydantic's union of failures)."""
         for j, b in enumerate(v if isinstance(v, list) else []):
             kind = b.get("type") if isinstance(b, dict) else None
@@ -146,7 +146,7 @@ class OutputFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, object] = Field(alias="schema")
 
 
 class OutputConfig(BaseModel):
@@ -164,7 +164,7 @@ REFUSED = {
 }
 
 
-def _refuse(v: Any, info: ValidationInfo) -> Any:
+def _refuse(v: object, info: ValidationInfo) -> object:
     if v is not None:
         why = REFUSED[info.field_name or ""]
         raise PydanticCustomError("unsupported_field", f"{why} (this server refuses the field)")
@@ -177,24 +177,24 @@ class CountTokensRequest(SamplingFields):
     model: str | None = None
     messages: Annotated[list[AnthropicMessage], Field(max_length=MAX_MESSAGES)]
     system: str | list[TextBlock] | None = None
-    tools: list[dict[str, Any]] | None = None  # server.api.anthropic checks each
+    tools: list[dict[str, object]] | None = None  # server.api.anthropic checks each
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None  # llama-server's, passed to chat
+    chat_template_kwargs: dict[str, object] | None = None  # llama-server's, passed to chat
     # accepted: they ask nothing of the answer
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, object] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    cache_control: Any = None
+    cache_control: object = None
     speed: Literal["standard", "fast"] | None = None
     inference_geo: str | None = None
     # refused when set (REFUSED)
-    container: Any = None
-    mcp_servers: Any = None
-    context_management: Any = None
+    container: object = None
+    mcp_servers: object = None
+    context_management: object = None
 
     _refused = field_validator(*REFUSED)(_refuse)
 

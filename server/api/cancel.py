@@ -67,7 +67,7 @@ def checkpoint() -> None:
         flag.next_yield = time.perf_counter() + YIELD_EVERY_S
 
 
-def run_with(flag: CancelFlag, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+def run_with(flag: CancelFlag, fn: Callable[..., T], args: tuple[object, ...]) -> T:
     """``fn(*args)`` with ``flag`` as this thread's flag (what ``checkpoint`` reads). A flag
     already set means the work was abandoned before it started: nothing runs."""
     if flag.set:

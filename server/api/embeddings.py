@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 import numpy as np
 
@@ -56,9 +56,9 @@ class EmbeddingRequest(BaseBody):
     token list, a mixed list of strings and tokens, ``{"prompt_string": ...}``, ``{"content":
     [text parts]}``, or an array of these. Checked by ``embedding_prompts``."""
 
-    input: Any = None
-    content: Any = None
-    encoding_format: Any = None
+    input: object = None
+    content: object = None
+    encoding_format: object = None
     embd_normalize: int | None = None
     model: str | None = None
 
@@ -66,9 +66,9 @@ class EmbeddingRequest(BaseBody):
 class RerankRequest(BaseBody):
     """/rerank (Jina's shape: ``documents``; TEI's: ``texts``, answered with a bare list)."""
 
-    query: Any = None
-    documents: Any = None
-    texts: Any = None
+    query: object = None
+    documents: object = None
+    texts: object = None
     top_n: int | None = None
     return_text: bool = False
     model: str | None = None
@@ -77,11 +77,11 @@ class RerankRequest(BaseBody):
 # ---- inputs -------------------------------------------------------------------------------
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _mixed(items: Sequence[Any], tokenize: Tokenize) -> list[int]:
+def _mixed(items: Sequence[object], tokenize: Tokenize) -> list[int]:
     """llama-server's ``tokenize_mixed``: strings tokenized (specials added to the first
     element only), integers taken as token ids."""
     out: list[int] = []
@@ -95,7 +95,7 @@ def _mixed(items: Sequence[Any], tokenize: Tokenize) -> list[int]:
     return out
 
 
-def _content_text(parts: Any) -> str:
+def _content_text(parts: object) -> str:
     """The text of an OpenAI content array; only text parts (the model is not multimodal)."""
     if not isinstance(parts, list):
         raise APIError(400, '"content" must be an array of content parts')
@@ -110,7 +110,7 @@ def _content_text(parts: Any) -> str:
     return "".join(texts)
 
 
-def _subprompt(p: Any, tokenize: Tokenize) -> list[int]:
+def _subprompt(p: object, tokenize: Tokenize) -> list[int]:
     """One prompt (llama-server's ``tokenize_input_subprompt`` plus OpenAI content)."""
     if isinstance(p, str):
         return tokenize(p, True)
@@ -125,7 +125,7 @@ def _subprompt(p: Any, tokenize: Tokenize) -> list[int]:
     raise APIError(400, _ELEMENTS)
 
 
-def embedding_prompts(raw: Any, tokenize: Tokenize) -> list[list[int]]:
+def embedding_prompts(raw: object, tokenize: Tokenize) -> list[list[int]]:
     """The prompts of an embeddings ``input``: an array without token ids is several
     prompts; anything else is one. APIError 400 for a malformed or empty input."""
     if isinstance(raw, list) and not any(_is_int(x) for x in raw):
@@ -161,7 +161,7 @@ def check_prompts(prompts: list[list[int]], n_vocab: int, n_ubatch: int, n_ctx: 
             )
 
 
-def encoding_base64(fmt: Any) -> bool:
+def encoding_base64(fmt: object) -> bool:
     """``encoding_format``: float (default) or base64."""
     if fmt is None or fmt == "float":
         return False
@@ -191,7 +191,7 @@ def normalize(vecs: np.ndarray, mode: int) -> np.ndarray:
 
 def oai_embeddings(
     results: list[EmbedResult], model: str, use_base64: bool, mode: int
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """/v1/embeddings: llama-server's ``format_embeddings_response_oaicompat``."""
     data = []
     for i, r in enumerate(results):
@@ -212,7 +212,9 @@ def oai_embeddings(
     return {"model": model, "object": "list", "usage": usage, "data": data}
 
 
-def native_embeddings(results: list[EmbedResult], pooled: bool, mode: int) -> list[dict[str, Any]]:
+def native_embeddings(
+    results: list[EmbedResult], pooled: bool, mode: int
+) -> list[dict[str, object]]:
     """/embedding: ``[{"index", "embedding": [[...], ...]}]``, one row per token with pooling
     none (not normalized, as llama-server), else the one pooled row normalized by ``mode``."""
     return [
@@ -266,18 +268,18 @@ def rerank_inputs(body: RerankRequest) -> tuple[str, list[str]]:
 
 def rerank_response(
     body: RerankRequest, model: str, results: list[EmbedResult], docs: list[str]
-) -> Any:
+) -> object:
     """llama-server's ``format_response_rerank``: results sorted by score, the first top_n;
     TEI's shape (``texts`` given) is the bare list with ``score`` (and ``text``)."""
     tei = body.texts is not None and body.documents is None
     label = "score" if tei else "relevance_score"
     items = []
     for i, r in enumerate(results):
-        item: dict[str, Any] = {"index": i, label: float(r.vectors[0][0])}
+        item: dict[str, float | int | str] = {"index": i, label: float(r.vectors[0][0])}
         if tei and body.return_text:
             item["text"] = docs[i]
         items.append(item)
-    items.sort(key=lambda x: -x[label])
+    items.sort(key=lambda x: -float(x[label]))  # the score, a float
     top_n = len(docs) if body.top_n is None else body.top_n
     items = items[: max(0, top_n)]
     if tei:

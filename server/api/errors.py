@@ -6,11 +6,12 @@ middlewares' 401 and 413, and the error events of streams."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("server.api.errors")
@@ -46,7 +47,7 @@ class APIError(Exception):
         message: str,
         type: str | None = None,
         headers: dict[str, str] | None = None,
-        **extra: Any,
+        **extra: object,
     ) -> None:
         super().__init__(message)
         self.headers = headers
@@ -56,7 +57,9 @@ class APIError(Exception):
         self.extra = extra
 
 
-def error_body(status: int, message: str, type: str | None = None, **extra: Any) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, type: str | None = None, **extra: object
+) -> dict[str, object]:
     """The one OpenAI-shaped error body: ``{"error": {code, message, type, **extra}}``."""
     return {
         "error": {"code": status, "message": message, "type": error_type(status, type), **extra}
@@ -86,7 +89,7 @@ def anthropic_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PREFIXES)
 
 
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
     """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``; the
     type follows the status (``api_error`` for any other failure)."""
     kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
@@ -94,8 +97,8 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def error_body_for(
-    path: str, status: int, message: str, type: str | None = None, **extra: Any
-) -> dict[str, Any]:
+    path: str, status: int, message: str, type: str | None = None, **extra: object
+) -> dict[str, object]:
     """The error body a request to ``path`` gets: Anthropic's shape under its paths,
     OpenAI's (``error_body``) everywhere else."""
     if anthropic_path(path):
@@ -109,7 +112,7 @@ def error_response(
     type: str | None = None,
     headers: dict[str, str] | None = None,
     path: str = "",
-    **extra: Any,
+    **extra: object,
 ) -> JSONResponse:
     """The error body for ``path`` (``error_body_for``) as a JSON response with ``status``."""
     return JSONResponse(
@@ -117,7 +120,7 @@ def error_response(
     )
 
 
-def _describe(errors: list[dict[str, Any]]) -> str:
+def _describe(errors: Sequence[ErrorDetails]) -> str:
     """Pydantic's validation errors as one line: ``field: problem; ...`` (the first five)."""
     parts = []
     for e in errors[:5]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..types import TOKEN_NULL, FimTokens
 
@@ -27,7 +26,7 @@ class InfillInputError(ValueError):
     """The body is malformed (a 400 with llama-server's message)."""
 
 
-def check_infill_body(body: dict[str, Any]) -> list[dict[str, Any]]:
+def check_infill_body(body: dict[str, object]) -> list[dict[str, str]]:
     """llama-server's checks of an /infill body, in its order; returns ``input_extra`` (an
     empty list when absent). InfillInputError with its message otherwise."""
     if "prompt" in body and not isinstance(body["prompt"], str):
@@ -84,7 +83,7 @@ class InfillLimits:
     spm: bool = False  # --spm-infill: suffix/prefix/middle order instead of prefix/suffix
 
 
-def _extra_tokens(tokenize: Tokenize, fim: FimTokens, extra: list[dict[str, Any]]) -> list[int]:
+def _extra_tokens(tokenize: Tokenize, fim: FimTokens, extra: list[dict[str, str]]) -> list[int]:
     """The repo-level context before the FIM prefix: repo name, then each chunk under its
     file name (or a plain separator where the model has no FIM_SEP)."""
     out: list[int] = []
@@ -107,7 +106,7 @@ def infill_prompt(
     bos: int | None,
     prefix: str | list[str | int],
     suffix: str | list[str | int],
-    extra: list[dict[str, Any]],
+    extra: list[dict[str, str]],
     prompt: list[int],
     lim: InfillLimits,
 ) -> list[int]:

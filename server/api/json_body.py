@@ -12,7 +12,6 @@ iteratively (no recursion, linear in the number of values) and refused deeper th
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from .errors import APIError
 
@@ -25,7 +24,7 @@ def json_depth(value: object, limit: int | None = None) -> int:
     """The deepest nesting of lists and dicts in ``value`` (0 for a scalar); stops early and
     returns ``limit + 1`` once ``limit`` is exceeded."""
     deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
+    stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         v, d = stack.pop()
         if isinstance(v, dict):
@@ -41,7 +40,7 @@ def json_depth(value: object, limit: int | None = None) -> int:
     return deepest
 
 
-def parse_json_body(raw: bytes | str, max_depth: int = MAX_DEPTH, empty: Any = None) -> Any:
+def parse_json_body(raw: bytes | str, max_depth: int = MAX_DEPTH, empty: object = None) -> object:
     """``raw`` decoded, or ``empty`` when it is empty. Raises ``APIError(400)`` when it is not
     JSON or nests deeper than ``max_depth``; never ``RecursionError``."""
     data = raw.encode() if isinstance(raw, str) else raw

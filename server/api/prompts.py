@@ -9,7 +9,7 @@ list of such prompts, each its own task: ``[[1, 2], "text", {"prompt_string": "x
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TypeGuard
 
 from .errors import APIError
 
@@ -26,12 +26,12 @@ _BAD_ELEMENT = (
 _NO_MTMD = "Multimodal data provided, but model does not support multimodal requests."
 
 
-def _is_token(x: object) -> bool:
+def _is_token(x: object) -> TypeGuard[int]:
     # JSON true/false arrive as bool, a subclass of int: they are no token ids
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def split_prompts(raw: Any) -> list[Any]:
+def split_prompts(raw: object) -> list[object]:
     """The prompts of a request's ``prompt``: a list without a token id at its top level is
     a list of prompts; anything else is one. APIError 400 for an empty list."""
     if isinstance(raw, list) and not any(_is_token(x) for x in raw):
@@ -43,7 +43,7 @@ def split_prompts(raw: Any) -> list[Any]:
     return [raw]
 
 
-def _mixed(p: str | list[Any], tokenize: Tokenize) -> list[int]:
+def _mixed(p: str | list[object], tokenize: Tokenize) -> list[int]:
     """Text, or ids and text in order; BOS (add_special) only where the first part is text."""
     if isinstance(p, str):
         return tokenize(p, True)
@@ -58,7 +58,7 @@ def _mixed(p: str | list[Any], tokenize: Tokenize) -> list[int]:
     return out
 
 
-def prompt_tokens(p: Any, tokenize: Tokenize) -> list[int]:
+def prompt_tokens(p: object, tokenize: Tokenize) -> list[int]:
     """The token ids of one prompt (an element of ``split_prompts``); APIError 400 for a
     form llama-server refuses, or for multimodal data."""
     if isinstance(p, str | list):
@@ -72,7 +72,7 @@ def prompt_tokens(p: Any, tokenize: Tokenize) -> list[int]:
     raise APIError(400, _BAD_ELEMENT)
 
 
-def prompt_echo(p: Any) -> str:
+def prompt_echo(p: object) -> str:
     """The text /completion echoes as ``prompt`` for one prompt: its text where it is text
     (or an object holding text), otherwise empty."""
     if isinstance(p, str):

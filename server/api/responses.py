@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 from .cancel import checkpoint
 from .tools.parse import Message, ToolCall
@@ -23,19 +22,20 @@ def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
 
-def _is_str(item: dict[str, Any], key: str) -> bool:
+def _is_str(item: dict[str, object], key: str) -> bool:
     return isinstance(item.get(key), str)
 
 
-def _is_list(item: dict[str, Any], key: str) -> bool:
+def _is_list(item: dict[str, object], key: str) -> bool:
     return isinstance(item.get(key), list)
 
 
-def _input_parts(content: list[Any]) -> list[dict[str, Any]]:
+def _input_parts(content: list[object]) -> list[dict[str, object]]:
     """A user/system/developer message's parts as chat content parts."""
     parts = []
-    for p in content:
-        kind = p.get("type", "") if isinstance(p, dict) else ""
+    for item in content:
+        p = item if isinstance(item, dict) else {}
+        kind = p.get("type", "")
         if kind == "input_text":
             if "text" not in p:
                 raise ResponsesInputError("'Input text' requires 'text'")
@@ -53,7 +53,7 @@ def _input_parts(content: list[Any]) -> list[dict[str, Any]]:
     return parts
 
 
-def _output_parts(item: dict[str, Any]) -> list[dict[str, Any]]:
+def _output_parts(item: dict[str, object]) -> list[dict[str, object]]:
     """An assistant message item's content (a string, or output_text/refusal parts) as chat
     text parts; a refusal is kept as text (chat content here is text only)."""
     content = item.get("content")
@@ -75,14 +75,14 @@ def _output_parts(item: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
-def _assistant(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _assistant(messages: list[dict[str, object]]) -> dict[str, object] | None:
     """The previous message when it is the assistant's: later items merge into it."""
     if messages and messages[-1].get("role") == "assistant":
         return messages[-1]
     return None
 
 
-def _tool_output(item: dict[str, Any]) -> dict[str, Any]:
+def _tool_output(item: dict[str, object]) -> dict[str, object]:
     """A function_call_output item as a ``tool`` message."""
     out = item["output"]
     if isinstance(out, list):
@@ -104,7 +104,7 @@ def _tool_output(item: dict[str, Any]) -> dict[str, Any]:
     return {"role": "tool", "content": out, "tool_call_id": item["call_id"]}
 
 
-def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
+def _add_item(messages: list[dict[str, object]], item: object) -> None:
     """One input item appended to (or merged into the last of) the chat messages."""
     if not isinstance(item, dict):
         raise ResponsesInputError("Cannot determine type of 'item'")
@@ -119,9 +119,10 @@ def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
     elif role == "assistant" and kind in (None, "message"):  # llama-server: "message" only
         parts = _output_parts(item)
         if prev is not None:
-            if not isinstance(prev.get("content"), list):
-                prev["content"] = []
-            prev["content"].extend(parts)
+            content = prev.get("content")
+            if not isinstance(content, list):
+                content = prev["content"] = []
+            content.extend(parts)
         else:
             msg = {k: v for k, v in item.items() if k not in ("type", "status")}
             messages.append({**msg, "content": parts})
@@ -134,7 +135,9 @@ def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
             "function": {"name": item["name"], "arguments": item["arguments"]},
         }
         if prev is not None:
-            prev.setdefault("tool_calls", []).append(call)
+            # a list unless the client's own assistant item set it otherwise (then this
+            # fails as it always has)
+            prev.setdefault("tool_calls", []).append(call)  # type: ignore[attr-defined]
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output" and _is_str(item, "call_id") and "output" in item:
@@ -159,12 +162,12 @@ def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
         raise ResponsesInputError("Cannot determine type of 'item'")
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _tools(tools: object) -> list[dict[str, object]]:
     """Function tools in chat's shape; other tool types (web search, ...) are skipped, as
     llama-server skips them."""
     if not isinstance(tools, list):
         raise ResponsesInputError("'tools' must be an array of objects")
-    out = []
+    out: list[dict[str, object]] = []
     for t in tools:
         if not isinstance(t, dict) or t.get("type") != "function":
             continue
@@ -174,14 +177,14 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: object) -> object:
     """Responses' ``{"type": "function", "name": ...}`` as chat's named tool choice."""
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
 
-def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
+def to_chat_body(body: dict[str, object]) -> dict[str, object]:
     """The chat body of a Responses body: ``instructions`` as a system message, then
     ``input`` (text, or message / function call / call output / reasoning items),
     ``max_output_tokens`` as ``max_tokens``, function ``tools``, ``reasoning.effort``.
@@ -189,7 +192,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if "input" not in body:
         raise ResponsesInputError("'input' is required")
     chat = {k: v for k, v in body.items() if k not in ("input", "instructions", "n")}
-    messages: list[dict[str, Any]] = []
+    messages: list[dict[str, object]] = []
     if "instructions" in body:
         messages.append({"role": "system", "content": body["instructions"] or ""})
     value = body["input"]
@@ -220,7 +223,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
 # ---- output ------------------------------------------------------------------------------
 
 
-def call_item(c: ToolCall, status: str = "completed") -> dict[str, Any]:
+def call_item(c: ToolCall, status: str = "completed") -> dict[str, object]:
     """A function_call output item: ``call_id`` is the chat call's id, ``id`` its fc_ twin."""
     return {
         "id": "fc_" + c.id.removeprefix("call_"),
@@ -232,7 +235,7 @@ def call_item(c: ToolCall, status: str = "completed") -> dict[str, Any]:
     }
 
 
-def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str) -> dict[str, object]:
     return {
         "id": item_id,
         "summary": [],
@@ -243,11 +246,11 @@ def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     }
 
 
-def text_part(text: str) -> dict[str, Any]:
+def text_part(text: str) -> dict[str, object]:
     return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
 
 
-def message_item(item_id: str, text: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str) -> dict[str, object]:
     return {
         "id": item_id,
         "type": "message",
@@ -257,7 +260,7 @@ def message_item(item_id: str, text: str) -> dict[str, Any]:
     }
 
 
-def output_items(m: Message, msg_id: str, rs_id: str) -> list[dict[str, Any]]:
+def output_items(m: Message, msg_id: str, rs_id: str) -> list[dict[str, object]]:
     """A whole answer's output: reasoning, then the message, then each tool call (items
     that would be empty are left out)."""
     out = []
@@ -269,7 +272,7 @@ def output_items(m: Message, msg_id: str, rs_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def usage(n_prompt: int, n_output: int, n_cached: int) -> dict[str, Any]:
+def usage(n_prompt: int, n_output: int, n_cached: int) -> dict[str, object]:
     return {
         "input_tokens": n_prompt,
         "output_tokens": n_output,
@@ -279,8 +282,8 @@ def usage(n_prompt: int, n_output: int, n_cached: int) -> dict[str, Any]:
 
 
 def response_object(
-    resp_id: str, model: str, output: list[dict[str, Any]], use: dict[str, Any]
-) -> dict[str, Any]:
+    resp_id: str, model: str, output: list[dict[str, object]], use: dict[str, object]
+) -> dict[str, object]:
     """The completed ``response`` object."""
     t = int(time.time())
     return {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -33,7 +34,7 @@ def _not_true(v: object) -> bool:
 # asks for their behaviour is a 400 naming the field, never silently dropped (README "Fields
 # that are refused"); the value each one may take where it asks for nothing is accepted.
 # Fields unknown to the server are still ignored, as llama-server does.
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
+UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], 'only ["text"] is supported'),
     "prediction": (_absent, "predicted outputs are not supported"),
@@ -52,7 +53,7 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
 }
 
 
-def _refuse_unsupported(v: Any, info: ValidationInfo) -> Any:
+def _refuse_unsupported(v: object, info: ValidationInfo) -> object:
     """The field validator of the UNSUPPORTED fields a request model declares."""
     ok, why = UNSUPPORTED[info.field_name or ""]  # always set for a field validator
     if not ok(v):
@@ -93,7 +94,7 @@ class SamplingFields(BaseBody):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     repeat_last_n: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
-    logit_bias: dict[str, Any] | list[list[Any]] | None = None  # service.sampling._logit_bias
+    logit_bias: dict[str, object] | list[list[object]] | None = None  # service.sampling._logit_bias
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     id_slot: Annotated[int, Field(ge=-1, le=1023)] = -1
@@ -111,8 +112,8 @@ class SamplingFields(BaseBody):
     # vLLM's field: names the tenant whose cached prefixes this request may reuse
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # llama-server's constrained decoding (server.constrained.request_constraint reads them)
-    json_schema: Any = None
-    grammar: Any = None
+    json_schema: object = None
+    grammar: object = None
     # speculative decoding, in llama-server's former per-request keys (dotted JSON names):
     # narrow the server's --spec-* settings; "speculative.n_max": 0 turns it off
     spec_n_max: int | None = Field(None, ge=0, le=256, alias="speculative.n_max")
@@ -139,7 +140,9 @@ class SamplingFields(BaseBody):
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias(cls, v: Any) -> Any:
+    def _bias(
+        cls, v: dict[str, object] | list[list[object]] | None
+    ) -> dict[str, object] | list[list[object]] | None:
         if v is not None and len(v) > MAX_BIAS:
             raise ValueError(f"at most {MAX_BIAS} logit_bias entries")
         return v
@@ -161,8 +164,8 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     user: str | None = None
-    suffix: Any = None  # refused (UNSUPPORTED)
-    best_of: Any = None  # refused above 1 (UNSUPPORTED)
+    suffix: object = None  # refused (UNSUPPORTED)
+    best_of: object = None  # refused above 1 (UNSUPPORTED)
 
     _refused = field_validator("suffix", "best_of")(_refuse_unsupported)
 
@@ -179,7 +182,7 @@ class CalledFunction(BaseBody):
     text (an object is accepted too)."""
 
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | dict[str, object] = "{}"
 
 
 class MessageToolCall(BaseBody):
@@ -216,28 +219,28 @@ class ChatRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None
-    response_format: Any = None  # server.constrained.request_constraint reads it
+    response_format: object = None  # server.constrained.request_constraint reads it
     # tool calling and reasoning (server.api.tools checks them: 400 for malformed tools)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: object = None
+    tool_choice: object = None
     parallel_tool_calls: bool | None = None
     reasoning_format: Literal["none", "auto", "deepseek"] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, object] | None = None
     reasoning_effort: str | None = None
     # vLLM's: open the assistant turn; continue the final message instead (llama-server
     # also continues a final assistant message by itself: --prefill-assistant)
     add_generation_prompt: bool = True
     continue_final_message: bool | Literal["content", "reasoning_content"] | None = None
     # refused when they ask for something (UNSUPPORTED)
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    functions: Any = None
-    function_call: Any = None
-    store: Any = None
-    verbosity: Any = None
-    service_tier: Any = None
+    audio: object = None
+    modalities: object = None
+    prediction: object = None
+    web_search_options: object = None
+    functions: object = None
+    function_call: object = None
+    store: object = None
+    verbosity: object = None
+    service_tier: object = None
 
     _refused = field_validator(
         "audio",
@@ -256,7 +259,7 @@ class NativeCompletionRequest(SamplingFields):
     """llama-server's /completion. ``max_tokens`` wins over ``n_predict``. ``prompt`` takes
     every form of llama-server's (server.api.prompts checks it)."""
 
-    prompt: Any
+    prompt: object
     model: str | None = None  # a --lora-alias runs that adapter (service/adapters.py)
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
@@ -318,10 +321,10 @@ class ResponsesRequest(SamplingFields):
 
     model: str | None = None
     stream: bool = False
-    previous_response_id: Any = None
-    store: Any = None
-    background: Any = None
-    conversation: Any = None
+    previous_response_id: object = None
+    store: object = None
+    background: object = None
+    conversation: object = None
 
     _refused = field_validator("previous_response_id", "store", "background", "conversation")(
         _refuse_unsupported

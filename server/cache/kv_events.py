@@ -25,7 +25,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .kv_blocks import (
     MEDIUM_CPU,
@@ -38,6 +37,7 @@ from .kv_blocks import (
     stored_event,
     tenant_extra,
 )
+from .prefix_index import Held
 from .tenancy import owner
 
 # whose token ids BlockStored carries (module docstring)
@@ -73,8 +73,8 @@ class KVEvents:
         self._refs: dict[str, dict[int, int]] = {
             m: {} for m in (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
         }
-        self._held: dict[Any, tuple[str, list[int]]] = {}  # a tier's holder -> its blocks
-        self._gone: set[Any] = set()  # holders discarded before their ``added`` ran
+        self._held: dict[Held, tuple[str, list[int]]] = {}  # a tier's holder -> its blocks
+        self._gone: set[Held] = set()  # holders discarded before their ``added`` ran
 
     # ---- changes ------------------------------------------------------------------
 
@@ -153,7 +153,7 @@ class KVEvents:
 
     # ---- the prefix index's listener (RAM cache, disk tier) ---------------------------
 
-    def added(self, h: Any, tokens: Sequence[int]) -> None:
+    def added(self, h: Held, tokens: Sequence[int]) -> None:
         medium = TIER_MEDIUM.get(getattr(h, "TIER", ""))
         if medium is None:
             return
@@ -166,7 +166,7 @@ class KVEvents:
             self._held[h] = (medium, hashes)
             self._change(medium, [Chain(hashes, tokens, None, tenant)], [])
 
-    def discarded(self, h: Any) -> None:
+    def discarded(self, h: Held) -> None:
         if getattr(h, "TIER", "") not in TIER_MEDIUM:
             return
         with self._lock:

@@ -8,13 +8,24 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
-from typing import Any
+from typing import TypedDict
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from .flags import ANY, BOOL, COMPAT, COMPAT_GROUPS, INT_PAIR, OPTIONS, SWITCH, Compat, Opt
+from .flags import (
+    ANY,
+    BOOL,
+    COMPAT,
+    COMPAT_GROUPS,
+    INT_PAIR,
+    OPTIONS,
+    SWITCH,
+    Compat,
+    FlagKind,
+    Opt,
+)
 
 __all__ = [
     "OPTIONS",
@@ -114,7 +125,7 @@ class Settings(BaseModel):
     jinja: bool = True
     chat_template: str | None = None
     chat_template_file: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, object] | None = None
     warmup: bool = True
     reasoning_format: str = "auto"
     reasoning: str = "auto"
@@ -213,13 +224,13 @@ class Settings(BaseModel):
     models_autoload: bool = True
     sleep_idle_seconds: int = Field(-1, ge=-1)
     # Accepted-and-ignored llama-server flags that were given: Compat.name -> value.
-    compat: dict[str, Any] = Field(default_factory=dict)
+    compat: dict[str, object] = Field(default_factory=dict)
     # Vertex AI's custom-container contract (AIP_MODE=PREDICTION): None when off
     gcp: GcpCompat | None = None
 
     @field_validator("lora", "lora_scaled", "lora_alias", mode="before")
     @classmethod
-    def _flat(cls, v: Any) -> Any:
+    def _flat(cls, v: object) -> object:
         """A repeated flag's values (each a list of comma-separated items), in order."""
         if isinstance(v, list) and any(isinstance(x, list) for x in v):
             return [y for x in v for y in (x if isinstance(x, list) else [x])]
@@ -246,7 +257,7 @@ class Settings(BaseModel):
 
     @field_validator("parallel", mode="before")
     @classmethod
-    def _auto_parallel(cls, v: Any) -> Any:
+    def _auto_parallel(cls, v: object) -> object:
         return AUTO_PARALLEL if v == -1 else v
 
 
@@ -311,11 +322,17 @@ def _list_devices(_: argparse.ArgumentParser) -> str:
 
 
 class _PrintAndExit(argparse.Action):
-    def __init__(self, option_strings: list[str], dest: str, text: Any, **kw: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str,
+        text: Callable[[argparse.ArgumentParser], str],
+        help: str | None = None,
+    ) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
         self.text = text
 
-    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         print(self.text(parser), end="")
         parser.exit(0)
 
@@ -323,7 +340,7 @@ class _PrintAndExit(argparse.Action):
 # ---- the parser -------------------------------------------------------------------------
 
 
-def _add_opt(g: Any, o: Opt) -> None:
+def _add_opt(g: argparse._ArgumentGroup, o: Opt) -> None:
     help = f"{o.help} [env {o.env}]" if o.env else o.help
     if o.kind == "bool":
         g.add_argument(*o.flags, dest=o.dest, action="store_true", default=None, help=help)
@@ -348,13 +365,19 @@ def _compat_dest(c: Compat) -> str:
     return f"compat:{c.name}"
 
 
-def _add_compat(g: Any, c: Compat) -> None:
-    kw: dict[str, Any] = {"dest": _compat_dest(c), "default": None}
+class _CompatArgs(TypedDict):
+    dest: str
+    default: None
+    help: str | None
+
+
+def _add_compat(g: argparse._ArgumentGroup, c: Compat) -> None:
+    kw: _CompatArgs = {"dest": _compat_dest(c), "default": None, "help": None}
     kw["help"] = f"[env {c.env}]" if c.env else None
     if c.value in (SWITCH, BOOL):
         g.add_argument(*c.flags, action="store_true", **kw)
         if c.neg:
-            g.add_argument(*c.neg, action="store_false", **{**kw, "help": None})
+            g.add_argument(*c.neg, action="store_false", dest=kw["dest"], default=None)
     elif c.value == INT_PAIR:
         g.add_argument(*c.flags, type=int, nargs=2, metavar=("START", "END"), **kw)
     elif isinstance(c.value, tuple):
@@ -406,7 +429,9 @@ def _bool(env: str, raw: str) -> bool:
     raise ValueError(f"{env}: expected a boolean, got {raw!r}")
 
 
-def _env_value(env: str, raw: str, kind: Any, choices: tuple[str, ...] | None) -> Any:
+def _env_value(
+    env: str, raw: str, kind: FlagKind | tuple[str, ...], choices: tuple[str, ...] | None
+) -> object:
     """An environment variable's text as the flag's value; ValueError naming the variable."""
     if kind in ("bool", SWITCH, BOOL):
         return _bool(env, raw)
@@ -415,7 +440,7 @@ def _env_value(env: str, raw: str, kind: Any, choices: tuple[str, ...] | None) -
             raise ValueError(f"{env}: expected one of {', '.join(choices)}, got {raw!r}")
         return raw
     try:
-        if kind != INT_PAIR:
+        if callable(kind):  # the rest: INT_PAIR
             return kind(raw)
         pair = [int(x) for x in raw.split()]
         if len(pair) != 2:
@@ -425,13 +450,13 @@ def _env_value(env: str, raw: str, kind: Any, choices: tuple[str, ...] | None) -
         raise ValueError(f"{env}: invalid value {raw!r} ({e})") from None
 
 
-def _set(env: Any, name: str) -> str | None:
+def _set(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name) if name else None
     return raw if raw else None
 
 
-def _option_values(args: argparse.Namespace, env: Any) -> dict[str, Any]:
-    values: dict[str, Any] = {}
+def _option_values(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
+    values: dict[str, object] = {}
     for o in OPTIONS:
         raw = _set(env, o.env)
         if raw is not None:
@@ -442,8 +467,8 @@ def _option_values(args: argparse.Namespace, env: Any) -> dict[str, Any]:
     return values
 
 
-def _compat_values(args: argparse.Namespace, env: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _compat_values(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for c in COMPAT:
         raw = _set(env, c.env)
         if raw is not None:
@@ -474,7 +499,7 @@ def parse_settings(argv: list[str] | None = None, env: Mapping[str, str] | None 
         gcp = gcp_compat(env)
         if gcp is not None:  # Vertex AI says where to listen
             values.update(gcp=gcp, port=gcp.port)
-        return Settings(**values)
+        return Settings.model_validate(values)
     except ValidationError as e:
         msgs = [f"{_flag_of(str(err['loc'][0]))}: {err['msg']}" for err in e.errors()]
         parser.error("; ".join(msgs))

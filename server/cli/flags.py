@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..llama.ggml_types import CACHE_TYPES
+from ..types import JsonObject, JsonValue
 
 
 def n_gpu_layers(text: str) -> int:
@@ -31,6 +32,12 @@ def n_gpu_layers(text: str) -> int:
         ) from None
 
 
+# how a flag's text becomes its value: a type or converter, or one of the names below
+# ("bool", SWITCH, BOOL, INT_PAIR) for the flags argparse handles itself
+Converter = Callable[[str], object]
+FlagKind = Converter | str
+
+
 @dataclass(frozen=True)
 class Opt:
     """An implemented flag: ``dest`` is its ``Settings`` field."""
@@ -39,13 +46,15 @@ class Opt:
     dest: str
     env: str
     help: str
-    kind: Any = str  # a type or converter, or "bool": a switch, or a --x / --no-x pair with neg
+    kind: FlagKind = (
+        str  # a type or converter, or "bool": a switch, or a --x / --no-x pair with neg
+    )
     neg: tuple[str, ...] = ()
     choices: tuple[str, ...] | None = None
     repeat: bool = False  # may be given several times: the values are collected in order
 
 
-def json_object(text: str) -> dict[str, Any]:
+def json_object(text: str) -> JsonObject:
     """A JSON object (``--chat-template-kwargs``, ``--ui-config``, ``--mcp-servers-json``)."""
     try:
         v = json.loads(text)
@@ -80,9 +89,18 @@ def spec_types(text: str) -> list[str]:
     return items
 
 
-def _o(flags: str, dest: str, env: str, help: str, kind: Any = str, **kw: Any) -> Opt:
-    neg = tuple(kw.pop("neg", "").split())
-    return Opt(tuple(flags.split()), dest, env, help, kind, neg, **kw)
+def _o(
+    flags: str,
+    dest: str,
+    env: str,
+    help: str,
+    kind: FlagKind = str,
+    *,
+    neg: str = "",
+    choices: tuple[str, ...] | None = None,
+    repeat: bool = False,
+) -> Opt:
+    return Opt(tuple(flags.split()), dest, env, help, kind, tuple(neg.split()), choices, repeat)
 
 
 # fmt: off
@@ -220,8 +238,8 @@ class Compat:
 
     flags: tuple[str, ...]
     env: str
-    value: Any
-    ours: Any
+    value: FlagKind | tuple[str, ...]  # a tuple: the choices
+    ours: object
     group: str
     neg: tuple[str, ...] = ()
 
@@ -284,7 +302,7 @@ def percent(text: str) -> int:
     return v
 
 
-def json_schema(text: str) -> Any:
+def json_schema(text: str) -> JsonValue:
     """``-j``: a JSON schema (any JSON value)."""
     try:
         return json.loads(text)
@@ -292,7 +310,7 @@ def json_schema(text: str) -> Any:
         raise _err("a JSON schema", text) from None
 
 
-def _pattern_list(rx: str, what: str) -> Any:
+def _pattern_list(rx: str, what: str) -> Callable[[str], list[str]]:
     def check(text: str) -> list[str]:
         items = _items(text, what)
         if not all(re.fullmatch(rx, x) for x in items):
@@ -380,7 +398,14 @@ OPTIONS += [
 # fmt: on
 
 
-def _group(group: str, *rows: tuple[Any, ...]) -> list[Compat]:
+# a row of _group: (flags, env, value) or (flags, env, value, ours)
+_Row = (
+    tuple[str, str, FlagKind | tuple[str, ...]]
+    | tuple[str, str, FlagKind | tuple[str, ...], object]
+)
+
+
+def _group(group: str, *rows: _Row) -> list[Compat]:
     """Rows of (flags, env, value[, ours]); ``"--x | --no-x"`` gives a BOOL's negations."""
     out = []
     for flags, env, value, *ours in rows:

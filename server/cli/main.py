@@ -7,7 +7,6 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
@@ -15,8 +14,9 @@ from ..http import kv_setup
 from ..http.app import create_app
 from ..http.heap import settle_heap
 from ..http.listen import bind
-from ..router.app import router_mode
+from ..router.app import UvicornOptions, router_mode
 from ..router.app import serve as serve_router
+from ..service.state import ServerState
 from .config import Settings, csv_list, parse_settings, warn_ignored
 
 # llama-server's -lv thresholds: 0 generic output, 1 error, 2 warning, 3 info, 4+ debug.
@@ -48,7 +48,7 @@ DRAIN_S = 8
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the routes when a shutdown began (see service.tasks.TaskGroup)."""
 
-    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     setup_logging(settings)
     warn_ignored(settings)
-    options: dict[str, Any] = {
+    options: UvicornOptions = {
         "log_level": "critical"
         if settings.log_disable
         else "info"

@@ -15,12 +15,12 @@ import os
 import resource
 import sys
 import threading
-from typing import Any
 
 from .spec import ConstraintError, compile_grammar, compile_schema
+from .worker import CompileAnswer, CompileRequest
 
 
-def answer(request: dict[str, Any]) -> dict[str, Any]:
+def answer(request: CompileRequest) -> CompileAnswer:
     """The answer to one request (never raises)."""
     try:
         op = request.get("op")
@@ -54,7 +54,7 @@ def main() -> None:
     out_channel.write(b"ready\n")
     out_channel.flush()
     for line in sys.stdin.buffer:
-        out: dict[str, Any] = {}
+        out: CompileAnswer = {}
         t = threading.Thread(target=lambda r=json.loads(line), o=out: o.update(answer(r)))
         t.start()
         t.join()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 from urllib.parse import unquote
 
 
@@ -37,12 +37,15 @@ class ShapeError(ValueError):
     """A schema or grammar beyond one of the limits; the message names the limit's flag."""
 
 
+N = TypeVar("N")  # a node of the graph _longest_path walks
+
+
 # -- JSON schemas ------------------------------------------------------------------------
 
 
-def _anchors(root: Any) -> dict[str, Any]:
+def _anchors(root: object) -> dict[str, object]:
     """``$id`` and ``$anchor`` names (``#name`` too) -> the subschema carrying them."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     todo = [root]
     while todo:
         node = todo.pop()
@@ -59,7 +62,7 @@ def _anchors(root: Any) -> dict[str, Any]:
     return out
 
 
-def _pointer(root: Any, pointer: str) -> Any:
+def _pointer(root: object, pointer: str) -> object:
     """The value a JSON pointer (``/a/b``, RFC 6901) names in ``root``; None when none."""
     node = root
     for raw in pointer.split("/")[1:]:
@@ -73,7 +76,7 @@ def _pointer(root: Any, pointer: str) -> Any:
     return node
 
 
-def _resolve(root: Any, anchors: dict[str, Any], ref: str) -> Any:
+def _resolve(root: object, anchors: dict[str, object], ref: str) -> object:
     """The subschema a ``$ref`` names, or None: ``#``, ``#/pointer``, ``#anchor``, an ``$id``
     (with or without a fragment)."""
     if ref in anchors:
@@ -89,9 +92,9 @@ def _resolve(root: Any, anchors: dict[str, Any], ref: str) -> Any:
     return anchors.get("#" + frag)
 
 
-def _successors(node: Any, root: Any, anchors: dict[str, Any]) -> Iterator[Any]:
+def _successors(node: object, root: object, anchors: dict[str, object]) -> Iterator[object]:
     """What a walk goes on to from ``node``: its JSON values that nest, and a ``$ref``'s target."""
-    values = node.values() if isinstance(node, dict) else node
+    values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
     for v in values:
         if isinstance(v, dict | list):
             yield v
@@ -102,9 +105,9 @@ def _successors(node: Any, root: Any, anchors: dict[str, Any]) -> Iterator[Any]:
 
 
 def _longest_path(
-    root: Any,
-    successors: Callable[[Any], Iterable[Any]],
-    key: Callable[[Any], Hashable],
+    root: N,
+    successors: Callable[[N], Iterable[N]],
+    key: Callable[[N], Hashable],
     limit: int,
 ) -> int:
     """The number of nodes on the longest path from ``root`` (iterative DFS: cycles are cut
@@ -143,7 +146,7 @@ def _longest_path(
     return done[key(root)]
 
 
-def schema_depth(root: Any, limit: int) -> int:
+def schema_depth(root: object, limit: int) -> int:
     """The longest path from ``root`` through nested JSON values and ``$ref`` hops (cycles cut
     where they close). Stops early and returns a value above ``limit`` as soon as a path
     passes it."""
@@ -151,7 +154,7 @@ def schema_depth(root: Any, limit: int) -> int:
     return _longest_path(root, lambda n: _successors(n, root, anchors), id, limit)
 
 
-def enum_entries(root: Any) -> int:
+def enum_entries(root: object) -> int:
     """How many ``enum`` entries the schema lists, in all its subschemas."""
     n = 0
     todo = [root]
@@ -167,7 +170,7 @@ def enum_entries(root: Any) -> int:
     return n
 
 
-def check_schema_shape(schema: Any, limits: ConstraintLimits) -> None:
+def check_schema_shape(schema: object, limits: ConstraintLimits) -> None:
     """ShapeError unless the schema keeps ``max_depth`` and ``max_enum``."""
     depth = schema_depth(schema, limits.max_depth)
     if depth > limits.max_depth:

@@ -14,12 +14,15 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from .spec import Constraint, ConstraintError
+
+if TYPE_CHECKING:  # a ctypes handle's type only: llama.cpp is loaded inside from_llama
+    from llama_cpp import llama_vocab_p
 
 CACHE_SIZE = 64  # compiled constraints kept per vocabulary
 # The binding thread's stack: eight times a compile child's (worker.CHILD_STACK), so a
@@ -73,7 +76,7 @@ class ConstraintVocab:
         )
 
     @classmethod
-    def from_llama(cls, vocab: Any, eog: Sequence[int]) -> ConstraintVocab:
+    def from_llama(cls, vocab: llama_vocab_p, eog: Sequence[int]) -> ConstraintVocab:
         """From a llama.cpp vocabulary (``llama_model_get_vocab``); ``eog`` are the ids that
         end generation (EOS, end-of-turn). Literal text in grammars is tokenized by llama.cpp
         itself. About a second for a 262k-token vocabulary: build once per model."""
@@ -276,7 +279,7 @@ def _allows_text(vocab: ConstraintVocab, m: LLMatcher) -> bool:
     return bool(mask.any())
 
 
-def llama_compiler(vocab: Any, eog: Sequence[int]) -> ConstraintCompiler:
+def llama_compiler(vocab: llama_vocab_p, eog: Sequence[int]) -> ConstraintCompiler:
     """The compiler of a llama.cpp vocabulary (``llama_model_get_vocab``): the
     ``server.types.CompilerFactory`` the app gives ``LlamaBackend``."""
     return ConstraintCompiler(ConstraintVocab.from_llama(vocab, eog))

@@ -6,12 +6,10 @@ two. Every malformed field is a ConstraintError whose ``where`` names it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from .spec import Constraint, ConstraintError, gbnf_constraint, json_schema_constraint
 
 
-def _schema(value: Any, field: str) -> Constraint:
+def _schema(value: object, field: str) -> Constraint:
     """``value`` as a JSON-schema constraint; an empty schema means any object (llama-server)."""
     if not isinstance(value, dict):
         raise ConstraintError(field, "the schema must be a JSON object")
@@ -21,7 +19,7 @@ def _schema(value: Any, field: str) -> Constraint:
         raise ConstraintError(field + e.where, e.reason) from None
 
 
-def _response_format(rf: Any) -> Constraint | None:
+def _response_format(rf: object) -> Constraint | None:
     """OpenAI's ``response_format``; llama-server's ``json_object`` may carry a ``schema``."""
     if not isinstance(rf, dict):
         raise ConstraintError("response_format", "must be an object with a type")
@@ -44,7 +42,7 @@ def _response_format(rf: Any) -> Constraint | None:
 
 
 def request_constraint(
-    *, response_format: Any = None, json_schema: Any = None, grammar: Any = None
+    *, response_format: object = None, json_schema: object = None, grammar: object = None
 ) -> Constraint | None:
     """The one constraint these fields ask for (None: free text). A request may set one of
     ``response_format``, ``json_schema`` and ``grammar`` (a GBNF string); two of them, a

@@ -16,18 +16,17 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from llguidance import LLMatcher, grammar_from
 
 from .limits import ShapeError, check_grammar_shape, check_schema_shape
-from .worker import limits, pool
+from .worker import CompileRequest, limits, pool
 
 # JSON whitespace between tokens is bounded, as llama.cpp's schema converter bounds it
 # (``space ::= | " " | "\n"{1,2} [ \t]{0,20}``): a weak model that keeps choosing blanks must
 # still come to the next token of the document.
 WHITESPACE = r"(?:\x20|\x0A{1,2}[\x20\x09]{0,20})?"
-JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": WHITESPACE}
+JSON_OPTIONS: dict[str, object] = {"whitespace_pattern": WHITESPACE}
 
 MAX_NUMBER = 2**53 - 1  # largest integer a JSON number holds exactly (JavaScript's safe integer)
 CACHE_SIZE = 256  # distinct schemas/grammars whose check (or failure) is remembered
@@ -68,24 +67,27 @@ def _check(grammar: str, where: str) -> None:
         raise ConstraintError(where, messages[0] if messages else "invalid")
 
 
-def _canonical(value: Any) -> str:
+def _canonical(value: object) -> str:
     """Compact JSON text. Key order is kept: it is the order properties are generated in,
     so two schemas that differ only in order are different constraints."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def _with_options(schema: dict[str, Any]) -> dict[str, Any]:
+def _with_options(schema: dict[str, object]) -> dict[str, object]:
     """The schema as compiled (``_normalized``), with the server's JSON options (bounded
     whitespace) in ``x-guidance``."""
     schema = _normalized(schema)
-    return {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
+    own = schema.get("x-guidance") or {}
+    if not isinstance(own, dict):  # what ** says of it (the callers report TypeErrors)
+        raise TypeError(f"'{type(own).__name__}' object is not a mapping")
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **own}}
 
 
 # keywords that make a schema without "type" something else than a plain array/object
 _NOT_INFERRED = ("type", "anyOf", "oneOf", "allOf", "enum", "const", "$ref", "not")
 
 
-def _normalized(node: dict[str, Any]) -> dict[str, Any]:
+def _normalized(node: dict[str, object]) -> dict[str, object]:
     """A copy of ``node`` (and of its subschemas, never of enum/const/default values) that
     only narrows what it accepts, as llama.cpp's schema converter reads schemas:
 
@@ -104,22 +106,22 @@ def _normalized(node: dict[str, Any]) -> dict[str, Any]:
     if isinstance(node.get("items"), list) and "prefixItems" not in node:
         out["prefixItems"] = node["items"]
         out["items"] = out.pop("additionalItems", False)
-    if isinstance(out.get("prefixItems"), list):
-        out.setdefault("minItems", len(out["prefixItems"]))
+    if isinstance(prefix := out.get("prefixItems"), list):
+        out.setdefault("minItems", len(prefix))
     _bound_numbers(out)
     for k in _ONE:
-        if isinstance(out.get(k), dict):
-            out[k] = _normalized(out[k])
+        if isinstance(v := out.get(k), dict):
+            out[k] = _normalized(v)
     for k in _LIST:
-        if isinstance(out.get(k), list):
-            out[k] = [_normalized(x) if isinstance(x, dict) else x for x in out[k]]
+        if isinstance(v := out.get(k), list):
+            out[k] = [_normalized(x) if isinstance(x, dict) else x for x in v]
     for k in _MAP:
-        if isinstance(out.get(k), dict):
-            out[k] = {n: _normalized(x) if isinstance(x, dict) else x for n, x in out[k].items()}
+        if isinstance(v := out.get(k), dict):
+            out[k] = {n: _normalized(x) if isinstance(x, dict) else x for n, x in v.items()}
     return out
 
 
-def _bound_numbers(node: dict[str, Any]) -> None:
+def _bound_numbers(node: dict[str, object]) -> None:
     """Give a numeric schema without a bound +-MAX_NUMBER (in place); a bound the schema
     sets beyond ours wins (no empty range of our making)."""
     types = node.get("type")
@@ -134,7 +136,7 @@ def _bound_numbers(node: dict[str, Any]) -> None:
         node["maximum"] = MAX_NUMBER
 
 
-def _schema_error(schema: dict[str, Any]) -> str:
+def _schema_error(schema: dict[str, object]) -> str:
     """llguidance's complaint about ``schema`` alone, or "" when it compiles."""
     try:
         grammar = LLMatcher.grammar_from_json_schema(_with_options(schema))
@@ -144,9 +146,9 @@ def _schema_error(schema: dict[str, Any]) -> str:
     return (messages[0] if messages else "invalid") if is_error else ""
 
 
-def _children(node: dict[str, Any]) -> list[tuple[str, Any]]:
+def _children(node: dict[str, object]) -> list[tuple[str, dict[str, object]]]:
     """(pointer suffix, subschema) for every subschema directly under ``node``."""
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str, object]] = []
     for k in _ONE:
         v = node.get(k)
         if isinstance(v, dict):
@@ -169,11 +171,11 @@ def _escape(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
 
-def _locate(root: dict[str, Any], reason: str) -> str:
+def _locate(root: dict[str, object], reason: str) -> str:
     """The JSON pointer of the deepest subschema that fails alone with the same ``reason``
     as the whole schema (``#`` when only the whole fails that way). A subschema is checked
     with the root's ``$defs``/``definitions`` beside it, so its references still resolve."""
-    defs: dict[str, Any] = {k: root[k] for k in ("$defs", "definitions") if k in root}
+    defs: dict[str, object] = {k: root[k] for k in ("$defs", "definitions") if k in root}
     where, node = "#", root
     while True:
         for suffix, child in _children(node):
@@ -243,7 +245,7 @@ def _remembered(key: tuple[str, ...], make: Callable[[], Constraint]) -> Constra
     return hit
 
 
-def _in_child(request: dict[str, Any], where: str) -> str:
+def _in_child(request: CompileRequest, where: str) -> str:
     """The grammar a compile child makes of ``request``; ConstraintError when it fails, dies
     or overruns (``where`` is used when the child could not say)."""
     answer = pool().run(request)
@@ -263,7 +265,7 @@ def _schema_constraint(canon: str, prefix: str, suffix: str) -> Constraint:
 
 
 def json_schema_constraint(
-    schema: dict[str, Any], *, prefix: str = "", suffix: str = ""
+    schema: dict[str, object], *, prefix: str = "", suffix: str = ""
 ) -> Constraint:
     """Output is one JSON value valid against ``schema`` (JSON Schema as llguidance
     implements it: types, properties/required/additionalProperties, items/prefixItems,

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from .limits import ConstraintLimits
 
@@ -37,6 +37,21 @@ CHILD_MEMORY = 4 << 30  # address space of a child, bytes
 WALL_FACTOR = 6  # a compile may take this many times its CPU-time limit in wall-clock time
 START_TIMEOUT = 60.0  # seconds a new child may take to import and say it is ready
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# one request to a compile child: {"op": "schema", "canon", "prefix", "suffix"},
+# {"op": "grammar", "kind", "text"}, or {"op": "ping"}; every value a string
+CompileRequest = dict[str, str]
+
+
+class CompileAnswer(TypedDict, total=False):
+    """A compile child's answer: ``grammar``, or ``where`` and ``reason`` (a failure), or
+    ``pong`` (to a ping)."""
+
+    grammar: str
+    where: str
+    reason: str
+    pong: bool
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ class _Child:
         except (OSError, IndexError, ValueError):
             return 0.0
 
-    def ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any] | Lost:
+    def ask(self, request: CompileRequest, timeout: float) -> CompileAnswer | Lost:
         """The child's answer, or Lost when it died or overran (then it is killed): more than
         ``timeout`` seconds of CPU time, or ``WALL_FACTOR`` times that of wall-clock time.
         CPU time, so that a compile slowed down by generation (the child runs at the lowest
@@ -139,7 +154,7 @@ class CompilePool:
         for _ in range(max(1, workers)):
             self._idle.put(None)  # started on first use
 
-    def run(self, request: dict[str, Any]) -> dict[str, Any]:
+    def run(self, request: CompileRequest) -> CompileAnswer:
         child = self._idle.get()
         self.n_runs += 1
         try:
@@ -154,7 +169,7 @@ class CompilePool:
         finally:
             self._idle.put(child if child is not None and child.alive() else None)
 
-    def _lost(self, child: _Child, lost: Lost) -> dict[str, Any]:
+    def _lost(self, child: _Child, lost: Lost) -> CompileAnswer:
         """The answer for a request whose child died or overran (it is dead by now)."""
         if lost.overran:
             self.n_timed_out += 1

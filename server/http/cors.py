@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -55,7 +54,7 @@ def normalize_origin(origin: str) -> str:
     return origin.strip().rstrip("/").lower()
 
 
-def effective_origins(cors_origins: str | None, compat: dict[str, Any]) -> str:
+def effective_origins(cors_origins: str | None, compat: dict[str, object]) -> str:
     """``--cors-origins`` as given, else llama-server's default: ``localhost`` when server
     tools or MCP servers are configured (accepted-and-ignored flags here, but a command line
     that has them expects the narrower default), else ``*``."""

@@ -10,10 +10,18 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from ..cache.disk import DiskTier
+    from ..cache.prompt_cache import PromptCache
+    from ..cli.config import Settings
+    from ..slots.engine import Engine
+    from ..slots.slot import Slot
+    from ..slots.stats import EngineStats
 
 # The endpoint labels of llamaslot_requests_total. Any other path counts as "other": a label
 # per path a client sends would let scanners grow the metric without bound.
@@ -47,6 +55,28 @@ def endpoint_label(path: str) -> str:
     return path if path in KNOWN else "other"
 
 
+class MetricsSource(Protocol):
+    """What the collector reads of the server state (server.service.state.ServerState; this
+    module may not import it). ``kv_events`` and ``adapters`` are read with getattr: a bare
+    state in the unit tests may lack them."""
+
+    @property
+    def engine(self) -> Engine | None: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def settings(self) -> Settings: ...
+
+
+class _Adapter(Protocol):
+    """A loaded LoRA adapter (server.service.adapters.Adapter)."""
+
+    @property
+    def alias(self) -> str | None: ...
+    @property
+    def path(self) -> str: ...
+
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -59,7 +89,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def _llamacpp(engine: Any, slots: list[Any]) -> Iterator[Metric]:
+def _llamacpp(engine: Engine, slots: list[Slot]) -> Iterator[Metric]:
     """llama-server's metrics, with its names and meanings (dashboards built for it work)."""
     st = engine.stats
     yield _counter(
@@ -122,7 +152,7 @@ def _labelled(name: str, doc: str, labels: dict[str, str], value: float) -> Gaug
     return g
 
 
-def _protocol(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
+def _protocol(state: MetricsSource, engine: Engine, slots: list[Slot]) -> Iterator[Metric]:
     """The model-server protocol's metrics (GIE 003), with vLLM's names and meanings, so
     llm-d's router reads this server as it reads vLLM: queued and running requests, the
     share of the context's cells that hold a slot's sequence (0-1; cells shared by two
@@ -159,7 +189,7 @@ def _protocol(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
         )
 
 
-def _adapter_names(adapters: list[Any], scales: tuple[float, ...]) -> set[str]:
+def _adapter_names(adapters: list[_Adapter], scales: tuple[float, ...]) -> set[str]:
     """The adapters a task runs under (a non-zero scale), by alias or file name."""
     return {
         a.alias or os.path.basename(a.path)
@@ -168,7 +198,7 @@ def _adapter_names(adapters: list[Any], scales: tuple[float, ...]) -> set[str]:
     }
 
 
-def _lora_info(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
+def _lora_info(state: MetricsSource, engine: Engine, slots: list[Slot]) -> Iterator[Metric]:
     """vLLM's ``vllm:lora_requests_info`` (with --lora): the adapters of running and of
     waiting requests as comma-separated labels, the value the time of the reading (as
     vLLM's); llm-d's LoRA-affinity scorer reads it. Absent without adapters."""
@@ -196,7 +226,7 @@ def _lora_info(state: Any, engine: Any, slots: list[Any]) -> Iterator[Metric]:
     )
 
 
-def _reuse(st: Any) -> Iterator[Metric]:
+def _reuse(st: EngineStats) -> Iterator[Metric]:
     """--cache-reuse: cached tokens, and chunks, moved into place instead of recomputed."""
     yield _counter(
         "llamaslot_cache_reuse_tokens",
@@ -210,7 +240,7 @@ def _reuse(st: Any) -> Iterator[Metric]:
     )
 
 
-def _beyond(st: Any) -> Iterator[Metric]:
+def _beyond(st: EngineStats) -> Iterator[Metric]:
     """Engine counters llama-server lacks: cancellations, checkpoints, slot files, sharing."""
     yield _counter(
         "llamaslot_cancelled_prompt_tokens",
@@ -267,7 +297,7 @@ def _beyond(st: Any) -> Iterator[Metric]:
     )
 
 
-def _sampling(st: Any) -> Iterator[Metric]:
+def _sampling(st: EngineStats) -> Iterator[Metric]:
     """Where requests sampled under -bs (backend sampling)."""
     yield _counter(
         "llamaslot_backend_sampled_requests",
@@ -284,7 +314,7 @@ def _sampling(st: Any) -> Iterator[Metric]:
     yield fb
 
 
-def _speculative(st: Any) -> Iterator[Metric]:
+def _speculative(st: EngineStats) -> Iterator[Metric]:
     """llama-server's speculative decoding counters (0 when speculation is off)."""
     yield _counter(
         "llamacpp:spec_decode_num_draft_tokens",
@@ -317,7 +347,7 @@ def _speculative(st: Any) -> Iterator[Metric]:
         yield per
 
 
-def _per_slot(slots: list[Any]) -> Iterator[Metric]:
+def _per_slot(slots: list[Slot]) -> Iterator[Metric]:
     """Per-slot gauges, labelled by slot id."""
     busy = GaugeMetricFamily(
         "llamaslot_slot_busy", "1 while the slot serves a request", labels=["slot"]
@@ -332,7 +362,7 @@ def _per_slot(slots: list[Any]) -> Iterator[Metric]:
     yield held
 
 
-def _cache(cache: Any) -> Iterator[Metric]:
+def _cache(cache: PromptCache) -> Iterator[Metric]:
     """The RAM prompt cache's size, limits and counters."""
     c = cache.counters
     yield _gauge("llamaslot_cache_bytes", "RAM prompt cache size in bytes", cache.nbytes)
@@ -358,7 +388,7 @@ def _cache(cache: Any) -> Iterator[Metric]:
     )
 
 
-def _disk(disk: Any) -> Iterator[Metric]:
+def _disk(disk: DiskTier) -> Iterator[Metric]:
     """The disk tier's size, limit, counters and load time."""
     d = disk.describe()
     c = d["counters"]
@@ -389,7 +419,7 @@ def _disk(disk: Any) -> Iterator[Metric]:
 class _EngineCollector:
     """Reads the engine's counters at each scrape (nothing before the engine exists)."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: MetricsSource) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
@@ -406,15 +436,16 @@ class _EngineCollector:
         yield from _per_slot(slots)
         if engine.cache is not None:
             yield from _cache(engine.cache)
-        if getattr(engine, "disk", None) is not None:
-            yield from _disk(engine.disk)
+        disk = getattr(engine, "disk", None)
+        if disk is not None:
+            yield from _disk(disk)
 
 
 class ServerMetrics:
     """The server's registry: the engine collector plus latency and token histograms that
     the engine's observer feeds, and the request counter the middleware feeds."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: MetricsSource) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(state))
         self.ttft = Histogram(

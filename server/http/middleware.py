@@ -8,7 +8,6 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,7 +30,7 @@ Headers = list[tuple[bytes, bytes]]
 
 
 async def send_json(
-    send: Send, status: int, body: dict[str, Any], headers: Headers | None = None
+    send: Send, status: int, body: dict[str, object], headers: Headers | None = None
 ) -> None:
     """Answer with ``body`` as JSON without calling the app."""
     data = json.dumps(body).encode()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
 
 import llama_cpp as L
 import numpy as np
@@ -101,7 +100,7 @@ class DraftContext(SeqMemory):
             return tok, 1.0
         return tok, float(1.0 / np.exp(logits - logits[tok]).sum())
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {"path": self.path, "own_model": self._own_model, "n_swa": self.n_swa}
 
     def close(self) -> None:

@@ -14,7 +14,8 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from types import FrameType
+from typing import TypedDict
 
 import uvicorn
 from fastapi import FastAPI
@@ -107,7 +108,17 @@ def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
     return app
 
 
-def serve(s: Settings, argv: list[str], uvicorn_options: dict[str, Any]) -> None:
+class UvicornOptions(TypedDict):
+    """uvicorn.Config's settings the CLI derives from the flags (server.cli.main), for a
+    server and a router alike."""
+
+    log_level: str
+    timeout_graceful_shutdown: int
+    ssl_keyfile: str | None
+    ssl_certfile: str | None
+
+
+def serve(s: Settings, argv: list[str], uvicorn_options: UvicornOptions) -> None:
     """Run the router until SIGTERM/SIGINT (then every instance is stopped)."""
     try:
         app = create_router_app(s, argv)
@@ -117,7 +128,7 @@ def serve(s: Settings, argv: list[str], uvicorn_options: dict[str, Any]) -> None
     server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.port, **uvicorn_options))
     handle_exit = server.handle_exit
 
-    def on_exit(sig: int, frame: Any) -> None:
+    def on_exit(sig: int, frame: FrameType | None) -> None:
         app.state.router.manager.events.closed = True  # /models/sse streams end
         handle_exit(sig, frame)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from .presets import ModelSpec
 
@@ -41,7 +40,7 @@ class Instance:
     failed: bool = False
     exit_code: int | None = None
     argv: list[str] = field(default_factory=list)
-    proc: Any = None  # asyncio.subprocess.Process while running
+    proc: asyncio.subprocess.Process | None = None  # while running
     ready: asyncio.Future[bool] | None = None  # the current start's outcome
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -54,9 +53,9 @@ class Instance:
         """Whether a process runs (or is being stopped) for this model."""
         return self.status in RUNNING or self.stopping
 
-    def status_json(self) -> dict[str, Any]:
+    def status_json(self) -> dict[str, object]:
         """``GET /models``'s ``status`` object."""
-        out: dict[str, Any] = {"value": self.status}
+        out: dict[str, object] = {"value": self.status}
         if self.argv:
             out["args"] = self.argv
         if self.failed:

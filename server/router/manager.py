@@ -18,9 +18,8 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
@@ -51,19 +50,19 @@ class Events:
     """``/models/sse`` subscribers: each gets every event published after it subscribed."""
 
     def __init__(self) -> None:
-        self.queues: set[asyncio.Queue[dict[str, Any]]] = set()
+        self.queues: set[asyncio.Queue[dict[str, object]]] = set()
         self.closed = False  # set on shutdown: open streams end (uvicorn waits for them)
 
-    def publish(self, model: str, event: str, data: dict[str, Any] | None = None) -> None:
-        msg: dict[str, Any] = {"model": model, "event": event}
+    def publish(self, model: str, event: str, data: dict[str, object] | None = None) -> None:
+        msg: dict[str, object] = {"model": model, "event": event}
         if data is not None:
             msg["data"] = data
         for q in self.queues:
             q.put_nowait(msg)
 
     @contextlib.contextmanager
-    def subscribe(self) -> Any:
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    def subscribe(self) -> Iterator[asyncio.Queue[dict[str, object]]]:
+        q: asyncio.Queue[dict[str, object]] = asyncio.Queue()
         self.queues.add(q)
         try:
             yield q
@@ -99,7 +98,7 @@ class Manager:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
         )
         self._kick = asyncio.Event()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
 
     # ---- life of the manager ----------------------------------------------------------
@@ -135,7 +134,7 @@ class Manager:
                 inst.spec = spec
         self.events.publish("*", "models_reload")
 
-    def _spawn_task(self, coro: Any, name: str) -> None:
+    def _spawn_task(self, coro: Coroutine[object, object, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -304,7 +303,7 @@ class Manager:
         inst.exited.set()
         if crashed:
             log.warning("model %s: instance exited with status %s", inst.name, code)
-        data: dict[str, Any] = {"status": UNLOADED}
+        data: dict[str, object] = {"status": UNLOADED}
         if inst.failed:
             data.update(failed=True, exit_code=code)
         self.events.publish(inst.name, "model_status", data)

@@ -10,9 +10,8 @@ import importlib.metadata
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +21,7 @@ from ..api.json_body import parse_json_body
 from ..http.middleware import from_foreign_page
 from .instances import LOADING, READY, Instance
 from .manager import Manager
+from .presets import ModelSpec
 from .proxy import Upstream, forward, upstream_headers
 
 router = APIRouter()
@@ -41,7 +41,7 @@ class RouterState:
     autoload: bool
     internal_key: str
     checks_keys: bool  # --api-key given: the client's key is passed on
-    reload: Any = None  # () -> dict[str, ModelSpec], re-reading the sources
+    reload: Callable[[], dict[str, ModelSpec]] | None = None  # re-reads the sources
     started: float = 0.0
     timeout: float = 600.0  # --timeout: an instance's own limit unless its preset sets one
 
@@ -102,7 +102,7 @@ async def sleep_mode(request: Request) -> Response:
     return await _proxy(request, name, RoutedBody(b""), autoload=False)
 
 
-def model_json(inst: Instance, created: int, private: bool) -> dict[str, Any]:
+def model_json(inst: Instance, created: int, private: bool) -> dict[str, object]:
     """One entry of ``GET /models`` (llama-server's fields); the model's file and the
     instance's command line only when ``private`` (``may_see_paths``)."""
     status = inst.status_json()
@@ -135,7 +135,7 @@ def may_see_paths(st: RouterState, request: Request) -> bool:
 
 @router.get("/models")
 @router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request) -> dict[str, object]:
     """Every model with its status; ``?reload=1`` re-reads the sources first."""
     st = state_of(request)
     if request.query_params.get("reload") and st.reload is not None:
@@ -168,7 +168,7 @@ async def _body_model(request: Request) -> RoutedBody:
     )
 
 
-def _seconds(value: Any) -> float | None:
+def _seconds(value: object) -> float | None:
     """``value`` when it is a positive finite number of seconds, else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None

@@ -8,7 +8,6 @@ under these paths take Anthropic's shape (server.api.errors.error_body_for)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,7 +38,7 @@ from .common import SSE_HEADERS, Frame, json_str, prep, sse_batches, sse_named, 
 
 router = APIRouter()
 
-Ev = tuple[str, dict[str, Any]]  # (event type, data)
+Ev = tuple[str, dict[str, object]]  # (event type, data)
 
 
 def _chat_request(body: CountTokensRequest) -> ChatRequest:
@@ -158,7 +157,7 @@ class _MessageStream:
             "cache_read_input_tokens": cached,
             "output_tokens": 0,
         }
-        message: dict[str, Any] = {
+        message: dict[str, object] = {
             "id": self.msg_id,
             "type": "message",
             "role": "assistant",
@@ -181,14 +180,14 @@ class _MessageStream:
         self.open = None
         return out
 
-    def _open(self, block: dict[str, Any]) -> list[Ev]:
+    def _open(self, block: dict[str, object]) -> list[Ev]:
         out = self._close()
         self.index += 1
-        self.open = block["type"]
+        self.open = str(block["type"])  # each block's "type": a str
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
         return [*out, ("content_block_start", start)]
 
-    def _delta(self, delta: dict[str, Any]) -> Ev:
+    def _delta(self, delta: dict[str, object]) -> Ev:
         return "content_block_delta", {
             "type": "content_block_delta",
             "index": self.index,
@@ -210,7 +209,12 @@ class _MessageStream:
         for c in d.calls:
             if c.id is not None:
                 self.n_calls += 1
-                block = {"type": "tool_use", "id": c.id, "name": c.name or "", "input": {}}
+                block: dict[str, object] = {
+                    "type": "tool_use",
+                    "id": c.id,
+                    "name": c.name or "",
+                    "input": {},
+                }
                 out += self._open(block)
             if c.arguments:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
@@ -219,7 +223,7 @@ class _MessageStream:
     def _end(self, r: TaskResult) -> list[Ev]:
         """The last block closed, the stop reason with the whole usage, the end."""
         reason, sequence = stop_reason(r, self.n_calls > 0)
-        delta = {
+        delta: dict[str, object] = {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": usage(r),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
@@ -20,7 +20,7 @@ router = APIRouter()
 
 
 @router.get("/cache")
-async def cache_info(request: Request) -> dict[str, Any]:
+async def cache_info(request: Request) -> dict[str, object]:
     """The RAM prompt cache: ``{"enabled": false}`` without one, else its entries and limits,
     and under ``disk`` the disk tier's (``{"enabled": false}`` without one).
 
@@ -47,7 +47,7 @@ async def cache_info(request: Request) -> dict[str, Any]:
     }
 
 
-def _ram_of(engine: Engine, ram: dict[str, Any], tenant: str) -> dict[str, Any]:
+def _ram_of(engine: Engine, ram: dict[str, object], tenant: str) -> dict[str, object]:
     """The RAM cache's description cut to ``tenant``'s entries (and their totals)."""
     assert engine.cache is not None
     mine = [e for e in list(engine.cache.entries) if tenancy.owner(e.tenant) == tenant]
@@ -70,19 +70,20 @@ def _ram_of(engine: Engine, ram: dict[str, Any], tenant: str) -> dict[str, Any]:
     }
 
 
-def _disk_of(engine: Engine, disk: dict[str, Any], tenant: str) -> dict[str, Any]:
+def _disk_of(engine: Engine, disk: dict[str, object], tenant: str) -> dict[str, object]:
     """The disk tier's description cut to ``tenant``'s entries (file names are unique; an
     entry indexed or dropped meanwhile is left out, never another tenant's shown)."""
     assert engine.disk is not None
     names = {e.name for e in list(engine.disk.index.entries) if tenancy.owner(e.tenant) == tenant}
-    entries = [x for x in disk.get("entries", []) if x["name"] in names]
+    listed = disk.get("entries", [])
+    entries = [x for x in (listed if isinstance(listed, list) else []) if x["name"] in names]
     out = {k: v for k, v in disk.items() if k not in ("n_pending", "pending_bytes")}
     out |= {"n_entries": len(entries), "n_bytes": sum(x["n_bytes"] for x in entries)}
     return out | {"entries": entries}
 
 
 @router.get("/debug/integrity")
-async def integrity(request: Request) -> dict[str, Any]:
+async def integrity(request: Request) -> dict[str, object]:
     """Run the engine's and the RAM cache's integrity checks between two engine steps:
     every slot's tokens match its KV positions, checkpoints lie within them, cache bytes equal
     the sum of its entries, no entry is a prefix of another."""

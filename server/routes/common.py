@@ -8,11 +8,12 @@ import functools
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from json.encoder import encode_basestring
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypedDict, TypeVar
 
 from fastapi import Request
+from typing_extensions import NotRequired
 
 from ..api.errors import error_body
 from ..service.pools import prepare
@@ -44,12 +45,12 @@ async def prep(request: Request, fn: Callable[P, T], *args: P.args, **kwargs: P.
     return await prepare(request, timeout, fn, *args, **kwargs)
 
 
-def sse(obj: Any) -> str:
+def sse(obj: object) -> str:
     """One server-sent event carrying ``obj`` as JSON (non-ASCII text kept as is)."""
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def sse_named(events: list[tuple[str, Any]]) -> str:
+def sse_named(events: Sequence[tuple[str, object]]) -> str:
     """Named server-sent events, as Anthropic and llama-server's Responses stream frame
     them: per ``(name, data)`` an ``event:`` line (Anthropic's SDK reads only named
     events), then ``data:`` with ``data`` as JSON (non-ASCII text kept as is)."""
@@ -116,7 +117,7 @@ class Frame:
         return f"{Frame._MARK}{k}\x00"
 
     @classmethod
-    def of(cls, obj: Any, holes: int) -> Frame | None:
+    def of(cls, obj: object, holes: int) -> Frame | None:
         text = sse(obj)
         parts: list[str] = []
         for k in range(holes):
@@ -129,7 +130,7 @@ class Frame:
         return cls(parts)
 
     @classmethod
-    def named(cls, name: str, obj: Any, holes: int) -> Frame | None:
+    def named(cls, name: str, obj: object, holes: int) -> Frame | None:
         """``of`` for a named event: the bytes of ``sse_named([(name, obj)])``."""
         frame = cls.of(obj, holes)
         if frame is not None:
@@ -151,15 +152,26 @@ def sse_error(err: TaskError) -> str:
     return sse(error_body(err.status, err.message, err.type, **err.extra))
 
 
+class TokenProb(TypedDict):
+    """A token's entry in OpenAI's chat ``logprobs.content`` and llama-server's
+    ``completion_probabilities`` (``id`` with ``with_id``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    id: NotRequired[int]
+    top_logprobs: NotRequired[list[TokenProb]]
+
+
 def token_logprobs(
     backend: Tokenizer, lps: list[TokenLogprob], with_id: bool = False
-) -> list[dict[str, Any]]:
+) -> list[TokenProb]:
     """Per token: text, log-probability, bytes (and id), with the top alternatives alike.
     The shape of OpenAI's chat ``logprobs.content`` and llama-server's ``completion_probabilities``."""
 
-    def entry(tok: int, lp: float) -> dict[str, Any]:
+    def entry(tok: int, lp: float) -> TokenProb:
         raw = backend.token_to_piece(tok)
-        e = {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
+        e: TokenProb = {"token": raw.decode("utf-8", "replace"), "logprob": lp, "bytes": list(raw)}
         return {"id": tok, **e} if with_id else e
 
     return [
@@ -168,11 +180,11 @@ def token_logprobs(
     ]
 
 
-def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, Any]:
+def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, object]:
     """The settings a task runs with: ``task``'s own, or without one the server defaults.
     Only a task adds the per-request fields (stop strings, logit bias, streaming, ...)."""
     p = task.sampling if task is not None else default_sampling(st.settings)
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "n_ctx": st.require_backend().n_ctx_slot,
         "n_predict": task.gen.max_tokens if task is not None else st.settings.n_predict,
         "temperature": p.temperature,

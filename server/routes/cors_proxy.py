@@ -36,10 +36,10 @@ import secrets
 import socket
 import ssl
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import SplitResult, quote, urljoin, urlsplit
 
 from fastapi import APIRouter, Request
@@ -165,7 +165,11 @@ def redirect_target(first: Target, current: Target, location: str) -> Target:
     return nxt
 
 
-def forwarded_headers(headers: Any) -> dict[str, str]:
+# a socket address as getaddrinfo gives it: (host, port) or, IPv6, (host, port, flow, scope)
+SockAddr = tuple[str, int] | tuple[str, int, int, int]
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The ``x-llama-server-proxy-header-*`` headers, prefix removed; nothing else."""
     out: dict[str, str] = {}
     for key, value in headers.items():
@@ -210,7 +214,7 @@ class Admission:
 ADMISSION = Admission(POOL_SIZE, PER_CLIENT)
 
 
-async def in_pool(fn: Callable[..., T], *args: Any) -> T:
+async def in_pool(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` on the proxy's own threads, so that a slow target never holds a thread
     of the default executor (prompts are tokenized there)."""
     return await asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
@@ -246,19 +250,20 @@ def _is_local(ip: str) -> bool:
     return True
 
 
-def _addresses(target: Target, own_ports: frozenset[int]) -> list[Any]:
+def _addresses(target: Target, own_ports: frozenset[int]) -> list[SockAddr]:
     """The target's socket addresses; 400 if one of them is this server (a proxy loop)."""
     try:
         infos = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:
         raise APIError(502, f"proxy error: cannot resolve {target.host!r}: {e}") from None
-    addrs = [info[4] for info in infos]
+    # a SOCK_STREAM lookup of a host name gives IPv4 and IPv6 addresses only
+    addrs = [info[4] for info in infos if isinstance(info[4][0], str)]
     if target.port in own_ports and any(_is_local(str(a[0])) for a in addrs):
         raise APIError(400, "invalid target URL: it is this server (a proxy loop)")
     return addrs
 
 
-def _connect(target: Target, addrs: list[Any], timeout: float) -> socket.socket:
+def _connect(target: Target, addrs: list[SockAddr], timeout: float) -> socket.socket:
     """A connection to one of ``addrs`` (the ones checked: a second DNS answer cannot move
     it), TLS-wrapped for https."""
     error: OSError = OSError(f"no address for {target.host}")

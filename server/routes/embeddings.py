@@ -97,7 +97,7 @@ async def run_embeddings(
             if isinstance(ev, _ClientGone):
                 raise APIError(499, "the client disconnected", "cancelled_error")
             if isinstance(ev, TaskError):
-                raise APIError(ev.status, ev.message, ev.type, **ev.extra)
+                raise APIError(ev.status, ev.message, ev.type, headers=None, **ev.extra)
             out[ev.index] = ev
     except EngineDead as e:
         raise APIError(503, str(e), "unavailable_error") from e

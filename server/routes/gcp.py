@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.routing import BaseRoute
 from starlette.types import Message
 
 from ..api.errors import APIError, error_body
@@ -44,7 +45,7 @@ def request_format(path: str) -> str:
     return "".join(out)
 
 
-def api_routes(routes: list[Any]) -> list[APIRoute]:
+def api_routes(routes: Sequence[BaseRoute]) -> list[APIRoute]:
     """Every API route, included routers' too (FastAPI keeps an included router as one
     entry that holds its ``original_router``; none is included under a prefix here)."""
     out: list[APIRoute] = []
@@ -68,8 +69,8 @@ def post_routes(app: FastAPI) -> dict[str, str]:
 
 
 async def _dispatch(
-    request: Request, gone: asyncio.Event, path: str, payload: dict[str, Any]
-) -> Any:
+    request: Request, gone: asyncio.Event, path: str, payload: dict[str, object]
+) -> object:
     """Run ``payload`` as a POST to ``path`` through the whole application; its JSON body.
     ``gone`` is set when the client of the outer request disconnects: the inner request
     sees its own disconnect then (and its tasks are cancelled)."""
@@ -107,8 +108,8 @@ async def _dispatch(
 
 
 async def _instance(
-    request: Request, gone: asyncio.Event, routes: dict[str, str], instance: Any
-) -> Any:
+    request: Request, gone: asyncio.Event, routes: dict[str, str], instance: object
+) -> object:
     """One prediction: the answer of the route the instance names, or an error body."""
     if not isinstance(instance, dict):
         return error_body(400, "each instance must be a JSON object")

@@ -4,8 +4,6 @@ an alias, overrides the global scales for that request only."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from pydantic import TypeAdapter, ValidationError
 
@@ -19,14 +17,14 @@ _ITEMS = TypeAdapter(list[LoraScale])
 
 
 @router.get("/lora-adapters")
-async def get_lora_adapters(request: Request) -> list[dict[str, Any]]:
+async def get_lora_adapters(request: Request) -> list[dict[str, object]]:
     """Each adapter: ``id``, ``path``, ``scale`` (global), ``task_name``, ``prompt_prefix``
     (llama-server's fields) and ``alias`` where --lora-alias names it."""
     return state_of(request).adapters.describe()
 
 
 @router.post("/lora-adapters")
-async def post_lora_adapters(request: Request) -> dict[str, Any]:
+async def post_lora_adapters(request: Request) -> dict[str, object]:
     """Set the global scales: ``[{"id": 0, "scale": 0.5}]``; an adapter left out gets 0
     (llama-server's rule). 400 for a malformed body or an unknown id. Runs already started
     keep the scales they started with; cached states stay keyed by theirs."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +33,7 @@ from ..types import (
 from .common import (
     SSE_HEADERS,
     Frame,
+    TokenProb,
     generation_settings,
     json_ints,
     json_str,
@@ -61,7 +61,7 @@ async def health(request: Request) -> dict[str, str]:
 
 
 @router.get("/props")
-async def props(request: Request) -> dict[str, Any]:
+async def props(request: Request) -> dict[str, object]:
     """llama-server's /props: default settings, model and context facts, engine counters;
     while sleeping, what it said just before (``is_sleeping`` true)."""
     st = state_of(request)
@@ -70,7 +70,7 @@ async def props(request: Request) -> dict[str, Any]:
     return props_of(st)
 
 
-def props_of(st: ServerState) -> dict[str, Any]:
+def props_of(st: ServerState) -> dict[str, object]:
     """The /props object of a loaded server (a 503 APIError while loading)."""
     engine = st.require_engine()
     b = st.require_backend()
@@ -122,7 +122,7 @@ def props_of(st: ServerState) -> dict[str, Any]:
 
 
 @router.post("/props")
-async def change_props(request: Request) -> dict[str, Any]:
+async def change_props(request: Request) -> dict[str, object]:
     """llama-server's POST /props: 501 unless started with --props; with it, accepted and (as
     there) nothing is changed yet."""
     if not state_of(request).settings.props:
@@ -151,7 +151,7 @@ def completion_object(
     probs: bool = False,
     index: int = 0,
     tokens: bool = False,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The last (or only) /completion object of ``task`` (prompt ``index`` of the request):
     its content (empty when streamed), counts, timings and the settings it ran with;
     ``probs`` adds the per-token probabilities (streams sent them with each chunk), and
@@ -179,7 +179,9 @@ def completion_object(
     return out
 
 
-def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+def completion_probs(
+    st: ServerState, task: Task, lps: list[TokenLogprob]
+) -> list[TokenProb] | list[dict[str, object]]:
     """llama-server's ``completion_probabilities``: log-probabilities (``logprob``,
     ``top_logprobs``), or with post_sampling_probs the probabilities the sampler chain left
     (``prob``, ``top_probs``)."""
@@ -187,7 +189,7 @@ def completion_probs(st: ServerState, task: Task, lps: list[TokenLogprob]) -> li
     if not task.sampling.post_probs:
         return out
 
-    def prob(e: dict[str, Any]) -> dict[str, Any]:
+    def prob(e: TokenProb) -> dict[str, object]:
         return {
             "id": e["id"],
             "token": e["token"],
@@ -252,15 +254,15 @@ async def run_native(
     )
 
 
-def pick_fields(obj: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+def pick_fields(obj: dict[str, object], fields: list[str] | None) -> dict[str, object]:
     """llama-server's ``response_fields``: only the named fields of a final object, a path
     ``a/b`` naming ``obj["a"]["b"]`` (kept under the name ``a/b``); missing ones are left out.
     None or empty: the whole object."""
     if not fields:
         return obj
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for path in fields:
-        cur: Any = obj
+        cur: object = obj
         for key in path.split("/"):
             if not isinstance(cur, dict) or key not in cur:
                 break
@@ -307,12 +309,12 @@ def _stream(
     return sse_batches(group, add, coalesce=True)
 
 
-def _text_chunk(index: int, text: str, tokens: list[int] | str) -> dict[str, Any]:
+def _text_chunk(index: int, text: str, tokens: list[int] | str) -> dict[str, object]:
     """A streamed /completion text chunk (before its optional probabilities and timings)."""
     return {"index": index, "content": text, "stop": False, "id_slot": -1, "tokens": tokens}
 
 
-def progress_chunk(ev: PromptProgress) -> dict[str, Any]:
+def progress_chunk(ev: PromptProgress) -> dict[str, object]:
     """llama-server's /completion (and /infill) progress chunk: no text, ``prompt_progress``."""
     return {
         "index": 0,
@@ -328,7 +330,7 @@ def progress_chunk(ev: PromptProgress) -> dict[str, Any]:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, object]:
     """Token ids of ``content``; ``with_pieces`` pairs each with its text (its bytes as a
     list where they are not valid UTF-8 alone, e.g. part of a multi-byte character)."""
     st = state_of(request)
@@ -336,7 +338,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return await prep(request, _tokenized, st.require_backend(), body)
 
 
-def _tokenized(b: Tokenizer, body: TokenizeRequest) -> dict[str, Any]:
+def _tokenized(b: Tokenizer, body: TokenizeRequest) -> dict[str, object]:
     """/tokenize's answer (worker thread: a long text takes a while)."""
     toks = tokenize_text(b, body.content, body.add_special, body.parse_special)
     if not body.with_pieces:
@@ -355,14 +357,14 @@ def _tokenized(b: Tokenizer, body: TokenizeRequest) -> dict[str, Any]:
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, object]:
     """The text of ``tokens``; APIError 400 for an id outside the vocabulary."""
     st = state_of(request)
     st.require_engine()
     return await prep(request, _detokenized, st.require_backend(), body.tokens)
 
 
-def _detokenized(b: Tokenizer, tokens: list[int]) -> dict[str, Any]:
+def _detokenized(b: Tokenizer, tokens: list[int]) -> dict[str, object]:
     """/detokenize's answer (worker thread: a long list takes a while)."""
     check_tokens(tokens, b)
     return {"content": b.detokenize(tokens)}

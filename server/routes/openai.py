@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,7 +44,7 @@ from .native import completion_object
 
 router = APIRouter()
 
-Choice = dict[str, Any]
+Choice = dict[str, object]
 
 
 def _piece(backend: Tokenizer, tok: int) -> str:
@@ -54,7 +53,7 @@ def _piece(backend: Tokenizer, tok: int) -> str:
 
 def completion_logprobs(
     backend: Tokenizer, lps: list[TokenLogprob], offset0: int = 0
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The legacy completions ``logprobs`` object; ``offset0`` is the choice's text length so
     far (streamed chunks continue the offsets of the ones before)."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -74,12 +73,12 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(backend: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(backend: Tokenizer, lps: list[TokenLogprob]) -> dict[str, object]:
     """The chat ``logprobs`` object."""
     return {"content": token_logprobs(backend, lps)}
 
 
-def _prompt_text(backend: Tokenizer, raw: Any, tokens: list[int], i: int) -> str:
+def _prompt_text(backend: Tokenizer, raw: object, tokens: list[int], i: int) -> str:
     """The text of prompt ``i`` as the client sent it (detokenized if it sent tokens)."""
     if isinstance(raw, str):
         return raw
@@ -88,7 +87,7 @@ def _prompt_text(backend: Tokenizer, raw: Any, tokens: list[int], i: int) -> str
     return backend.detokenize(tokens)
 
 
-def model_object(st: ServerState) -> dict[str, Any]:
+def model_object(st: ServerState) -> dict[str, object]:
     """The served model as OpenAI lists it, with llama-server's ``meta`` and the fields of
     Anthropic's model object (``type``, ``display_name``, ``created_at``), so both SDKs
     read the same list."""
@@ -115,7 +114,7 @@ def model_object(st: ServerState) -> dict[str, Any]:
 
 @router.get("/v1/models")
 @router.get("/models")
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request) -> dict[str, object]:
     """The one model this server serves (Anthropic's paging fields too)."""
     st = state_of(request)
     m = model_object(st)
@@ -129,7 +128,7 @@ async def models(request: Request) -> dict[str, Any]:
     }
 
 
-def adapter_models(st: ServerState) -> list[dict[str, Any]]:
+def adapter_models(st: ServerState) -> list[dict[str, object]]:
     """The --lora-alias adapters as models (vLLM's convention: ``parent`` is the base
     model, ``root`` the adapter file); ``model: NAME`` selects one."""
     return [
@@ -150,7 +149,7 @@ def adapter_models(st: ServerState) -> list[dict[str, Any]]:
 
 
 @router.get("/v1/models/{model_id:path}")
-async def model(model_id: str, request: Request) -> dict[str, Any]:
+async def model(model_id: str, request: Request) -> dict[str, object]:
     """One model by its name or an alias (404 otherwise)."""
     st = state_of(request)
     for a in adapter_models(st):
@@ -264,7 +263,7 @@ def _chat_shape(backend: Tokenizer, body: ChatRequest, n_choices: int, plan: Cha
     calls_mode = plan.spec.parse_calls
     said = [False] * n_choices  # a choice's stream carried content
 
-    def chunks(index: int, d: Delta, lp: dict[str, Any] | None) -> list[Choice]:
+    def chunks(index: int, d: Delta, lp: dict[str, object] | None) -> list[Choice]:
         deltas = deltas_of(d) or ([{}] if lp else [])
         return [
             {"index": index, "delta": x, "logprobs": lp if i == 0 else None, "finish_reason": None}
@@ -299,7 +298,7 @@ def _chat_shape(backend: Tokenizer, body: ChatRequest, n_choices: int, plan: Cha
 
     # The content starts null, as llama-server's; with tools it turns "" at the end if
     # neither content nor calls came (as the non-streamed message).
-    opening = [
+    opening: list[Choice] = [
         {
             "index": i,
             "delta": {"role": "assistant", "content": None},
@@ -389,7 +388,7 @@ def _wants_verbose(st: ServerState, body: CompletionRequest | ChatRequest) -> bo
     return st.settings.verbose or st.settings.log_verbosity > 9
 
 
-Verbose = Callable[[int, TaskResult, bool], dict[str, Any]]
+Verbose = Callable[[int, TaskResult, bool], dict[str, object]]
 
 
 def _verbose_of(st: ServerState, group: TaskGroup) -> Verbose:
@@ -397,7 +396,7 @@ def _verbose_of(st: ServerState, group: TaskGroup) -> Verbose:
     choice, its /completion result (content empty when streamed), with the prompt as the
     model read it (special tokens written out)."""
 
-    def verbose(index: int, r: TaskResult, whole: bool) -> dict[str, Any]:
+    def verbose(index: int, r: TaskResult, whole: bool) -> dict[str, object]:
         task = group.tasks[index]
         raw = b"".join(st.require_backend().token_to_piece(t, special=True) for t in task.prompt)
         prompt = raw.decode("utf-8", "replace")
@@ -420,7 +419,7 @@ class _Frames:
     """The SSE frames of one streamed OpenAI response, event by event: ``base`` is every
     chunk's envelope. Plain text chunks are filled into one prebuilt frame per choice."""
 
-    def __init__(self, shape: Shape, base: dict[str, Any], verbose: Verbose | None) -> None:
+    def __init__(self, shape: Shape, base: dict[str, object], verbose: Verbose | None) -> None:
         self.shape = shape
         self.base = base
         self.verbose = verbose
@@ -472,7 +471,7 @@ class _Frames:
 async def _stream(
     group: TaskGroup,
     shape: Shape,
-    base: dict[str, Any],
+    base: dict[str, object],
     include_usage: bool,
     verbose: Verbose | None = None,
 ) -> AsyncIterator[str]:

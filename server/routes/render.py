@@ -12,7 +12,7 @@ input), ``sampling_params``, ``model``, ``stream``, ``stream_options``, ``cache_
 from __future__ import annotations
 
 import uuid
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 
@@ -28,7 +28,7 @@ router = APIRouter()
 V = TypeVar("V")
 
 
-def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> dict[str, Any]:
+def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> dict[str, object]:
     """vLLM's sampling parameters of the request, with this server's defaults for the fields
     it leaves out (--temp, --top-k, ...); ``max_tokens`` None when unlimited."""
     s = st.settings
@@ -55,7 +55,7 @@ def sampling_params(st: ServerState, body: SamplingFields, max_tokens: int) -> d
 
 def generate_request(
     st: ServerState, body: SamplingFields, tokens: list[int], max_tokens: int
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """One rendered prompt as vLLM's GenerateRequest."""
     return {
         "request_id": uuid.uuid4().hex,
@@ -71,7 +71,7 @@ def generate_request(
     }
 
 
-def _checked_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
+def _checked_prompts(st: ServerState, prompt: object) -> list[Prompt]:
     """The prompts of a completions body, each token id in the vocabulary (APIError 400)."""
     prompts = completion_prompts(st, prompt)
     for p in prompts:
@@ -85,7 +85,7 @@ def _rendered(st: ServerState, body: ChatRequest) -> Prompt:
 
 
 @router.post("/v1/completions/render")
-async def render_completion(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
+async def render_completion(body: CompletionRequest, request: Request) -> list[dict[str, object]]:
     """The completions prompt(s) as token ids (text is tokenized as /v1/completions does,
     with BOS and special tokens parsed; token lists are taken as they are, 400 for an id
     outside the vocabulary)."""
@@ -97,7 +97,7 @@ async def render_completion(body: CompletionRequest, request: Request) -> list[d
 
 
 @router.post("/v1/chat/completions/render")
-async def render_chat_completion(body: ChatRequest, request: Request) -> dict[str, Any]:
+async def render_chat_completion(body: ChatRequest, request: Request) -> dict[str, object]:
     """The chat request's prompt, rendered by the chat template (tools, reasoning and a
     continued final message as /v1/chat/completions renders them), as token ids."""
     st = state_of(request)

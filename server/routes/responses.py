@@ -6,7 +6,6 @@ answers as a ``response`` object or llama-server's stream of Responses events
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,7 +47,7 @@ from .common import (
 
 router = APIRouter()
 
-Ev = tuple[str, dict[str, Any]]  # (event type, data)
+Ev = tuple[str, dict[str, object]]  # (event type, data)
 
 
 def _chat_request(body: ResponsesRequest) -> ChatRequest:
@@ -85,7 +84,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 
 @router.post("/v1/responses/input_tokens")
 @router.post("/responses/input_tokens")
-async def responses_input_tokens(body: ResponsesRequest, request: Request) -> dict[str, Any]:
+async def responses_input_tokens(body: ResponsesRequest, request: Request) -> dict[str, object]:
     """llama-server's token count of a Responses body: the tokens its chat prompt feeds the
     model (nothing generated)."""
     st = state_of(request)
@@ -189,7 +188,7 @@ class _ResponseStream:
         for c in d.calls:
             if c.id is not None:
                 item = call_item(ToolCall(c.id, c.name or "", ""), status="in_progress")
-                self.fc_ids[c.index] = item["id"]
+                self.fc_ids[c.index] = str(item["id"])  # call_item's "id": a str
                 out.append(_ev("response.output_item.added", item=item))
             if c.arguments:
                 fc_id = self.fc_ids.get(c.index, "")
@@ -224,5 +223,5 @@ class _ResponseStream:
         return [*events, completed]
 
 
-def _ev(kind: str, **data: Any) -> Ev:
+def _ev(kind: str, **data: object) -> Ev:
     return kind, {"type": kind, **data}

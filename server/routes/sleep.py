@@ -7,7 +7,7 @@ running request); /wake_up is one, so the gate has woken the server before it ge
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from fastapi import APIRouter, Request
 
@@ -38,7 +38,7 @@ def controller(request: Request) -> Sleeper:
 
 
 @router.post("/sleep")
-async def sleep(request: Request) -> dict[str, Any]:
+async def sleep(request: Request) -> dict[str, object]:
     """Level 1: free the context and KV cache, keep the model and the conversations (RAM
     cache or disk tier); level 2: free the model and the RAM cache too (the disk tier
     keeps them). 409 while requests run."""
@@ -55,7 +55,7 @@ async def sleep(request: Request) -> dict[str, Any]:
 
 
 @router.post("/wake_up")
-async def wake_up(request: Request) -> dict[str, Any]:
+async def wake_up(request: Request) -> dict[str, object]:
     """Wake the server (any task does: this one waits until it is awake). ``tags``:
     vLLM's ``weights`` / ``kv_cache``, accepted (both wake together); others are 400."""
     tags = [t for v in request.query_params.getlist("tags") for t in v.split(",") if t]

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
@@ -38,7 +38,7 @@ log = logging.getLogger("server.slots")
 R = TypeVar("R")
 
 
-def slot_json(st: ServerState, s: Slot, viewer: str | None = None) -> dict[str, Any]:
+def slot_json(st: ServerState, s: Slot, viewer: str | None = None) -> dict[str, object]:
     """One slot as llama-server shows it. With ``viewer`` (cache isolation on), another
     tenant's request parameters (stop strings, logit bias, seed...) are not shown."""
     # Read without locks from the event loop: each field is a consistent snapshot of
@@ -87,7 +87,7 @@ def _draft_tokens(st: ServerState, s: Slot) -> int:
 
 
 @router.get("/slots")
-async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[str, Any]]:
+async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[dict[str, object]]:
     st = state_of(request)
     if not st.settings.slots:
         raise APIError(
@@ -147,7 +147,7 @@ def _filename(raw: bytes) -> str:
 
 
 @router.post("/slots/{id_slot}")
-async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, Any]:
+async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, object]:
     """save, restore, erase (DESIGN §8). Under --cache-isolation each is checked against
     the caller's tenant: another tenant's slot or file is a 403."""
     st = state_of(request)
@@ -185,7 +185,7 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         raise APIError(500, f"slot file I/O failed: {e.strerror or e}") from None
 
 
-async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) -> dict[str, Any]:
+async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) -> dict[str, object]:
     """The engine writes the body (SaveSlot); the appendices, fsync and rename happen off
     the engine thread."""
     t0 = time.perf_counter()
@@ -210,7 +210,7 @@ async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) ->
 
 async def _restore(
     st: ServerState, engine: Engine, sid: int, path: Path, name: str, who: Caller
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Read, check and parse the file off the engine thread (tenant, state cells,
     appendices); the engine thread only loads what was proven (RestoreSlot, and
     AttachAppendices when the state's end was known only once loaded)."""
@@ -233,7 +233,7 @@ async def _restore(
     for w in got.warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)
     _record(engine, restores=1, bytes_read=parsed.n_read)
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "id_slot": sid,
         "filename": name,
         "n_restored": got.n_restored,

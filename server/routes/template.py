@@ -5,8 +5,6 @@ chat_template_kwargs included), so the text is what the model would read."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 
 from ..api.schemas import ChatRequest
@@ -33,7 +31,7 @@ def _n_tokens(st: ServerState, body: ChatRequest) -> int:
 
 
 @router.post("/apply-template")
-async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, Any]:
+async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, object]:
     """``{"prompt": text}``: the rendered conversation, nothing generated."""
     st = state_of(request)
     # requires the engine (the template comes with the model); checks tool schemas: off the loop
@@ -42,7 +40,7 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[s
 
 @router.post("/v1/chat/completions/input_tokens")
 @router.post("/chat/completions/input_tokens")
-async def chat_input_tokens(body: ChatRequest, request: Request) -> dict[str, Any]:
+async def chat_input_tokens(body: ChatRequest, request: Request) -> dict[str, object]:
     """llama-server's token count of a chat body: the tokens its prompt feeds the model."""
     st = state_of(request)
     n = await prep(request, _n_tokens, st, body)  # checks tool schemas: off the loop

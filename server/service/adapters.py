@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 from ..api.errors import APIError
-from ..api.schemas import LORA_SCALE_MAX
+from ..api.schemas import LORA_SCALE_MAX, LoraScale
 
 
 @dataclass
@@ -86,11 +85,11 @@ class AdapterRegistry:
     def paths(self) -> list[str]:
         return [a.path for a in self.adapters]
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self) -> list[dict[str, object]]:
         """GET /lora-adapters: llama-server's list (``alias`` added where one is set)."""
         out = []
         for a in self.adapters:
-            d: dict[str, Any] = {
+            d: dict[str, object] = {
                 "id": a.id,
                 "path": a.path,
                 "scale": a.scale,
@@ -102,7 +101,7 @@ class AdapterRegistry:
             out.append(d)
         return out
 
-    def scales_of(self, items: list[Any]) -> tuple[float, ...]:
+    def scales_of(self, items: list[LoraScale]) -> tuple[float, ...]:
         """llama-server's ``[{"id", "scale"}]`` as one scale per adapter (left out: 0);
         APIError 400 for an id no adapter has."""
         scales = [0.0] * len(self.adapters)
@@ -112,14 +111,14 @@ class AdapterRegistry:
             scales[it.id] = float(it.scale)
         return tuple(scales)
 
-    def set_global(self, items: list[Any]) -> None:
+    def set_global(self, items: list[LoraScale]) -> None:
         """POST /lora-adapters: the new global scales (an adapter left out: 0)."""
         scales = self.scales_of(items)
         for a, s in zip(self.adapters, scales, strict=True):
             a.scale = s
         self.global_scales = scales
 
-    def resolve(self, lora: list[Any] | None, model: str | None) -> AdapterChoice:
+    def resolve(self, lora: list[LoraScale] | None, model: str | None) -> AdapterChoice:
         """What a request with these fields runs under (module docstring). Thread-safe
         against ``set_global``."""
         if not self.adapters:

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from ..api.chat import ChatTemplate
 from ..api.errors import APIError
 from ..cache import tenancy
+from ..cache.prompt_cache import PromptCache
 from ..cli.config import Settings
 from ..slots.engine import Engine
 from ..slots.model_api import DraftModel, ModelBackend
@@ -72,11 +73,11 @@ class ServerState:
     # --sleep-idle-seconds (server.http.sleep): while sleeping there is no backend or
     # engine; /props and /metrics answer from what they said just before
     sleeping: bool = False
-    sleep_props: dict[str, Any] = field(default_factory=dict)
+    sleep_props: dict[str, object] = field(default_factory=dict)
     sleep_metrics: bytes = b""
     # POST /sleep?level=1 without a disk tier: the RAM cache (the slots saved into it) kept
     # across the sleep; the next load serves from it. None otherwise.
-    kept_cache: Any = None
+    kept_cache: PromptCache | None = None
     # POST /sleep?level=1: the model (server.llama.backend.LlamaBackend) with its context
     # freed; the next load opens a new context on it. None otherwise.
     kept_backend: Any = None

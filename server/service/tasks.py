@@ -263,7 +263,7 @@ class TaskGroup:
         try:
             async for index, ev in self.events():
                 if isinstance(ev, TaskError):
-                    raise APIError(ev.status, ev.message, ev.type, **ev.extra)
+                    raise APIError(ev.status, ev.message, ev.type, headers=None, **ev.extra)
                 if isinstance(ev, TaskResult):
                     out[index] = ev
         finally:

@@ -3,8 +3,6 @@ llama-server Timings over several choices."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..types import FinishReason, TaskResult, Timings
 
 
@@ -25,7 +23,7 @@ def merged_timings(results: list[TaskResult]) -> Timings:
     return t
 
 
-def usage_of(results: list[TaskResult]) -> dict[str, Any]:
+def usage_of(results: list[TaskResult]) -> dict[str, object]:
     """OpenAI's ``usage`` object over every choice."""
     prompt = sum(r.n_prompt for r in results)
     completion = sum(r.timings.predicted_n for r in results)

@@ -5,7 +5,6 @@ APIError 400."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from ..api.errors import APIError
 from ..constrained import Constraint, ConstraintError, request_constraint
@@ -15,7 +14,7 @@ from ..types import TokenConstraint
 
 
 def constraint_of(
-    *, response_format: Any = None, json_schema: Any = None, grammar: Any = None
+    *, response_format: object = None, json_schema: object = None, grammar: object = None
 ) -> Constraint | None:
     """The constraint a request's fields ask for (``constrained.request_constraint``);
     APIError 400 naming the field and the offending part of its schema or grammar."""

@@ -17,11 +17,11 @@ window can so lose up to k of its oldest cells. That only makes its drafts sligh
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..types import Checkpoint, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
-from .backend_api import SeqMemory
+from .backend_api import Batch, SeqMemory
 from .policy import window_intact
 from .slot import Slot
 
@@ -32,8 +32,10 @@ class DraftMemory(SeqMemory, Protocol):
     """What the draft context offers (server.llama.draft.DraftContext)."""
 
     n_swa: int
-    batch: Any
     n_batch: int
+
+    @property
+    def batch(self) -> Batch: ...
 
     def decode(self) -> int: ...
     def greedy(self, idx: int, want_p: bool) -> tuple[int, float]: ...

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
@@ -180,7 +180,7 @@ class Engine:
             raise ValueError(f"no slot {cmd.slot}: this engine has {len(self.slots)} slots")
         return self.call(cmd.run, slot=cmd.slot)
 
-    def call(self, fn: Callable[[Engine], Any], slot: int = -1) -> Future:
+    def call(self, fn: Callable[[Engine], object], slot: int = -1) -> Future:
         """Run ``fn(engine)`` on the engine thread between steps, once ``slot`` (if given) is
         idle. The untyped form of ``submit_command``, for tests and diagnostics: what the
         HTTP side asks of the engine is a command."""
@@ -458,7 +458,7 @@ class Engine:
 
 @dataclass
 class _Op:
-    fn: Callable[[Engine], Any]
+    fn: Callable[[Engine], object]
     slot: int
     future: Future
 

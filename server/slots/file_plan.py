@@ -5,11 +5,11 @@ what was read, checked and parsed here (``commands.RestoreSlot`` takes the plan)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..cache import slot_file
 from ..cache.saved import Extras, InBuffer, SavedState
 from .audit import kv_type_problem, seq_state_problem
+from .backend_api import Backend
 
 
 @dataclass
@@ -24,7 +24,7 @@ class RestorePlan:
 
 
 def plan_restore(
-    backend: Any, parsed: slot_file.ParsedFile, max_checkpoints: int | None = None
+    backend: Backend, parsed: slot_file.ParsedFile, max_checkpoints: int | None = None
 ) -> RestorePlan:
     """Read the state's cells without loading them (any thread): a state that is not exactly
     the KV of the file's tokens is refused here (SlotFileError, a 400) and never reaches
