@@ -24,6 +24,7 @@ def completion_request(st: ServerState, body: CompletionRequest) -> Submission:
         n=body.n,
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
+        post_sampling=body.post_sampling_probs,
     )
 
 
@@ -31,13 +32,14 @@ def chat_request(st: ServerState, body: ChatRequest, plan: ChatPlan) -> Submissi
     """/v1/chat/completions: the rendered conversation, ``n`` choices."""
     return Submission(
         source=ChatSource(st, body, plan, openai=True),
-        max_tokens=max_tokens_of(body.max_completion_tokens, body.max_tokens),
+        max_tokens=max_tokens_of(body.max_completion_tokens, body.max_tokens, body.n_predict),
         stream=body.stream,
         n_probs=body.top_logprobs or 0,
         logprobs=body.logprobs,
         n=body.n,
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
+        post_sampling=body.post_sampling_probs,
     )
 
 
@@ -59,7 +61,7 @@ def responses_request(st: ServerState, chat: ChatRequest, plan: ChatPlan) -> Sub
     """OpenAI's /v1/responses, run as its chat request ``chat``."""
     return Submission(
         source=ChatSource(st, chat, plan),
-        max_tokens=max_tokens_of(chat.max_completion_tokens, chat.max_tokens),
+        max_tokens=max_tokens_of(chat.max_completion_tokens, chat.max_tokens, chat.n_predict),
         stream=chat.stream,
         return_progress=chat.return_progress,
         timings_per_token=chat.timings_per_token,
@@ -69,13 +71,17 @@ def responses_request(st: ServerState, chat: ChatRequest, plan: ChatPlan) -> Sub
 def native_request(
     body: NativeCompletionRequest | InfillRequest, source: PromptSource
 ) -> Submission:
-    """llama-server's /completion and /infill (``source``: NativeSource or InfillSource)."""
+    """llama-server's /completion and /infill (``source``: NativeSource or InfillSource).
+    /completion's aliases: ``max_completion_tokens`` (before ``max_tokens``) and ``logprobs``
+    for ``n_probs``."""
+    limit = getattr(body, "max_completion_tokens", None)
+    n_probs = body.n_probs or getattr(body, "logprobs", None) or 0
     return Submission(
         source=source,
-        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
+        max_tokens=max_tokens_of(limit, body.max_tokens, body.n_predict),
         stream=body.stream,
-        n_probs=body.n_probs,
-        logprobs=body.n_probs > 0,
+        n_probs=n_probs,
+        logprobs=n_probs > 0,
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
         post_sampling=body.post_sampling_probs,
