@@ -249,6 +249,22 @@ class SamplingParams:
         return [name for name in self.samplers if on[name]]
 
 
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """A reasoning budget (llama-server's --reasoning-budget, ``reasoning_budget_tokens``):
+    once the model has written ``tokens`` tokens inside its reasoning, ``forced`` (the
+    budget message, then the end tag, as tokens) replaces what it samples next, one token
+    a step, and the answer follows. Reasoning opens where the output writes ``start`` (or
+    at once when ``open``: the prompt ended inside it) and closes where it writes ``end``
+    (UTF-8 bytes, matched on the token pieces)."""
+
+    tokens: int
+    start: bytes
+    end: bytes
+    forced: tuple[int, ...]
+    open: bool = False
+
+
 @dataclass
 class GenParams:
     max_tokens: int = -1  # -1: until EOG or the end of the slot's context
@@ -267,6 +283,8 @@ class GenParams:
     n_discard: int = 0
     # --cache-reuse: least chunk of cached tokens reused by a KV shift (-1: the server's)
     n_cache_reuse: int = -1
+    # the reasoning budget (None: unlimited); server.slots.budget enforces it
+    reasoning_budget: ReasoningBudget | None = None
 
 
 class FinishReason(str, enum.Enum):

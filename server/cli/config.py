@@ -127,6 +127,8 @@ class Settings(BaseModel):
     reasoning_format: str = "auto"
     reasoning: str = "auto"
     reasoning_effort: str | None = None
+    reasoning_budget: int = Field(-1, ge=-1, le=1_000_000)  # server.service.budget
+    reasoning_budget_message: str | None = Field(None, max_length=4096)
     # Default sampling: a request gets these for the fields it leaves out (the ranges are the
     # request fields' own, server.api.schemas.SamplingFields).
     seed: int = -1

@@ -182,6 +182,8 @@ OPTIONS: list[Opt] = [
     _o("-rea --reasoning", "reasoning", "LLAMA_ARG_REASONING", "thinking in templates that have it: on, off or auto (default: auto, the template's own default)", choices=("on", "off", "auto")),
     _o("--prefill-assistant", "prefill_assistant", "LLAMA_ARG_PREFILL_ASSISTANT", "continue a final assistant message (prefill) instead of answering after it (default: on)", "bool", neg="--no-prefill-assistant"),
     _o("--reasoning-effort", "reasoning_effort", "LLAMA_ARG_REASONING_EFFORT", "default reasoning_effort passed to the template (default: none)"),
+    _o("--reasoning-budget", "reasoning_budget", "LLAMA_ARG_THINK_BUDGET", "tokens the model may think before the end of its reasoning is forced: -1 unlimited, 0 ends it at once (default: -1)", int),
+    _o("--reasoning-budget-message", "reasoning_budget_message", "LLAMA_ARG_THINK_BUDGET_MESSAGE", "text written before the forced end of reasoning (default: none)"),
     # --- HTTP ---
     _o("--host", "host", "LLAMA_ARG_HOST", "address(es) to listen on, comma-separated (default: 127.0.0.1)"),
     _o("--port", "port", "LLAMA_ARG_PORT", "port to listen on (default: 8080)", int),
@@ -552,8 +554,6 @@ COMPAT: list[Compat] = [
     ),
     *_group(
         "reasoning/chat parsing",
-        ("--reasoning-budget", "LLAMA_ARG_THINK_BUDGET", int, -1),
-        ("--reasoning-budget-message", "LLAMA_ARG_THINK_BUDGET_MESSAGE", str),
         ("--reasoning-preserve | --no-reasoning-preserve", "LLAMA_ARG_REASONING_PRESERVE", BOOL, ANY),
         ("--skip-chat-parsing | --no-skip-chat-parsing", "LLAMA_ARG_SKIP_CHAT_PARSING", BOOL, True),
     ),
