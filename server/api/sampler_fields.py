@@ -110,7 +110,10 @@ REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
     ),
     "echo": (_falsy, "echo is only supported on /v1/completions"),
     # per endpoint: /completion (chat fields, OpenAI's streamed usage, several choices) ...
-    "reasoning_format": (_unset, "reasoning_format applies to the chat endpoints"),
+    "reasoning_format": (
+        lambda v: v in (None, "none"),
+        "reasoning_format applies to the chat endpoints",
+    ),
     "continue_final_message": (_falsy, "continue_final_message applies to the chat endpoints"),
     "stream_options": (
         lambda v: not getattr(v, "include_usage", False),
@@ -167,4 +170,4 @@ class LlamaRefusedFields(BaseModel):
     reasoning_control: bool | None = None
     echo: bool | None = None
 
-    _refused = field_validator(*COMMON)(refuse)
+    _llama_refused = field_validator(*COMMON)(refuse)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .sampler_fields import LlamaRefusedFields, SamplerFields, refuse
@@ -169,6 +176,13 @@ class CompletionRequest(SamplingFields):
 
     _refused = field_validator("suffix", "best_of")(_refuse_unsupported)
 
+    @model_validator(mode="after")
+    def _n_probs(self) -> CompletionRequest:
+        """llama-server's ``n_probs``: the ``logprobs`` of that many top tokens."""
+        if self.n_probs > 0 and self.logprobs is None:
+            self.logprobs = self.n_probs
+        return self
+
 
 class ContentPart(BaseBody):
     """A chat content part; only ``text`` parts are served (others are a 400)."""
@@ -247,6 +261,14 @@ class ChatRequest(SamplingFields, LlamaRefusedFields):
     response_fields: list[str] | None = None
 
     _chat_refused = field_validator("return_tokens", "response_fields")(refuse)
+
+    @model_validator(mode="after")
+    def _n_probs(self) -> ChatRequest:
+        """llama-server's ``n_probs`` on chat: the logprobs of that many top tokens."""
+        if self.n_probs > 0 and not self.logprobs:
+            self.logprobs, self.top_logprobs = True, self.top_logprobs or self.n_probs
+        return self
+
     _refused = field_validator(
         "audio",
         "modalities",
