@@ -93,7 +93,7 @@ def _stage(name: str, p: SamplingParams, env: ChainEnv, history: list[int]) -> A
             p.xtc_probability, p.xtc_threshold, p.min_keep, _seed(p, env)
         )
     if name == "temperature":
-        if p.mirostat:  # llama-server's mirostat chains take the plain temperature
+        if p.mirostat or p.dynatemp_range <= 0.0:  # (temp_ext is temp without a range)
             return L.llama_sampler_init_temp(p.temperature)
         return L.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent)
     if name == "mirostat":
