@@ -227,26 +227,32 @@ class SamplingParams:
         """The chain's stages that change anything, in order, between the logit bias and
         the final pick (dist, greedy at temperature 0, or adaptive_p when ``samplers``
         names it): llama-server's chain without its no-op stages. At temperature 0 the
-        stages that always keep the likeliest token are left out (the pick is an argmax);
-        penalties, DRY, XTC and infill may move it and stay. With ``mirostat`` the chain
-        is temperature then mirostat, as llama-server builds it."""
+        pick is an argmax: the stages that always keep the likeliest token are left out,
+        unless XTC or infill come after them (those two read the probabilities the earlier
+        stages leave); penalties, DRY, XTC and infill may move the argmax and stay. With
+        ``mirostat`` the chain is temperature then mirostat, as llama-server builds it."""
         if self.mirostat:
             return ["temperature", "mirostat"]
-        hot = self.temperature > 0.0
         on = {
             "penalties": self.penalized(),
             "dry": self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0,
-            "top_n_sigma": hot and self.top_n_sigma > 0.0,
-            "top_k": hot and self.top_k > 0,
-            "typ_p": hot and self.typical_p < 1.0,
-            "top_p": hot and self.top_p < 1.0,
-            "min_p": hot and self.min_p > 0.0,
+            "top_n_sigma": self.top_n_sigma > 0.0,
+            "top_k": self.top_k > 0,
+            "typ_p": self.typical_p < 1.0,
+            "top_p": self.top_p < 1.0,
+            "min_p": self.min_p > 0.0,
             "xtc": self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5,
-            "temperature": hot,
+            "temperature": self.temperature > 0.0,
             "infill": True,
             "adaptive_p": False,  # the final pick, not a stage
         }
-        return [name for name in self.samplers if on[name]]
+        stages = [name for name in self.samplers if on[name]]
+        if self.temperature > 0.0:
+            return stages
+        readers = [i for i, name in enumerate(stages) if name in ("xtc", "infill")]
+        last = readers[-1] if readers else -1
+        keep = ("penalties", "dry", "xtc", "infill")
+        return [n for i, n in enumerate(stages) if i < last or n in keep]
 
 
 @dataclass(frozen=True)

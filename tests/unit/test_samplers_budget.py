@@ -40,8 +40,11 @@ def test_stages_leave_out_what_changes_nothing():
     # temperature 0: an argmax; only the stages that may move it stay
     greedy = SamplingParams(temperature=0.0, top_n_sigma=1.0, typical_p=0.5)
     assert greedy.stages() == []
-    moved = SamplingParams(temperature=0.0, dry_multiplier=0.8, xtc_probability=0.5)
-    assert moved.stages() == ["dry", "xtc"]
+    moved = SamplingParams(temperature=0.0, dry_multiplier=0.8)
+    assert moved.stages() == ["dry"]
+    # XTC reads the probabilities the truncation before it leaves: they stay
+    xtc = SamplingParams(temperature=0.0, dry_multiplier=0.8, xtc_probability=0.5)
+    assert xtc.stages() == ["dry", "top_k", "top_p", "min_p", "xtc"]
     assert SamplingParams(xtc_probability=0.5, xtc_threshold=0.6).stages()[-1] == "temperature"
     assert SamplingParams(mirostat=2, dry_multiplier=1.0).stages() == ["temperature", "mirostat"]
     order = SamplingParams(samplers=("temperature", "top_k"), top_n_sigma=2.0)
