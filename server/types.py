@@ -124,6 +124,61 @@ class FimTokens:
         return out
 
 
+# llama-server's sampler names (common_sampler_type_to_str) and their --sampler-seq letters
+SAMPLER_NAMES: dict[str, str] = {
+    "dry": "d",
+    "top_k": "k",
+    "typ_p": "y",
+    "top_p": "p",
+    "top_n_sigma": "s",
+    "min_p": "m",
+    "temperature": "t",
+    "xtc": "x",
+    "infill": "i",
+    "penalties": "e",
+    "adaptive_p": "a",
+}
+# llama-server's default chain order (common_params_sampling.samplers)
+DEFAULT_SAMPLERS: tuple[str, ...] = (
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+)
+
+_SAMPLER_ALIASES = {"nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+MAX_SAMPLERS = 64  # stages in a ``samplers`` order (llama-server repeats them as given)
+
+
+def sampler_order(spec: str | list[str]) -> tuple[str, ...]:
+    """llama-server's ``samplers``: a list of names (its canonical ones, kebab-case or
+    without underscores, ``nucleus``/``temp``/``typ``, any case) or a string of
+    --sampler-seq letters, as canonical names in order. Unlike llama-server, which skips
+    an unknown one, ValueError names it."""
+    if len(spec) > MAX_SAMPLERS:
+        raise ValueError(f"at most {MAX_SAMPLERS} samplers")
+    if isinstance(spec, str):
+        by_letter = {c: n for n, c in SAMPLER_NAMES.items()}
+        bad = [c for c in spec if c not in by_letter]
+        if bad:
+            raise ValueError(f"unknown sampler letter {bad[0]!r} (known: {''.join(by_letter)})")
+        return tuple(by_letter[c] for c in spec)
+    out = []
+    for name in spec:
+        key = name.lower()
+        key = _SAMPLER_ALIASES.get(key, key)
+        found = [n for n in SAMPLER_NAMES if key in (n, n.replace("_", "-"), n.replace("_", ""))]
+        if not found:
+            raise ValueError(f"unknown sampler {name!r} (known: {', '.join(SAMPLER_NAMES)})")
+        out.append(found[0])
+    return tuple(out)
+
+
 @dataclass
 class SamplingParams:
     """Sampler settings; defaults are llama-server's."""
@@ -145,6 +200,81 @@ class SamplingParams:
     # leaves (their probabilities after bias, penalties, top-k/p, min-p and temperature)
     # instead of the model's top log-probabilities; 0: off
     post_probs: int = 0
+    # the rest of llama-server's samplers (its names and defaults; 0 / 1 / -1: off)
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64  # -1: the slot's context
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0  # 1: Mirostat, 2: Mirostat 2.0 (then only temperature precedes it)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    adaptive_target: float = -1.0  # the adaptive_p sampler, when ``samplers`` names it
+    adaptive_decay: float = 0.9
+    min_keep: int = 0
+    # the chain's order, llama-server's canonical names (SAMPLER_NAMES)
+    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
+    # llama-server's per-request backend_sampling: False keeps this request's chain on the
+    # CPU under -bs
+    backend_ok: bool = True
+
+    def penalized(self) -> bool:
+        """Whether the repeat / frequency / presence penalties do anything."""
+        on = self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+        return (on or self.presence_penalty != 0.0) and self.repeat_last_n != 0
+
+    def stages(self) -> list[str]:
+        """The chain's stages that change anything, in order, between the logit bias and
+        the final pick (dist, greedy at temperature 0, or adaptive_p when ``samplers``
+        names it): llama-server's chain without its no-op stages. At temperature 0 the
+        pick is an argmax: the stages that always keep the likeliest token are left out,
+        unless XTC or infill come after them (those two read the probabilities the earlier
+        stages leave); penalties, DRY, XTC and infill may move the argmax and stay. With
+        ``mirostat`` the chain is temperature then mirostat, as llama-server builds it."""
+        if self.mirostat:
+            return ["temperature", "mirostat"]
+        on = {
+            "penalties": self.penalized(),
+            "dry": self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0,
+            "top_n_sigma": self.top_n_sigma > 0.0,
+            "top_k": self.top_k > 0,
+            "typ_p": self.typical_p < 1.0,
+            "top_p": self.top_p < 1.0,
+            "min_p": self.min_p > 0.0,
+            "xtc": self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5,
+            "temperature": self.temperature > 0.0,
+            "infill": True,
+            "adaptive_p": False,  # the final pick, not a stage
+        }
+        stages = [name for name in self.samplers if on[name]]
+        if self.temperature > 0.0:
+            return stages
+        readers = [i for i, name in enumerate(stages) if name in ("xtc", "infill")]
+        last = readers[-1] if readers else -1
+        keep = ("penalties", "dry", "xtc", "infill")
+        return [n for i, n in enumerate(stages) if i < last or n in keep]
+
+
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """A reasoning budget (llama-server's --reasoning-budget, ``reasoning_budget_tokens``):
+    once the model has written ``tokens`` tokens inside its reasoning, ``forced`` (the
+    budget message, then the end tag, as tokens) replaces what it samples next, one token
+    a step, and the answer follows. Reasoning opens where the output writes ``start`` (or
+    at once when ``open``: the prompt ended inside it) and closes where it writes ``end``
+    (UTF-8 bytes, matched on the token pieces)."""
+
+    tokens: int
+    start: bytes
+    end: bytes
+    forced: tuple[int, ...]
+    open: bool = False
 
 
 @dataclass
@@ -165,6 +295,8 @@ class GenParams:
     n_discard: int = 0
     # --cache-reuse: least chunk of cached tokens reused by a KV shift (-1: the server's)
     n_cache_reuse: int = -1
+    # the reasoning budget (None: unlimited); server.slots.budget enforces it
+    reasoning_budget: ReasoningBudget | None = None
 
 
 class FinishReason(str, enum.Enum):

@@ -222,6 +222,8 @@ def _thinking(req: CountTokensRequest) -> dict[str, object]:
         out["chat_template_kwargs"] = {**(req.chat_template_kwargs or {}), "enable_thinking": on}
         if on:
             out["reasoning_format"] = "deepseek"
+        if t.type == "enabled":  # enforced (server.service.budget), as llama-server does
+            out["thinking_budget_tokens"] = t.budget_tokens
     oc = req.output_config
     if oc is not None and oc.effort is not None:
         out["reasoning_effort"] = oc.effort

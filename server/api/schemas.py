@@ -5,8 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
+
+from .sampler_fields import LlamaRefusedFields, SamplerFields, refuse
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top log-probabilities per token
@@ -81,9 +90,10 @@ class LoraScale(BaseBody):
     scale: Annotated[float, Field(ge=-LORA_SCALE_MAX, le=LORA_SCALE_MAX)] = 0.0
 
 
-class SamplingFields(BaseBody):
-    """Fields every generating endpoint takes: sampler settings, stop strings, slot choice,
-    prompt caching and a per-request timeout (``service.submit`` reads them)."""
+class SamplingFields(BaseBody, SamplerFields):
+    """Fields every generating endpoint takes: sampler settings (with llama-server's own,
+    ``SamplerFields``), stop strings, slot choice, prompt caching and a per-request timeout
+    (``service.submit`` reads them)."""
 
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -169,6 +179,13 @@ class CompletionRequest(SamplingFields):
 
     _refused = field_validator("suffix", "best_of")(_refuse_unsupported)
 
+    @model_validator(mode="after")
+    def _n_probs(self) -> CompletionRequest:
+        """llama-server's ``n_probs``: the ``logprobs`` of that many top tokens."""
+        if self.n_probs > 0 and self.logprobs is None:
+            self.logprobs = self.n_probs
+        return self
+
 
 class ContentPart(BaseBody):
     """A chat content part; only ``text`` parts are served (others are a 400)."""
@@ -206,13 +223,15 @@ class Message(BaseBody):
     reasoning_content: str | None = None
 
 
-class ChatRequest(SamplingFields):
-    """/v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``."""
+class ChatRequest(SamplingFields, LlamaRefusedFields):
+    """/v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens``, which wins
+    over llama-server's ``n_predict``."""
 
     model: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -241,6 +260,17 @@ class ChatRequest(SamplingFields):
     store: object = None
     verbosity: object = None
     service_tier: object = None
+    return_tokens: bool | None = None  # refused (sampler_fields.REFUSED): /completion's
+    response_fields: list[str] | None = None
+
+    _chat_refused = field_validator("return_tokens", "response_fields")(refuse)
+
+    @model_validator(mode="after")
+    def _n_probs(self) -> ChatRequest:
+        """llama-server's ``n_probs`` on chat: the logprobs of that many top tokens."""
+        if self.n_probs > 0 and not self.logprobs:
+            self.logprobs, self.top_logprobs = True, self.top_logprobs or self.n_probs
+        return self
 
     _refused = field_validator(
         "audio",
@@ -255,7 +285,7 @@ class ChatRequest(SamplingFields):
     )(_refuse_unsupported)
 
 
-class NativeCompletionRequest(SamplingFields):
+class NativeCompletionRequest(SamplingFields, LlamaRefusedFields):
     """llama-server's /completion. ``max_tokens`` wins over ``n_predict``. ``prompt`` takes
     every form of llama-server's (server.api.prompts checks it)."""
 
@@ -263,12 +293,21 @@ class NativeCompletionRequest(SamplingFields):
     model: str | None = None  # a --lora-alias runs that adapter (service/adapters.py)
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # n_probs' alias
     stream: bool = False
-    # n_probs reports the sampler chain's final distribution (prob/top_probs)
-    post_sampling_probs: bool = False
     # only these fields of the final object ("a/b": a nested one, moved to the top)
     response_fields: list[str] | None = None
     return_tokens: bool = False  # the final object's ``tokens``: the generated token ids
+    # refused where they ask for something (sampler_fields.REFUSED)
+    reasoning_format: str | None = None
+    continue_final_message: bool | str | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+
+    _native_refused = field_validator(
+        "reasoning_format", "continue_final_message", "stream_options", "n"
+    )(refuse)
 
 
 class TokenizeRequest(BaseBody):
@@ -295,7 +334,7 @@ class SlotActionBody(BaseBody):
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
 
-class InfillRequest(SamplingFields):
+class InfillRequest(SamplingFields, LlamaRefusedFields):
     """llama-server's /infill. The FIM fields are checked by ``server.api.infill`` (in llama-server's
     order and words, after the model's FIM tokens), so they are untyped here."""
 
@@ -307,7 +346,6 @@ class InfillRequest(SamplingFields):
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
     stream: bool = False
-    post_sampling_probs: bool = False  # as /completion's
     response_fields: list[str] | None = None  # as /completion's
     return_tokens: bool = False  # as /completion's
 

@@ -12,8 +12,16 @@ from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import TypedDict
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from ..types import sampler_order
 from .flags import (
     ANY,
     BOOL,
@@ -130,6 +138,8 @@ class Settings(BaseModel):
     reasoning_format: str = "auto"
     reasoning: str = "auto"
     reasoning_effort: str | None = None
+    reasoning_budget: int = Field(-1, ge=-1, le=1_000_000)  # server.service.budget
+    reasoning_budget_message: str | None = Field(None, max_length=4096)
     # Default sampling: a request gets these for the fields it leaves out (the ranges are the
     # request fields' own, server.api.schemas.SamplingFields).
     seed: int = -1
@@ -141,6 +151,25 @@ class Settings(BaseModel):
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # llama-server's other samplers (server.api.sampler_fields has the request fields)
+    samplers: str | None = None  # names separated by ';'
+    sampler_seq: str | None = None  # letters; over ``samplers``
+    top_n_sigma: float = Field(-1.0, ge=-1.0, le=100.0)
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)
+    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, ge=0.0, le=1.0)
+    dry_multiplier: float = Field(0.0, ge=0.0, le=100.0)
+    dry_base: float = Field(1.75, ge=1.0, le=100.0)
+    dry_allowed_length: int = Field(2, ge=0, le=1_000_000)
+    dry_penalty_last_n: int = Field(64, ge=-1, le=1_000_000)
+    dry_sequence_breakers: list[str] | None = None  # None: the defaults; ["none"]: none
+    adaptive_target: float = Field(-1.0, ge=-1.0, le=1.0)
+    adaptive_decay: float = Field(0.9, ge=0.0, le=0.99)
+    dynatemp_range: float = Field(0.0, ge=0.0, le=100.0)
+    dynatemp_exponent: float = Field(1.0, ge=0.0, le=100.0)
+    mirostat: int = Field(0, ge=0, le=2)
+    mirostat_tau: float = Field(5.0, ge=0.0, le=100.0)
+    mirostat_eta: float = Field(0.1, ge=0.0, le=10.0)
     keep: int = Field(0, ge=-1)  # a request's n_keep default (context shift)
     # embeddings and reranking (server.api.embeddings): --reranking implies --embedding with
     # pooling rank, as in llama-server; pooling None is the model's own
@@ -234,6 +263,14 @@ class Settings(BaseModel):
         """A repeated flag's values (each a list of comma-separated items), in order."""
         if isinstance(v, list) and any(isinstance(x, list) for x in v):
             return [y for x in v for y in (x if isinstance(x, list) else [x])]
+        return v
+
+    @field_validator("samplers", "sampler_seq")
+    @classmethod
+    def _order(cls, v: str | None, info: ValidationInfo) -> str | None:
+        """A sampler order llama-server takes (``server.types.sampler_order``)."""
+        if v is not None:
+            sampler_order(v.split(";") if info.field_name == "samplers" else v)
         return v
 
     @field_validator("api_prefix")

@@ -4,13 +4,43 @@ prompt source (``sources``) and how its tasks run. Routes call one of these, the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..api.anthropic_schemas import MessagesRequest
-from ..api.schemas import ChatRequest, CompletionRequest, InfillRequest, NativeCompletionRequest
+from ..api.reasoning_tags import reasoning_tags
+from ..api.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    InfillRequest,
+    NativeCompletionRequest,
+    SamplingFields,
+)
 from ..api.tools.plan import ChatPlan
+from ..service.budget import BudgetAsk, budget_ask
 from ..service.state import ServerState
 from ..service.submit import PromptSource, Submission
 from .completion import max_tokens_of
 from .sources import ChatSource, CompletionSource
+
+
+def chat_budget(st: ServerState, chat: ChatRequest, plan: ChatPlan) -> BudgetAsk | None:
+    """A chat request's reasoning budget, between its template's reasoning tags."""
+    tags = reasoning_tags(st.template.source) if st.template is not None else None
+    return budget_ask(chat, st.settings, tags, lambda: plan.forced_open)
+
+
+def text_budget(st: ServerState, body: SamplingFields, prompt: object) -> BudgetAsk | None:
+    """The reasoning budget of a request without a template (tags of its own): open at
+    once where a text ``prompt`` ends with the start tag (a chat prompt rendered by the
+    client), else where the output writes it."""
+    ask = budget_ask(body, st.settings, None, chat=False)
+    if ask is None or not isinstance(prompt, str) or not prompt.rstrip().endswith(ask.start):
+        return ask
+    return replace(ask, opened=_opened)
+
+
+def _opened() -> bool:
+    return True
 
 
 def completion_request(st: ServerState, body: CompletionRequest) -> Submission:
@@ -24,6 +54,8 @@ def completion_request(st: ServerState, body: CompletionRequest) -> Submission:
         n=body.n,
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
+        post_sampling=body.post_sampling_probs,
+        budget=text_budget(st, body, body.prompt),
     )
 
 
@@ -31,13 +63,15 @@ def chat_request(st: ServerState, body: ChatRequest, plan: ChatPlan) -> Submissi
     """/v1/chat/completions: the rendered conversation, ``n`` choices."""
     return Submission(
         source=ChatSource(st, body, plan, openai=True),
-        max_tokens=max_tokens_of(body.max_completion_tokens, body.max_tokens),
+        max_tokens=max_tokens_of(body.max_completion_tokens, body.max_tokens, body.n_predict),
         stream=body.stream,
         n_probs=body.top_logprobs or 0,
         logprobs=body.logprobs,
         n=body.n,
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
+        post_sampling=body.post_sampling_probs,
+        budget=chat_budget(st, body, plan),
     )
 
 
@@ -52,6 +86,7 @@ def messages_request(
         max_tokens=body.max_tokens,
         stream=body.stream,
         return_progress=body.stream,
+        budget=chat_budget(st, chat, plan),  # thinking.budget_tokens
     )
 
 
@@ -59,24 +94,30 @@ def responses_request(st: ServerState, chat: ChatRequest, plan: ChatPlan) -> Sub
     """OpenAI's /v1/responses, run as its chat request ``chat``."""
     return Submission(
         source=ChatSource(st, chat, plan),
-        max_tokens=max_tokens_of(chat.max_completion_tokens, chat.max_tokens),
+        max_tokens=max_tokens_of(chat.max_completion_tokens, chat.max_tokens, chat.n_predict),
         stream=chat.stream,
         return_progress=chat.return_progress,
         timings_per_token=chat.timings_per_token,
+        budget=chat_budget(st, chat, plan),
     )
 
 
 def native_request(
-    body: NativeCompletionRequest | InfillRequest, source: PromptSource
+    st: ServerState, body: NativeCompletionRequest | InfillRequest, source: PromptSource
 ) -> Submission:
-    """llama-server's /completion and /infill (``source``: NativeSource or InfillSource)."""
+    """llama-server's /completion and /infill (``source``: NativeSource or InfillSource).
+    /completion's aliases: ``max_completion_tokens`` (before ``max_tokens``) and ``logprobs``
+    for ``n_probs``."""
+    limit = getattr(body, "max_completion_tokens", None)
+    n_probs = body.n_probs or getattr(body, "logprobs", None) or 0
     return Submission(
         source=source,
-        max_tokens=body.max_tokens if body.max_tokens is not None else body.n_predict,
+        max_tokens=max_tokens_of(limit, body.max_tokens, body.n_predict),
         stream=body.stream,
-        n_probs=body.n_probs,
-        logprobs=body.n_probs > 0,
+        n_probs=n_probs,
+        logprobs=n_probs > 0,
         return_progress=body.return_progress,
         timings_per_token=body.timings_per_token,
         post_sampling=body.post_sampling_probs,
+        budget=text_budget(st, body, body.prompt),
     )

@@ -25,6 +25,7 @@ from ..types import (
     TokenMatcher,
     VocabCompiler,
 )
+from .chain import ChainEnv, build_chain
 from .greedy import GreedyBias
 from .logits import check_pick, check_row
 from .lora import LoraAdapters
@@ -540,45 +541,14 @@ class LlamaBackend(SeqMemory):
         return template, bos, eos if eos >= 0 else sep, sep, add_bos, add_eos, add_sep
 
     def new_sampler(self, p: SamplingParams, history: list[int]) -> Sampler:
-        """A sampler chain as llama-server orders it: bias, penalties, top-k, top-p, min-p, temp, dist.
+        """``p``'s sampler chain, in llama-server's order (server.llama.chain).
 
-        ``history`` (recent prompt tokens) seeds the penalty window.
+        ``history`` (recent prompt tokens) seeds the penalty and DRY windows.
         """
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        add = L.llama_sampler_chain_add
-        if p.logit_bias:
-            arr = (L.llama_logit_bias * len(p.logit_bias))()
-            for i, (tok, bias) in enumerate(p.logit_bias.items()):
-                arr[i].token = tok  # type: ignore[assignment]  # ctypes converts the int
-                arr[i].bias = bias
-            add(chain, L.llama_sampler_init_logit_bias(self.n_vocab, len(p.logit_bias), arr))
-        penalties = (
-            p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        )
-        if penalties and p.repeat_last_n != 0:
-            last_n = self.n_ctx_slot if p.repeat_last_n < 0 else p.repeat_last_n
-            pen = L.llama_sampler_init_penalties(
-                self.n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
-            )
-            for t in history[-last_n:]:
-                L.llama_sampler_accept(pen, t)
-            add(chain, pen)
-        if p.temperature <= 0.0:
-            add(chain, L.llama_sampler_init_greedy())
-        else:
-            if p.top_k > 0:
-                add(chain, L.llama_sampler_init_top_k(p.top_k))
-            if p.top_p < 1.0:
-                add(chain, L.llama_sampler_init_top_p(p.top_p, 1))
-            if p.min_p > 0.0:
-                add(chain, L.llama_sampler_init_min_p(p.min_p, 1))
-            add(chain, L.llama_sampler_init_temp(p.temperature))
-            seed = p.seed if p.seed >= 0 else (self.seed if self.seed >= 0 else 0xFFFFFFFF)
-            add(chain, L.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        active = penalties and p.repeat_last_n != 0
-        greedy = p.temperature <= 0.0 and not active
-        smp = Sampler(chain, stateful=active, greedy=greedy)
-        if greedy and p.logit_bias:
+        env = ChainEnv(self.vocab, self.n_vocab, self.n_ctx_slot, self.seed)
+        built = build_chain(p, env, history)
+        smp = Sampler(built.ptr, stateful=built.stateful, greedy=built.greedy)
+        if built.greedy and p.logit_bias:
             smp.bias = GreedyBias(p.logit_bias)
         smp.n_post, smp.argmax_only = p.post_probs, p.temperature <= 0.0
         return smp

@@ -21,7 +21,7 @@ from ..service.sampling import default_sampling
 from ..service.state import ServerState
 from ..service.tasks import TaskGroup
 from ..slots.model_api import Tokenizer
-from ..types import Event, Task, TaskError, TokenLogprob
+from ..types import Event, SamplingParams, Task, TaskError, TokenLogprob
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -197,6 +197,7 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
         "frequency_penalty": p.frequency_penalty,
         "seed": p.seed if task is not None else st.settings.seed,
         "n_keep": task.gen.n_keep if task is not None else st.settings.keep,
+        **sampler_settings(p),
     }
     if task is not None:
         out.update(
@@ -213,6 +214,31 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
             n_discard=task.gen.n_discard,
         )
     return out
+
+
+def sampler_settings(p: SamplingParams) -> dict[str, object]:
+    """The rest of llama-server's sampler settings, under its names."""
+    return {
+        "dynatemp_range": p.dynatemp_range,
+        "dynatemp_exponent": p.dynatemp_exponent,
+        "top_n_sigma": p.top_n_sigma,
+        "xtc_probability": p.xtc_probability,
+        "xtc_threshold": p.xtc_threshold,
+        "typical_p": p.typical_p,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_penalty_last_n": p.dry_penalty_last_n,
+        "dry_sequence_breakers": list(p.dry_sequence_breakers),
+        "mirostat": p.mirostat,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+        "adaptive_target": p.adaptive_target,
+        "adaptive_decay": p.adaptive_decay,
+        "min_keep": p.min_keep,
+        "samplers": list(p.samplers),
+        "post_sampling_probs": p.post_probs > 0,
+    }
 
 
 @functools.cache

@@ -222,7 +222,7 @@ async def run_native(
     object (a list of them, by prompt, for several prompts), or the stream of chunks (each
     with its prompt's ``index``). ``echoes``: the ``prompt`` each result echoes (by default
     a text ``prompt`` of the body: llama-server echoes text only)."""
-    job = native_request(body, source)
+    job = native_request(st, body, source)
     group = await submit(st, body, job, tenant_of(st, request, body.cache_salt), request)
     if echoes is None:
         echoes = [body.prompt if isinstance(body.prompt, str) else ""] * len(group.tasks)

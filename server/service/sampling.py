@@ -9,7 +9,7 @@ from ..api.errors import APIError
 from ..api.schemas import SamplingFields
 from ..cli.config import Settings
 from ..slots.model_api import Tokenizer
-from ..types import SamplingParams
+from ..types import SamplingParams, sampler_order
 
 SAMPLING_FIELDS = (
     "temperature",
@@ -21,15 +21,37 @@ SAMPLING_FIELDS = (
     "repeat_last_n",
     "presence_penalty",
     "frequency_penalty",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "xtc_probability",
+    "xtc_threshold",
+    "typical_p",
+    "top_n_sigma",
+    "dynatemp_range",
+    "dynatemp_exponent",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "adaptive_target",
+    "adaptive_decay",
 )
 
 
 def default_sampling(s: Settings | None) -> SamplingParams:
     """The server's default sampler settings: llama-server's, or those of the flags
-    (--temp, --top-k, ..., -s) when ``s`` is given."""
+    (--temp, --top-k, ..., --samplers, -s) when ``s`` is given."""
     if s is None:
         return SamplingParams()
-    return SamplingParams(**{name: getattr(s, name) for name in SAMPLING_FIELDS})
+    p = SamplingParams(**{name: getattr(s, name) for name in SAMPLING_FIELDS})
+    if s.sampler_seq is not None:
+        p.samplers = sampler_order(s.sampler_seq)
+    elif s.samplers is not None:
+        p.samplers = sampler_order(s.samplers.split(";"))
+    if s.dry_sequence_breakers is not None:  # llama-server's "none": no breakers
+        p.dry_sequence_breakers = tuple(b for b in s.dry_sequence_breakers if b != "none")
+    return p
 
 
 def sampling_from(
@@ -37,7 +59,7 @@ def sampling_from(
 ) -> SamplingParams:
     """The request's sampler settings over the server defaults (``default_sampling``): a field
     the request leaves out (or sets to null) gets the default. APIError 400 for a top_k above
-    the vocabulary or a bad logit_bias."""
+    the vocabulary, a bad logit_bias, or backend_sampling asked of a server without -bs."""
     p = default_sampling(settings)
     for name in SAMPLING_FIELDS:
         v = getattr(req, name)
@@ -47,6 +69,16 @@ def sampling_from(
         raise APIError(400, f"top_k must be at most the vocabulary size ({backend.n_vocab})")
     if req.logit_bias:
         p.logit_bias = _logit_bias(req.logit_bias, backend)
+    if req.samplers is not None:
+        p.samplers = sampler_order(req.samplers)  # checked by the schema: no ValueError
+    if req.dry_sequence_breakers is not None:
+        p.dry_sequence_breakers = tuple(req.dry_sequence_breakers)
+    if req.min_keep is not None:
+        p.min_keep = req.min_keep
+    if req.backend_sampling is not None:
+        if req.backend_sampling and settings is not None and not settings.backend_sampling:
+            raise APIError(400, "backend_sampling needs a server started with -bs")
+        p.backend_ok = req.backend_sampling
     return p
 
 

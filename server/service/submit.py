@@ -15,8 +15,9 @@ from ..cache import tenancy
 from ..constrained import Constraint
 from ..slots.engine import Engine
 from ..slots.model_api import ModelBackend
-from ..types import GenParams
+from ..types import GenParams, ReasoningBudget
 from .adapters import AdapterChoice
+from .budget import BudgetAsk
 from .pools import prepare
 from .sampling import sampling_from, stops_from
 from .state import ServerState
@@ -67,6 +68,8 @@ class Submission:
     # llama-server's post_sampling_probs: the n_probs reported are the sampler chain's
     # final distribution (SamplingParams.post_probs), not the model's
     post_sampling: bool = False
+    # the reasoning budget (server.service.budget); a constrained request runs without it
+    budget: BudgetAsk | None = None
 
 
 def _checked_prompts(job: Submission, backend: ModelBackend) -> list[Prompt]:
@@ -83,6 +86,7 @@ class _Prepared(NamedTuple):
     adapters: AdapterChoice
     prompts: list[Prompt]
     constraint: Constraint | None
+    budget: ReasoningBudget | None
 
 
 def _prepare(st: ServerState, body: SamplingFields, job: Submission) -> _Prepared:
@@ -94,7 +98,11 @@ def _prepare(st: ServerState, body: SamplingFields, job: Submission) -> _Prepare
     constraint = job.source.constraint()
     engine = st.require_engine()
     adapters = st.adapters.resolve(body.lora, getattr(body, "model", None))
-    return _Prepared(engine, adapters, _checked_prompts(job, st.require_backend()), constraint)
+    b = st.require_backend()
+    prompts = _checked_prompts(job, b)
+    # after rendering: whether the prompt opened the reasoning is known then
+    budget = job.budget.resolve(b) if job.budget and constraint is None else None
+    return _Prepared(engine, adapters, prompts, constraint, budget)
 
 
 def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenParams:
@@ -138,7 +146,7 @@ async def submit(
     The slow checks run on the request's preparation pool (``service.pools.prepare``):
     with ``request``, abandoned when its client leaves; 408 after --request-prep-timeout."""
     ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
-    engine, adapters, prompts, constraint = ready
+    engine, adapters, prompts, constraint, budget = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
     b = st.require_backend()
     sampling = sampling_from(body, b, st.settings)
@@ -150,6 +158,7 @@ async def submit(
     if constraint is not None:
         sampling.constraint = await bind_constraint(b, constraint)
     gen = _gen_params(st, body, job)
+    gen.reasoning_budget = budget
     group = TaskGroup(
         engine,
         timeout=body.timeout or st.settings.timeout,

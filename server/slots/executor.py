@@ -238,14 +238,16 @@ class Executor:
             ]
 
     def pick(self, run: SlotRun, idx: int) -> int:
-        """The run's next token: sampled, and for a constrained run one its matcher allows
-        (the matcher is advanced over it). Costs a constrained slot about 0.2 ms per token,
+        """The run's next token: sampled (or forced by its reasoning budget), and for a
+        constrained run one its matcher allows (the matcher is advanced over it). Costs a constrained slot about 0.2 ms per token,
         1-2 ms when the sampled token is refused (full-vocabulary mask): it never holds up
         the batch for long. Raises ConstraintDeadEnd (a 400) when the constraint admits no
         token."""
         m = run.matcher
         if m is None:
-            return self.b.sample(run.sampler, idx)
+            tok = self.b.sample(run.sampler, idx)
+            budget = run.budget
+            return tok if budget is None or budget.done else budget.next(tok)
         gen = run.task.gen
         # with log-probs wanted, always mask: they report the constrained distribution
         tok = self.b.sample_constrained(run.sampler, idx, m, gen.logprobs or gen.n_probs > 0)
@@ -263,4 +265,5 @@ def _plain(w: SlotWork) -> bool:
     run = w.slot.run
     assert run is not None  # a slot in the plan holds a run (per token: no ``live`` call)
     draftless = len(w.tokens) == 1 or not w.generating
-    return run.matcher is None and not run.backend_sampled and draftless
+    unbudgeted = run.budget is None or run.budget.done  # ``pick`` applies a budget
+    return run.matcher is None and not run.backend_sampled and draftless and unbudgeted

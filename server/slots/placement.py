@@ -18,6 +18,7 @@ from ..cache.prompt_cache import PromptCache
 from ..types import Task, TaskError
 from . import ram
 from .backend_api import Backend
+from .budget import BudgetTracker
 from .cache_reuse import CacheReuse
 from .locator import Match
 from .options import EngineOptions
@@ -165,12 +166,15 @@ class Placer:
         )
 
     def _start_sampling(self, slot: Slot, run: SlotRun) -> None:
-        """The run's sampler, its constraint's matcher, where it samples (-bs) and whether
-        it speculates."""
+        """The run's sampler, its constraint's matcher (else its reasoning budget), where it
+        samples (-bs) and whether it speculates."""
         task = run.task
         run.sampler = self.b.new_sampler(task.sampling, task.prompt)
         if task.sampling.constraint is not None:
             run.matcher = task.sampling.constraint.matcher()
+        elif task.gen.reasoning_budget is not None:  # a constrained run's tokens are its grammar's
+            piece = self.b.token_to_piece
+            run.budget = BudgetTracker(task.gen.reasoning_budget, lambda t: piece(t, True))
         if self.b.backend_sampling:
             reason = cpu_reason(task)
             run.backend_sampled = not reason and self.b.attach_sampler(run.sampler, slot.id)

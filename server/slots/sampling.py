@@ -25,7 +25,13 @@ class ConstraintDeadEnd(RuntimeError):
 CONSTRAINT = "constraint"  # grammar / json_schema / response_format: needs the token mask
 LOGPROBS = "logprobs"  # logprobs / n_probs read the full logits row
 PENALTIES = "penalties"  # repeat / frequency / presence penalties
-FALLBACK_REASONS = (CONSTRAINT, LOGPROBS, PENALTIES)
+SAMPLERS = "samplers"  # a stage llama.cpp has no graph version of (DRY, XTC, mirostat, ...)
+REQUEST = "request"  # the request's backend_sampling: false
+FALLBACK_REASONS = (CONSTRAINT, LOGPROBS, PENALTIES, SAMPLERS, REQUEST)
+# The stages llama.cpp runs in the decode graph (those with a backend_apply in its
+# llama-sampler.cpp): logit bias, penalties, top-k, top-p, min-p, temperature (with
+# dynatemp), and the dist / greedy pick. The others sample on the CPU.
+BACKEND_STAGES = frozenset({"penalties", "top_k", "top_p", "min_p", "temperature"})
 # logit_bias is not among them: llama.cpp's logit-bias stage runs in the graph too, and
 # ignore_eos bans the end-of-generation tokens with it, as llama-server does.
 
@@ -33,15 +39,19 @@ FALLBACK_REASONS = (CONSTRAINT, LOGPROBS, PENALTIES)
 def cpu_reason(task: Task) -> str:
     """Why ``task`` cannot sample on the backend ("" when it can). The backend chain is
     a logit bias, then greedy, or top-k, top-p, min-p, temperature and a seeded dist:
-    exactly what ``LlamaBackend.new_sampler`` builds when there is no penalty."""
+    what ``LlamaBackend.new_sampler`` builds without penalties and without the stages
+    outside ``BACKEND_STAGES`` (README "Backend sampling")."""
     p = task.sampling
+    if not p.backend_ok:
+        return REQUEST
     if p.constraint is not None:
         return CONSTRAINT
     if task.gen.logprobs or task.gen.n_probs > 0:
         return LOGPROBS
-    penalties = p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    if penalties and p.repeat_last_n != 0:
+    if p.penalized():
         return PENALTIES
+    if any(s not in BACKEND_STAGES for s in p.stages()) or "adaptive_p" in p.samplers:
+        return SAMPLERS
     return ""
 
 

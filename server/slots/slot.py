@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..types import Checkpoint, Task, TokenLogprob, TokenMatcher
+from .budget import BudgetTracker
 from .reuse import ReuseChunk
 from .sequence import Sequence
 from .speculative import DraftLimits
@@ -34,6 +35,7 @@ class SlotRun:
     sampler: Any = None
     matcher: TokenMatcher | None = None  # the task's constraint, when it has one
     backend_sampled: bool = False  # -bs: the chain runs in the decode graph (slots/sampling.py)
+    budget: BudgetTracker | None = None  # the task's reasoning budget (slots/budget.py)
     stream: TextStream = field(default_factory=lambda: TextStream([]))
     logprobs: list[TokenLogprob] = field(default_factory=list)
     out_text: list[str] = field(default_factory=list)

@@ -14,7 +14,7 @@ from tests.e2e.conftest import ROOT
 ARGS = ["--temp", "0.3", "--seed", "42", "--no-jinja", "--host", "127.0.0.1"]
 ARGS += ["--ctx-size", "2048", "--parallel", "2", "--batch-size", "512", "-cb", "--no-ui"]
 ARGS += ["--n-predict", "64", "--props", "--keep", "4", "-ctk", "f16", "--no-mmproj"]
-ARGS += ["--path", "/srv/ui", "--mirostat", "2", "--rpc", "localhost:50052"]
+ARGS += ["--path", "/srv/ui", "--yarn-orig-ctx", "5", "--rpc", "localhost:50052"]
 
 
 def test_llama_server_command_line(make_server, tmp_path):
@@ -44,7 +44,7 @@ def test_llama_server_command_line(make_server, tmp_path):
     text = log_file.read_text()
     warnings = [ln for ln in text.splitlines() if "ignoring llama-server flags" in ln]
     assert len(warnings) == 1, text
-    for name in ("--path", "--mirostat", "--rpc"):
+    for name in ("--path", "--yarn-orig-ctx", "--rpc"):
         assert name in warnings[0]
     for name in ("--cont-batching", "--cache-type-k", "--mmproj", "--temp", "--props"):
         assert name not in warnings[0]

@@ -87,6 +87,11 @@ BY_FLAG = {
     "--rope-scaling": "yarn",
     "--split-mode": "row",
     "--pooling": "mean",
+    "--xtc-probability": "0.5",
+    "--xtc-threshold": "0.5",
+    "--typical": "0.5",
+    "--adaptive-target": "0.5",
+    "--adaptive-decay": "0.5",
 }
 
 
@@ -272,7 +277,7 @@ def test_malformed_values_fail(argv, env, named, capsys):
 
 
 def test_ignored_flags_give_one_warning_naming_them(caplog):
-    argv = ["--path", "/srv/ui", "--mirostat", "2", "-hf", "a/b", "--rope-scale", "2"]
+    argv = ["--path", "/srv/ui", "--yarn-orig-ctx", "5", "-hf", "a/b", "--rope-scale", "2"]
     # These match what this server does anyway: accepted silently.
     argv += ["--no-mmproj", "-cb", "--no-context-shift", "--offline", "--log-colors", "off"]
     argv += ["--mirostat-lr", "0.10", "--no-webui-mcp-proxy", "--threads-http", "8"]
@@ -280,7 +285,7 @@ def test_ignored_flags_give_one_warning_naming_them(caplog):
     assert set(ignored_flags(s)) == {
         "--repack",
         "--path",
-        "--mirostat",
+        "--yarn-orig-ctx",
         "--hf-repo",
         "--rope-scale",
     }
@@ -288,7 +293,7 @@ def test_ignored_flags_give_one_warning_naming_them(caplog):
         msg = warn_ignored(s)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].getMessage() == msg
-    for name in ("--path", "--mirostat", "--hf-repo", "--rope-scale", "--repack"):
+    for name in ("--path", "--yarn-orig-ctx", "--hf-repo", "--rope-scale", "--repack"):
         assert name in msg
     for name in ("--mmproj", "--cont-batching", "--context-shift", "--offline", "--temp"):
         assert name not in msg
