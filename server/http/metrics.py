@@ -210,6 +210,39 @@ def _reuse(st: Any) -> Iterator[Metric]:
     )
 
 
+def _images(st: Any, state: Any) -> Iterator[Metric]:
+    """Images (issue 42): decoded into slots, image positions computed vs served cached,
+    and the projector's embedding cache (encodes, hits), when a projector is loaded."""
+    yield _counter("llamaslot_images_decoded", "Images decoded into slots", st.images_decoded)
+    yield _counter(
+        "llamaslot_image_tokens_computed",
+        "Image positions decoded from embeddings",
+        st.image_tokens_computed,
+    )
+    yield _counter(
+        "llamaslot_image_tokens_cached",
+        "Image positions a prompt found in the KV cache already (not decoded again)",
+        st.image_tokens_cached,
+    )
+    projector = getattr(state, "projector", None)
+    cache = getattr(projector, "cache", None)
+    if cache is None:
+        return
+    c = cache.counters
+    yield _counter("llamaslot_images_encoded", "Images encoded by the projector", c.encoded)
+    yield _counter(
+        "llamaslot_image_encode_seconds", "Time spent encoding images", c.encode_ms / 1e3
+    )
+    yield _counter(
+        "llamaslot_image_embedding_cache_hits",
+        "Images whose embeddings came from the embedding cache (not encoded again)",
+        c.hits,
+    )
+    yield _gauge(
+        "llamaslot_image_embedding_cache_bytes", "Bytes of the embedding cache", cache.nbytes
+    )
+
+
 def _beyond(st: Any) -> Iterator[Metric]:
     """Engine counters llama-server lacks: cancellations, checkpoints, slot files, sharing."""
     yield _counter(
@@ -401,6 +434,7 @@ class _EngineCollector:
         yield from _llamacpp(engine, slots)
         yield from _protocol(self.state, engine, slots)
         yield from _beyond(engine.stats)
+        yield from _images(engine.stats, self.state)
         yield from _sampling(engine.stats)
         yield from _speculative(engine.stats)
         yield from _per_slot(slots)

@@ -34,6 +34,8 @@ import llama_cpp as L
 import numpy as np
 from llama_cpp import mtmd_cpp as M
 
+from ..types import EncodedImage, MediaError
+
 log = logging.getLogger("server.llama.mtmd")
 
 CHUNK_TEXT = 0
@@ -47,12 +49,6 @@ _NO_VIDEO = M.mtmd_helper_init_opt_default()
 _NO_VIDEO.video_params.ffmpeg_bin_dir = b"/nonexistent/llama-slot-server-no-video"
 
 
-class MediaError(ValueError):
-    """A client's image that cannot be used (a 400, naming the problem)."""
-
-    status = 400
-
-
 @dataclass(frozen=True)
 class ProjectorOptions:
     path: str
@@ -60,26 +56,11 @@ class ProjectorOptions:
     use_gpu: bool = True
     image_min_tokens: int = -1  # -1: the projector's default
     image_max_tokens: int = -1
+    cache_bytes: int = 256 << 20  # the embedding cache's RAM (0: none)
 
 
-@dataclass(frozen=True)
-class ImageChunk:
-    """One image of a tokenized prompt: ``embd`` is (n_tokens, n_embd) float32, decoded at
-    ``n_tokens`` consecutive positions; ``non_causal``: the image must be decoded in one
-    ubatch with causal attention off; ``encoded``: computed now (False: from the cache)."""
-
-    identity: bytes
-    embd: np.ndarray
-    non_causal: bool
-    encoded: bool
-    encode_ms: float = 0.0
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.embd.shape[0])
-
-
-Piece = list[int] | ImageChunk
+ImageChunk = EncodedImage
+Piece = list[int] | EncodedImage
 
 
 @dataclass
@@ -100,10 +81,10 @@ class EmbeddingCache:
         self.nbytes = 0
         self.counters = CacheCounters()
         self._items: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     def get(self, identity: bytes) -> np.ndarray | None:
-        with self._lock:
+        with self.lock:
             embd = self._items.get(identity)
             if embd is None:
                 self.counters.misses += 1
@@ -115,7 +96,7 @@ class EmbeddingCache:
     def put(self, identity: bytes, embd: np.ndarray) -> None:
         if embd.nbytes > self.max_bytes:
             return
-        with self._lock:
+        with self.lock:
             old = self._items.pop(identity, None)
             if old is not None:
                 self.nbytes -= old.nbytes
@@ -155,6 +136,7 @@ class Projector:
         if not ctx:
             raise ValueError(f"could not load the projector {opts.path} for this model")
         self.ctx = ctx
+        self.cache = EmbeddingCache(opts.cache_bytes)
         self.lock = threading.Lock()
         self.vision = bool(M.mtmd_support_vision(ctx))
         self.audio = bool(M.mtmd_support_audio(ctx))
@@ -180,9 +162,7 @@ class Projector:
         h.update(px)
         return h.digest()
 
-    def tokenize(
-        self, text: str, images: list[bytes], cache: EmbeddingCache | None = None
-    ) -> list[Piece]:
+    def tokenize(self, text: str, images: list[bytes]) -> list[Piece]:
         """``text`` (one media marker per image, in order) with ``images`` (bounded bytes)
         as pieces: text tokens (special tokens parsed, BOS added as the model wants) and
         encoded images. Raises MediaError for an image that does not decode, a marker
@@ -197,7 +177,7 @@ class Projector:
                 for i, data in enumerate(images):
                     bitmaps.append(self._bitmap(i, data))
                 chunks = self._chunks(text, bitmaps)
-                return self._pieces(chunks, cache)
+                return self._pieces(chunks)
             finally:
                 if chunks is not None:
                     M.mtmd_input_chunks_free(chunks)
@@ -231,7 +211,7 @@ class Projector:
             raise MediaError("an image could not be preprocessed for the projector")
         return chunks
 
-    def _pieces(self, chunks: M.mtmd_input_chunks_p, cache: EmbeddingCache | None) -> list[Piece]:
+    def _pieces(self, chunks: M.mtmd_input_chunks_p) -> list[Piece]:
         out: list[Piece] = []
         for i in range(M.mtmd_input_chunks_size(chunks)):
             c = M.mtmd_input_chunks_get(chunks, i)
@@ -241,20 +221,21 @@ class Projector:
                 toks = M.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
                 out.append([toks[j] for j in range(n.value)])
             elif kind == CHUNK_IMAGE:
-                out.append(self._image(c, cache))
+                out.append(self._image(c))
             else:
                 raise MediaError("audio input is not supported")
         return out
 
-    def _image(self, c: M.mtmd_input_chunk_p, cache: EmbeddingCache | None) -> ImageChunk:
+    def _image(self, c: M.mtmd_input_chunk_p) -> EncodedImage:
         n_tokens = M.mtmd_input_chunk_get_n_tokens(c)
         if M.mtmd_input_chunk_get_n_pos(c) != n_tokens:
             raise MediaError("this projector's image positions are not supported")
         identity = bytes.fromhex((M.mtmd_input_chunk_get_id(c) or b"").decode())
         non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
-        embd = cache.get(identity) if cache is not None else None
+        cache = self.cache
+        embd = cache.get(identity)
         if embd is not None and embd.shape[0] == n_tokens:
-            return ImageChunk(identity, embd, non_causal, encoded=False)
+            return EncodedImage(identity, embd, non_causal, encoded=False)
         t0 = time.perf_counter()
         if M.mtmd_encode_chunk(self.ctx, c) != 0:
             raise MediaError("the image could not be encoded")
@@ -262,12 +243,13 @@ class Projector:
         out = M.mtmd_get_output_embd(self.ctx)
         embd = np.ctypeslib.as_array(out, shape=(n_tokens * n_embd,)).reshape(n_tokens, n_embd)
         embd = embd.copy()
+        embd.flags.writeable = False  # shared by every request of this image (the cache)
         ms = (time.perf_counter() - t0) * 1e3
-        if cache is not None:
-            cache.put(identity, embd)
+        cache.put(identity, embd)
+        with cache.lock:
             cache.counters.encoded += 1
             cache.counters.encode_ms += ms
-        return ImageChunk(identity, embd, non_causal, encoded=True, encode_ms=ms)
+        return EncodedImage(identity, embd, non_causal, encoded=True, encode_ms=ms)
 
 
 def decode_embeddings(
