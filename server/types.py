@@ -343,6 +343,8 @@ class ImageProjector(Protocol):
         (add_special, special tokens parsed); raises MediaError."""
         ...
 
+    def close(self) -> None: ...
+
 
 @dataclass
 class Task:

@@ -461,6 +461,8 @@ class LlamaBackend(SeqMemory):
             cached = self._piece_cache.get(token)
             if cached is not None:
                 return cached
+        if token < 0:  # an image's placeholder (issue 42): no text, and no id for llama.cpp
+            return b""
         buf = ctypes.create_string_buffer(256)
         n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:

@@ -49,6 +49,15 @@ _NO_VIDEO = M.mtmd_helper_init_opt_default()
 _NO_VIDEO.video_params.ffmpeg_bin_dir = b"/nonexistent/llama-slot-server-no-video"
 
 
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _mtmd_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # libmtmd prints every image's preprocessing: only warnings and errors (levels 3, 4)
+    if level in (3, 4) and text:
+        msg = text.decode("utf-8", "replace").rstrip()
+        if msg:
+            log.log(logging.WARNING if level == 3 else logging.ERROR, "%s", msg)
+
+
 @dataclass(frozen=True)
 class ProjectorOptions:
     path: str
@@ -125,6 +134,8 @@ class Projector:
     def __init__(self, opts: ProjectorOptions, model: L.llama_model_p) -> None:
         if not Path(opts.path).is_file():
             raise FileNotFoundError(f"projector file not found: {opts.path}")
+        M.mtmd_log_set(_mtmd_log, None)
+        M.mtmd_helper_log_set(_mtmd_log, None)
         cp = M.mtmd_context_params_default()
         cp.use_gpu = opts.use_gpu
         cp.n_threads = max(1, opts.n_threads)

@@ -16,6 +16,7 @@ from ..cache import tenancy
 from ..cli.config import Settings
 from ..slots.engine import Engine
 from ..slots.model_api import DraftModel, ModelBackend
+from ..types import ImageProjector
 from .adapters import AdapterRegistry
 
 
@@ -55,6 +56,7 @@ class ServerState:
     draft: DraftModel | None = None
     engine: Engine | None = None
     template: ChatTemplate | None = None
+    projector: ImageProjector | None = None  # --mmproj (server.llama.mtmd.Projector)
     model_name: str = ""
     model_aliases: list[str] = field(default_factory=list)  # --alias a,b,c (sorted)
     model_path: str = ""
