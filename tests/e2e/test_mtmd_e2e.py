@@ -35,7 +35,7 @@ def test_the_projector_loads_and_an_image_is_16_tokens_between_text(loaded):
     assert p.vision and not p.audio and not p.mrope and p.n_embd == 640
     pieces = p.tokenize(prompt(p), [png(pixels(1))])
     kinds = [type(x).__name__ for x in pieces]
-    assert kinds == ["list", "ImageChunk", "list"]
+    assert kinds == ["list", "EncodedImage", "list"]
     img = pieces[1]
     assert isinstance(img, ImageChunk) and img.n_tokens == N_IMAGE_TOKENS
     assert img.embd.shape == (N_IMAGE_TOKENS, 640) and img.embd.dtype == np.float32
