@@ -16,6 +16,7 @@ import binascii
 import os
 import re
 import struct
+import zlib
 from dataclasses import dataclass, field
 
 from .errors import APIError
@@ -103,6 +104,45 @@ def image_size(data: bytes, where: str) -> tuple[str, int, int]:
     return kind, size[0], size[1]
 
 
+def _png_complete(b: bytes) -> bool:
+    """Every chunk whole with its CRC right, up to IEND."""
+    i = 8
+    while i + 12 <= len(b):
+        (n,) = struct.unpack(">I", b[i : i + 4])
+        end = i + 12 + n
+        if end > len(b):
+            return False
+        kind = b[i + 4 : i + 8]
+        if zlib.crc32(b[i + 4 : end - 4]) != struct.unpack(">I", b[end - 4 : end])[0]:
+            return False
+        if kind == b"IEND":
+            return True
+        i = end
+    return False
+
+
+def _bmp_complete(b: bytes, w: int, h: int) -> bool:
+    """An uncompressed bitmap holds all its rows (compressed ones: left to the decoder)."""
+    if len(b) < 34:
+        return False
+    (off,) = struct.unpack("<I", b[10:14])
+    (bpp,) = struct.unpack("<H", b[28:30])
+    (compression,) = struct.unpack("<I", b[30:34])
+    return compression != 0 or off + ((w * bpp + 31) // 32) * 4 * h <= len(b)
+
+
+def complete(kind: str, b: bytes, w: int, h: int) -> bool:
+    """Whether the file is whole (not cut short), by its structure, without decoding it:
+    a truncated image fails here, not in the decoder (whose fallback would try ffmpeg)."""
+    if kind == "PNG":
+        return _png_complete(b)
+    if kind == "JPEG":
+        return b.rfind(b"\xff\xd9", max(0, len(b) - 4096)) >= 0
+    if kind == "GIF":
+        return b.rfind(b"\x3b", max(0, len(b) - 64)) >= 0
+    return _bmp_complete(b, w, h)
+
+
 def check_image(data: bytes, limits: MediaLimits, where: str) -> bytes:
     """``data`` when it is an image within the limits (see the module doc); else 400."""
     if not data:
@@ -119,6 +159,8 @@ def check_image(data: bytes, limits: MediaLimits, where: str) -> bytes:
             400,
             f"{where}: the image is {w}x{h} = {w * h} pixels, more than {limits.max_pixels}",
         )
+    if not complete(kind, data, w, h):
+        raise APIError(400, f"{where}: the {kind} image is truncated or corrupt")
     return data
 
 
