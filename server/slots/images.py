@@ -31,12 +31,17 @@ def next_start(images: Sequence[PromptImage], cur: int, default: int) -> int:
     return default
 
 
-def outside(tokens: Sequence[int], n: int) -> int:
+def _placeholder(x: object) -> bool:
+    return isinstance(x, int) and x < 0
+
+
+def outside(tokens: Sequence[object], n: int) -> int:
     """``n``, or the start of the image whose placeholders (negative entries) ``n`` falls
-    inside: keeping ``tokens[:n]`` then never keeps part of an image."""
-    if n <= 0 or n >= len(tokens) or tokens[n] >= 0:
+    inside: keeping ``tokens[:n]`` then never keeps part of an image. (A whole-item image,
+    ``cache.items.ImageItem``, is one entry: an index never falls inside it.)"""
+    if n <= 0 or n >= len(tokens) or not _placeholder(tokens[n]):
         return n
-    while n > 0 and tokens[n - 1] < 0:
+    while n > 0 and _placeholder(tokens[n - 1]):
         n -= 1
     return n
 
