@@ -158,6 +158,28 @@ def test_anthropic_image_blocks_and_a_cached_follow_up(srv):
     assert (r2.usage.cache_read_input_tokens or 0) >= total1
 
 
+def test_responses_input_image_and_apply_template(srv):
+    url = data_url(png(pixels(6)))
+    c = oai(srv)
+    r = c.responses.create(
+        model="x",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": ASK},
+                    {"type": "input_image", "image_url": url, "detail": "auto"},
+                ],
+            }
+        ],
+        max_output_tokens=8,
+    )
+    assert r.status in ("completed", "incomplete") and r.usage is not None
+    assert r.usage.input_tokens > N_IMAGE_TOKENS
+    t = srv.client.post("/apply-template", json={"messages": first_turn(png(pixels(6)))})
+    assert t.status_code == 200 and t.json()["prompt"].count("<__media__>") == 1
+
+
 def test_a_file_under_media_path_is_read(srv):
     msgs = first_turn(b"")
     msgs[1]["content"][1]["image_url"]["url"] = "file://cat.png"
