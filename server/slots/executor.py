@@ -98,6 +98,7 @@ class Executor:
         s = w.slot
         plan.drop(s)
         pos0 = len(s.tokens)
+        self.b.set_adapters(plan.adapters)  # the step's adapter set, as its batch's
         try:
             ret = self.b.decode_image(s.id, pos0, image.image.embd, image.image.non_causal)
         except Exception:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from server.cache.prompt_cache import PromptCache
 from server.slots import images
 from server.types import EncodedImage, PromptImage, image_placeholders
 from tests.fake_backend import RUNNER
@@ -61,3 +62,27 @@ def test_a_cut_inside_an_image_moves_to_its_start():
     assert [images.outside(toks, n) for n in range(len(toks) + 1)] == [0, 1, 2, 2, 2, 2, 2, 7, 8]
     assert image_placeholders(b"x" * 16, 5) == ph and all(p < 0 for p in ph)
     assert image_placeholders(b"y" * 16, 5)[0] != ph[0]
+
+
+def test_a_slot_holding_an_image_comes_back_from_the_ram_cache_whole():
+    e, b = make_engine(n_seq=1, n_batch=512)
+    e.cache = PromptCache(-1, 0)
+    t, _ = with_image(HEAD, 1, 40, TAIL)
+    run(e, t)
+    held = list(e.slots[0].tokens)
+    run(e, task(list(range(600, 900)), max_tokens=2)[0])  # the image's state to the cache
+    t2, c2 = with_image(HEAD, 1, 40, TAIL)
+    t2.prompt = held + [7, 8]
+    run(e, t2)
+    assert e.cache.counters.loads >= 1
+    assert c2.result is not None and c2.result.timings.cache_n == len(held)
+    assert len(b.images) == 1  # restored with its image, not decoded again
+
+
+def test_two_requests_about_one_image_share_it():
+    e, b = make_engine(n_seq=2, n_batch=1024)
+    e.sharing.speed.observe(1000, 1.0)
+    tasks = [with_image(HEAD, 3, 40, TAIL + [900 + i]) for i in range(2)]
+    run(e, *(t for t, _ in tasks))
+    assert all(c.result is not None for _, c in tasks)
+    assert len(b.images) == 1 and e.stats.prefix_shared_tokens >= len(HEAD) + 40
