@@ -165,11 +165,11 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     has_bos = bool(b.bos_text) and text.startswith(b.bos_text)
     if has_bos:
         text = text[len(b.bos_text) :]
-    if media is not None and media.images:
-        return image_prompt(st, text, media.images)
     # the last user turn's offset in ``text``: tokenized in pieces (linear time, see
     # service.tokenizer), where a piece starts there its first token is the answer
     mark = rendered.last_user_offset - (len(b.bos_text) if has_bos else 0)
+    if media is not None and media.images:
+        return image_prompt(st, text, media.images, mark)
     tokens, at = tokenize_at(b, text, True, True, [mark] if mark > 0 else [])
     user_start = at.get(mark, -1)
     if rendered.last_user_offset > 0 and mark not in at:
@@ -184,11 +184,11 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     return Prompt(tokens, user_start)
 
 
-def image_prompt(st: ServerState, text: str, images: list[bytes]) -> Prompt:
-    """A rendered prompt with images: the projector's tokens, each image as its
+def _flatten(st: ServerState, text: str, images: list[bytes]) -> Prompt:
+    """The projector's pieces of ``text`` as one token list, each image as its
     placeholders (server.types.image_placeholders) and a PromptImage. 400 for an image the
-    projector refuses, one larger than a ubatch when its tokens attend both ways (llama.cpp
-    would abort), or a prompt ending in an image (its last position must be text)."""
+    projector refuses, or one larger than a ubatch when its tokens attend both ways
+    (llama.cpp would abort)."""
     assert st.projector is not None
     b = st.require_backend()
     try:
@@ -210,9 +210,24 @@ def image_prompt(st: ServerState, text: str, images: list[bytes]) -> Prompt:
             )
         found.append(PromptImage(len(tokens), piece))
         tokens.extend(image_placeholders(piece.identity, piece.n_tokens))
-    if not tokens or tokens[-1] < 0:
-        raise APIError(400, "the prompt must not end with an image")
     return Prompt(tokens, -1, tuple(found))
+
+
+def image_prompt(st: ServerState, text: str, images: list[bytes], mark: int = -1) -> Prompt:
+    """A rendered prompt with images (``_flatten``), and where its last user turn starts
+    (``mark``: its offset in ``text``): the head before it tokenized alone (its images come
+    from the embedding cache now), counted where the whole prompt starts with it. 400 for
+    a prompt ending in an image (its last position must be text)."""
+    whole = _flatten(st, text, images)
+    if not whole.tokens or whole.tokens[-1] < 0:
+        raise APIError(400, "the prompt must not end with an image")
+    if mark <= 0 or st.projector is None:
+        return whole
+    head_text = text[:mark]
+    head = _flatten(st, head_text, images[: head_text.count(st.projector.marker)])
+    n = len(head.tokens)
+    user_start = n if 0 < n < len(whole.tokens) and whole.tokens[:n] == head.tokens else -1
+    return Prompt(whole.tokens, user_start, whole.images)
 
 
 def chat_token_count(st: ServerState, req: ChatRequest) -> int:
