@@ -2,7 +2,7 @@
 
 ``Projector`` loads a projector file (``--mmproj``) against the text model and turns a
 rendered prompt holding media markers plus the images' bytes into ``Piece``s: runs of text
-tokens and ``EncodedImage``s (server.types: (the image's identity, token count and embeddings)). Decoding the
+tokens and ``EncodedImage``s (server.types: the image's identity and embeddings). Decoding the
 bytes (stb_image inside libmtmd), tokenizing and CLIP-encoding run on the caller's thread
 (the prep pools, never the event loop or the engine thread), one at a time per projector
 (an mtmd context is not thread-safe; ``lock``). Every image's bytes must have been bounded
