@@ -235,7 +235,8 @@ def _images(st: Any, state: Any) -> Iterator[Metric]:
     )
     yield _counter(
         "llamaslot_image_embedding_cache_hits",
-        "Images whose embeddings came from the embedding cache (not encoded again)",
+        "Image embedding lookups the embedding cache served (not encoded again; an image "
+        "prompt's head, tokenized to find its last user turn, looks its images up too)",
         c.hits,
     )
     yield _gauge(
