@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..types import FinishReason
+from ..types import FinishReason, PromptImage
 from .backend_api import Backend
 from .cache_reuse import CacheReuse
 from .plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
@@ -97,13 +97,11 @@ class Executor:
         assert image is not None
         s = w.slot
         plan.drop(s)
-        pos0 = len(s.tokens)
         self.b.set_adapters(plan.adapters)  # the step's adapter set, as its batch's
-        try:
-            ret = self.b.decode_image(s.id, pos0, image.image.embd, image.image.non_causal)
-        except Exception:
-            log.exception("decoding an image failed on slot %d", s.id)
-            ret = -100
+        ret = self._image_decode(s, image)
+        if ret == 1 and self.free_idle_kv():  # no KV room: idle slots' KV freed, once more
+            self.store.rollback(s)
+            ret = self._image_decode(s, image)
         if ret != 0:
             self.store.rollback(s)
             why = KV_FULL if ret == 1 else f"llama_decode failed on an image ({ret})"
@@ -112,6 +110,14 @@ class Executor:
         self.store.commit(s, w.tokens)
         self.stats.on_image(image.n_tokens)
         out.outputs.append(SlotOutput(w))
+
+    def _image_decode(self, s: Slot, image: PromptImage) -> int:
+        try:
+            e = image.image
+            return self.b.decode_image(s.id, len(s.tokens), e.embd, e.non_causal)
+        except Exception:
+            log.exception("decoding an image failed on slot %d", s.id)
+            return -100
 
     def _move_in(self, w: SlotWork) -> None:
         """--cache-reuse: the work's parked chunks join the slot before its tokens. When a

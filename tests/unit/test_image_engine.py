@@ -86,3 +86,15 @@ def test_two_requests_about_one_image_share_it():
     run(e, *(t for t, _ in tasks))
     assert all(c.result is not None for _, c in tasks)
     assert len(b.images) == 1 and e.stats.prefix_shared_tokens >= len(HEAD) + 40
+
+
+def test_a_failed_image_decode_ends_its_run_with_an_error_and_the_engine_goes_on():
+    e, b = make_engine(n_seq=1, n_batch=512)
+    t, c = with_image([], 4, 40, TAIL)  # the image first: its decode is the first one
+    b.fail_next = [-3]
+    run(e, t)
+    assert c.error is not None and "image" in c.error.message
+    assert e.slots[0].tokens == [] and b.images == []
+    t2, c2 = with_image(HEAD, 4, 40, TAIL)
+    run(e, t2)
+    assert c2.result is not None and len(b.images) == 1
