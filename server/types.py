@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+
 # JSON as ``json.loads`` returns it: for the values of a client's body that are arbitrary by
 # nature (a tool's parameters, chat_template_kwargs, a JSON schema). Whoever reads one
 # narrows it with isinstance first; a value a module only passes on is typed ``object``.
@@ -413,6 +415,75 @@ class PromptProgress:
 Event = TextChunk | TaskResult | TaskError | PromptProgress
 
 
+# ---- images (issue 42) ----------------------------------------------------------------
+
+
+class MediaError(ValueError):
+    """A client's image that cannot be used: a 400 naming what is wrong."""
+
+    status = 400
+
+
+@dataclass(frozen=True, eq=False)
+class EncodedImage:
+    """An image as the projector gave it: ``identity`` (a hash of its decoded pixels and of
+    the projector), ``embd`` ((n_tokens, n_embd) float32, numpy), whether its tokens attend
+    both ways (``non_causal``: decoded in one ubatch) and whether it was encoded for this
+    request (False: the embedding cache had it)."""
+
+    identity: bytes
+    embd: np.ndarray
+    non_causal: bool
+    encoded: bool
+    encode_ms: float = 0.0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.embd.shape[0])
+
+
+def image_placeholders(identity: bytes, n: int) -> list[int]:
+    """The ``n`` prompt entries standing for an image's positions: negative (never a token
+    id), drawn from its identity. A slot's tokens stay one entry per KV position, and any
+    prefix match over them stops at the first entry of a different image (a mismatch there
+    has odds 2**-31), so a match covers an image whole or not at all."""
+    seed = int.from_bytes(identity[:16].ljust(16, b"\0"), "little") ^ n
+    vals = np.random.default_rng(seed).integers(1, 2**31 - 1, size=n)
+    return [-int(v) for v in vals]
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """An image of a task's prompt at positions ``start``..``start + n_tokens - 1``: the
+    prompt holds its placeholders there, the runner decodes its embeddings."""
+
+    start: int
+    image: EncodedImage
+
+    @property
+    def n_tokens(self) -> int:
+        return self.image.n_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.image.n_tokens
+
+
+class ImageProjector(Protocol):
+    """A loaded projector (server.llama.mtmd.Projector) as the front end uses it."""
+
+    marker: str
+    vision: bool
+    audio: bool
+
+    def tokenize(self, text: str, images: list[bytes]) -> list[list[int] | EncodedImage]:
+        """``text`` with one ``marker`` per image as text token runs and encoded images
+        (add_special, special tokens parsed); raises MediaError."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class Task:
     """One completion request for one slot. ``emit`` is thread-safe and never blocks."""
@@ -443,6 +514,8 @@ class Task:
     # Called with ``n_sent``, so it needs no reference to the task (no cycle).
     lagging: Callable[[int], bool] | None = None
     n_sent: int = 0  # events the engine has sent (engine thread only writes it)
+    # the prompt's images, in order (their placeholders are in ``prompt``; issue 42)
+    images: tuple[PromptImage, ...] = ()
 
     def cancel(self) -> None:
         """Safe from any thread: the engine drops the task at its next step."""

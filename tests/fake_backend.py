@@ -19,7 +19,15 @@ EOG = 999
 
 # the calls that change a llama context's memory (or decode into it): the fake records the
 # phase each one ran in (``FakeBackend.memory_calls``)
-MEMORY_CALLS = ("decode", "seq_rm", "seq_cp", "seq_add", "seq_clear", "state_set")
+MEMORY_CALLS = (
+    "decode",
+    "decode_image",
+    "seq_rm",
+    "seq_cp",
+    "seq_add",
+    "seq_clear",
+    "state_set",
+)
 RUNNER = "runner"  # the phase of a call made inside server/slots/runner.py
 # the modules of server/slots that make a step's decisions or drive it: the innermost of
 # them on the stack is a memory call's phase (helpers such as the store, the executor or
@@ -173,6 +181,7 @@ class FakeBackend:
         self.decode_adapters: list[tuple[float, ...]] = []  # per decode call: its scales
         # every memory call (MEMORY_CALLS) with the phase it ran in (call_phase)
         self.memory_calls: list[tuple[str, str]] = []
+        self.images: list[tuple[int, int, int, bool]] = []  # decode_image calls
         self.memory_args: list[tuple[str, tuple]] = []  # and its arguments
         # cells seq_cp made shared (unified KV): (seq, pos) -> cell id; seq_add moves a
         # shared cell for every sequence holding it, as llama.cpp does
@@ -232,6 +241,21 @@ class FakeBackend:
                 for p in [p for p in self.kv[s] if p <= top - self.n_swa - self.swa_slack]:
                     del self.kv[s][p]
                     self.cell_ids.pop((s, p), None)
+        return 0
+
+    def decode_image(self, seq: int, pos0: int, embd, non_causal: bool) -> int:
+        """An image's embeddings at pos0..: cells holding ``-1 - row`` (no token id)."""
+        if self.fail_next:
+            return self.fail_next.pop(0)
+        n = len(embd)
+        if self.used_cells() + n > self.n_ctx:
+            return 1
+        if (max(self.kv[seq]) + 1 if self.kv[seq] else 0) != pos0:
+            raise AssertionError(f"seq {seq}: image at {pos0} does not follow its positions")
+        for i in range(n):
+            self.kv[seq][pos0 + i] = -1 - i
+            self.cell_ids.pop((seq, pos0 + i), None)
+        self.images.append((seq, pos0, n, non_causal))
         return 0
 
     def set_adapters(self, scales: tuple[float, ...]) -> None:

@@ -88,6 +88,23 @@ def _result_text(b: ToolResultBlock, where: str) -> str:
     return f"Error: {text}" if b.is_error else text
 
 
+def _image(b: ImageBlock, where: str) -> dict[str, object]:
+    """An image block as the chat's ``image_url`` part: a base64 source as a data URL (the
+    chat path bounds and decodes it, or refuses it without --mmproj), a ``url`` source as
+    its URL (remote ones refused there)."""
+    src = b.source
+    kind, data = src.get("type"), src.get("data")
+    if kind == "base64" and isinstance(data, str):
+        media = src.get("media_type") if isinstance(src.get("media_type"), str) else "image/png"
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+    if kind == "url" and isinstance(src.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": src["url"]}}
+    raise AnthropicInputError(
+        f"{where}.source: an image source must be "
+        '{"type": "base64", "media_type": ..., "data": ...} or {"type": "url", "url": ...}'
+    )
+
+
 def _user(m: AnthropicMessage, where: str, calls: set[str]) -> list[dict[str, object]]:
     """A user message: its tool results as ``tool`` messages (each answering a call of the
     assistant message before it), then its text as one user message."""
@@ -102,7 +119,7 @@ def _user(m: AnthropicMessage, where: str, calls: set[str]) -> list[dict[str, ob
         elif isinstance(b, DocumentBlock):
             parts.append({"type": "text", "text": _document(b, at)})
         elif isinstance(b, ImageBlock):
-            raise AnthropicInputError(f"{at}: {NO_IMAGES}")
+            parts.append(_image(b, at))
         elif isinstance(b, ToolResultBlock):
             if b.tool_use_id not in calls:
                 raise AnthropicInputError(

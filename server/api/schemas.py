@@ -188,10 +188,12 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(BaseBody):
-    """A chat content part; only ``text`` parts are served (others are a 400)."""
+    """A chat content part: ``text``, or ``image_url`` (with --mmproj; server.api.media);
+    others are a 400."""
 
     type: str
     text: str | None = None
+    image_url: dict[str, object] | str | None = None
 
 
 class CalledFunction(BaseBody):

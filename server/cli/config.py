@@ -201,6 +201,16 @@ class Settings(BaseModel):
     lora_scaled: list[str] = Field(default_factory=list)
     lora_init_without_apply: bool = False
     lora_alias: list[str] = Field(default_factory=list)
+    # images (issue 42): the projector, its token limits, file:// root, embedding cache, bounds
+    mmproj: str | None = None
+    mmproj_offload: bool = True
+    image_min_tokens: int = Field(-1, ge=-1)
+    image_max_tokens: int = Field(-1, ge=-1)
+    media_path: str | None = None
+    image_cache_mib: int = Field(256, ge=0)
+    image_max_mib: int = Field(10, ge=1, le=1024)
+    image_max_pixels: int = Field(33554432, ge=1)
+    image_max_count: int = Field(16, ge=1, le=256)
     cache_ram: int = Field(8192, ge=-1)
     cache_ram_tokens: int = Field(0, ge=0)
     cache_idle_slots: bool = True

@@ -21,7 +21,8 @@ from ..api.chat import (
     thinking_forced_open,
 )
 from ..api.errors import APIError
-from ..api.schemas import ChatRequest
+from ..api.media import NO_IMAGES, MediaInput, MediaLimits
+from ..api.schemas import ChatRequest, ContentPart
 from ..api.tools.plan import ChatPlan
 from ..api.tools.plan import plan_chat as plan_tools
 from ..api.tools.prompt import prepare
@@ -31,22 +32,40 @@ from ..service.state import ServerState
 from ..service.submit import Prompt
 from ..service.tokenizer import tokenize, tokenize_at
 from ..service.validation import constraint_of
+from ..types import MediaError, PromptImage, image_placeholders
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them: text parts joined, developer as system."""
+def _parts(parts: list[ContentPart], media: MediaInput | None, where: str) -> str:
+    """A message's content parts as its text: text parts joined by newlines, each image
+    part the projector's media marker where it goes (its bytes taken into ``media``; a
+    400 without --mmproj)."""
+    texts = []
+    for j, part in enumerate(parts):
+        at = f"{where}.content.{j}"
+        if part.type == "text" and part.text is not None:
+            texts.append(part.text)
+        elif part.type == "image_url":
+            if media is None:
+                raise APIError(400, f"{at}: {NO_IMAGES}")
+            url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+            if not isinstance(url, str):
+                raise APIError(400, f"{at}.image_url.url: a string is required")
+            texts.append(media.add_url(url, at))
+        else:
+            raise APIError(400, f"unsupported content part type {part.type!r} (text, image_url)")
+    return "\n".join(texts)
+
+
+def chat_messages(req: ChatRequest, media: MediaInput | None = None) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: text parts joined, developer as
+    system, images as media markers (``_parts``)."""
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         checkpoint()  # the client may have left: stop between messages
         if m.role not in ROLES:
             raise APIError(400, f"unknown role {m.role!r} in messages")
         if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"unsupported content part type {part.type!r} (only text)")
-                texts.append(part.text)
-            content = "\n".join(texts)
+            content = _parts(m.content, media, f"messages.{i}")
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role
@@ -103,11 +122,22 @@ def template_of(st: ServerState) -> ChatTemplate:
     return st.template
 
 
-def render_prompt(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Rendered:
+def media_input(st: ServerState) -> MediaInput | None:
+    """Where a request's images go while it renders (None: no projector, images refused)."""
+    p, s = st.projector, st.settings
+    if p is None or not p.vision:
+        return None
+    limits = MediaLimits(s.image_max_mib << 20, s.image_max_pixels, s.image_max_count, s.media_path)
+    return MediaInput(p.marker, limits)
+
+
+def render_prompt(
+    st: ServerState, req: ChatRequest, plan: ChatPlan, media: MediaInput | None = None
+) -> Rendered:
     """The chat template's rendering of ``req``: tools and tool history as ``plan`` says
     (server.api.tools.prompt), a continued final message as ``_continuation`` says. APIError 400
     when the template rejects the messages, 500 when the template itself fails."""
-    messages = chat_messages(req)
+    messages = chat_messages(req, media)
     continuation, add_gen = _continuation(st, req, messages)
     try:
         tpl = template_of(st)
@@ -127,7 +157,8 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     Whether the prompt leaves the answer inside an open ``<think>`` is noted in
     ``plan.forced_open``."""
     b = st.require_backend()
-    rendered = render_prompt(st, req, plan)
+    media = media_input(st)
+    rendered = render_prompt(st, req, plan, media)
     plan.forced_open = rendered.in_reasoning or thinking_forced_open(rendered.prompt)
     text = rendered.prompt
     # Templates emit BOS themselves; tokenizing with add_special would add a second one.
@@ -137,6 +168,8 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     # the last user turn's offset in ``text``: tokenized in pieces (linear time, see
     # service.tokenizer), where a piece starts there its first token is the answer
     mark = rendered.last_user_offset - (len(b.bos_text) if has_bos else 0)
+    if media is not None and media.images:
+        return image_prompt(st, text, media.images, mark)
     tokens, at = tokenize_at(b, text, True, True, [mark] if mark > 0 else [])
     user_start = at.get(mark, -1)
     if rendered.last_user_offset > 0 and mark not in at:
@@ -149,6 +182,52 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
         if tokens[: len(head_tokens)] == head_tokens:
             user_start = len(head_tokens)
     return Prompt(tokens, user_start)
+
+
+def _flatten(st: ServerState, text: str, images: list[bytes]) -> Prompt:
+    """The projector's pieces of ``text`` as one token list, each image as its
+    placeholders (server.types.image_placeholders) and a PromptImage. 400 for an image the
+    projector refuses, or one larger than a ubatch when its tokens attend both ways
+    (llama.cpp would abort)."""
+    assert st.projector is not None
+    b = st.require_backend()
+    try:
+        pieces = st.projector.tokenize(text, images)
+    except MediaError as e:
+        raise APIError(400, str(e)) from None
+    tokens: list[int] = []
+    found: list[PromptImage] = []
+    for piece in pieces:
+        if isinstance(piece, list):
+            tokens.extend(piece)
+            continue
+        room = b.n_ubatch if piece.non_causal else b.n_batch
+        if piece.n_tokens > room:
+            raise APIError(
+                400,
+                f"image {len(found)} takes {piece.n_tokens} tokens, more than one batch "
+                f"({room}; raise --ubatch-size and --batch-size)",
+            )
+        found.append(PromptImage(len(tokens), piece))
+        tokens.extend(image_placeholders(piece.identity, piece.n_tokens))
+    return Prompt(tokens, -1, tuple(found))
+
+
+def image_prompt(st: ServerState, text: str, images: list[bytes], mark: int = -1) -> Prompt:
+    """A rendered prompt with images (``_flatten``), and where its last user turn starts
+    (``mark``: its offset in ``text``): the head before it tokenized alone (its images come
+    from the embedding cache now), counted where the whole prompt starts with it. 400 for
+    a prompt ending in an image (its last position must be text)."""
+    whole = _flatten(st, text, images)
+    if not whole.tokens or whole.tokens[-1] < 0:
+        raise APIError(400, "the prompt must not end with an image")
+    if mark <= 0 or st.projector is None:
+        return whole
+    head_text = text[:mark]
+    head = _flatten(st, head_text, images[: head_text.count(st.projector.marker)])
+    n = len(head.tokens)
+    user_start = n if 0 < n < len(whole.tokens) and whole.tokens[:n] == head.tokens else -1
+    return Prompt(whole.tokens, user_start, whole.images)
 
 
 def chat_token_count(st: ServerState, req: ChatRequest) -> int:

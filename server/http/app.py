@@ -48,6 +48,7 @@ from ..service.state import ServerState
 from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
+from ..types import ImageProjector
 from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
 from .metrics import ServerMetrics
@@ -225,6 +226,28 @@ def draft_context(s: Settings, backend: LlamaBackend) -> DraftContext | None:
     return draft
 
 
+def projector_of(s: Settings, backend: LlamaBackend, drafting: bool) -> ImageProjector | None:
+    """--mmproj's projector, loaded against the model (None without the flag). A draft
+    model cannot follow a prompt's images: the two together are refused (for now)."""
+    if not s.mmproj:
+        return None
+    if drafting:
+        raise RuntimeError("--mmproj with a draft model (-md) is not supported yet")
+    from ..llama.mtmd import Projector, ProjectorOptions
+
+    opts = ProjectorOptions(
+        s.mmproj,
+        n_threads=s.threads if s.threads > 0 else (os.cpu_count() or 4),
+        use_gpu=s.mmproj_offload,
+        image_min_tokens=s.image_min_tokens,
+        image_max_tokens=s.image_max_tokens,
+        cache_bytes=s.image_cache_mib << 20,
+    )
+    p = Projector(opts, backend.model)
+    log.info("projector %s: vision %s, audio %s", s.mmproj, p.vision, p.audio)
+    return p
+
+
 def spec_types_ignored(s: Settings) -> list[str]:
     """The ``--spec-type`` entries this server does not use (one warning at start-up)."""
     used = spec_config(s).kind
@@ -304,6 +327,7 @@ def load(st: ServerState) -> None:
         st.kv_events = kv_setup.start(s, st.model_name, cache)  # before the disk tier scans
         disk = disk_tier(s, cache, backend, path)
         st.draft = draft_context(s, backend)
+        st.projector = projector_of(s, backend, st.draft is not None)
         engine = Engine(
             backend, engine_options(s, cache is not None), cache=cache, disk=disk, draft=st.draft
         )
@@ -379,6 +403,9 @@ def close_engine(st: ServerState, keep_model: bool = False) -> None:
         kv_setup.close_tiers(st.engine.disk, st.kv_events)
     thread = st.engine._thread if st.engine is not None else None
     if st.backend is not None and (thread is None or not thread.is_alive()):
+        if st.projector is not None:
+            st.projector.close()  # before the model it was loaded against
+            st.projector = None
         if st.draft is not None:
             st.draft.close()  # before the model it may share
         free_context = getattr(st.backend, "free_context", None)  # LlamaBackend's

@@ -240,6 +240,40 @@ def _reuse(st: EngineStats) -> Iterator[Metric]:
     )
 
 
+def _images(st: EngineStats, state: MetricsSource) -> Iterator[Metric]:
+    """Images (issue 42): decoded into slots, image positions computed vs served cached,
+    and the projector's embedding cache (encodes, hits), when a projector is loaded."""
+    yield _counter("llamaslot_images_decoded", "Images decoded into slots", st.images_decoded)
+    yield _counter(
+        "llamaslot_image_tokens_computed",
+        "Image positions decoded from embeddings",
+        st.image_tokens_computed,
+    )
+    yield _counter(
+        "llamaslot_image_tokens_cached",
+        "Image positions a prompt found in the KV cache already (not decoded again)",
+        st.image_tokens_cached,
+    )
+    projector = getattr(state, "projector", None)
+    cache = getattr(projector, "cache", None)
+    if cache is None:
+        return
+    c = cache.counters
+    yield _counter("llamaslot_images_encoded", "Images encoded by the projector", c.encoded)
+    yield _counter(
+        "llamaslot_image_encode_seconds", "Time spent encoding images", c.encode_ms / 1e3
+    )
+    yield _counter(
+        "llamaslot_image_embedding_cache_hits",
+        "Image embedding lookups the embedding cache served (not encoded again; an image "
+        "prompt's head, tokenized to find its last user turn, looks its images up too)",
+        c.hits,
+    )
+    yield _gauge(
+        "llamaslot_image_embedding_cache_bytes", "Bytes of the embedding cache", cache.nbytes
+    )
+
+
 def _beyond(st: EngineStats) -> Iterator[Metric]:
     """Engine counters llama-server lacks: cancellations, checkpoints, slot files, sharing."""
     yield _counter(
@@ -431,6 +465,7 @@ class _EngineCollector:
         yield from _llamacpp(engine, slots)
         yield from _protocol(self.state, engine, slots)
         yield from _beyond(engine.stats)
+        yield from _images(engine.stats, self.state)
         yield from _sampling(engine.stats)
         yield from _speculative(engine.stats)
         yield from _per_slot(slots)

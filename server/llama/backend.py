@@ -30,6 +30,7 @@ from .greedy import GreedyBias
 from .logits import check_pick, check_row
 from .lora import LoraAdapters
 from .memory import SeqMemory, memory_layout
+from .mtmd import decode_embeddings
 from .params import KV_TYPES, load_model
 from .vocab import SpecialToken, special_tokens
 
@@ -461,6 +462,8 @@ class LlamaBackend(SeqMemory):
             cached = self._piece_cache.get(token)
             if cached is not None:
                 return cached
+        if token < 0:  # an image's placeholder (issue 42): no text, and no id for llama.cpp
+            return b""
         buf = ctypes.create_string_buffer(256)
         n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -497,6 +500,11 @@ class LlamaBackend(SeqMemory):
             self.batch.raw.n_tokens = count
             return L.llama_decode(self.ctx, self.batch.raw)
         return L.llama_decode(self.ctx, self.batch.view(start, count))
+
+    def decode_image(self, seq: int, pos0: int, embd: np.ndarray, non_causal: bool) -> int:
+        """Decode an image's embeddings (server/llama/mtmd.py) into ``seq`` at positions
+        pos0..; llama_decode's status. The runner's only (a memory operation)."""
+        return decode_embeddings(self.ctx, embd, pos0, seq, non_causal)
 
     def set_adapters(self, scales: tuple[float, ...]) -> None:
         """The LoRA scales the next decodes run under (one per loaded adapter; empty: none)."""

@@ -85,6 +85,11 @@ def props_of(st: ServerState) -> dict[str, object]:
         "n_ctx_train": b.n_ctx_train,
         "n_swa": b.n_swa,
         "kv_unified": b.kv_unified,
+        # what the --mmproj projector takes (llama-server's field; both false without one)
+        "modalities": {
+            "vision": bool(st.projector and st.projector.vision),
+            "audio": bool(st.projector and st.projector.audio),
+        },
         "model_path": st.model_path,
         "model_alias": st.model_name,
         "chat_template": st.template.source if st.template else "",

@@ -87,6 +87,11 @@ def _prompt_text(backend: Tokenizer, raw: object, tokens: list[int], i: int) -> 
     return backend.detokenize(tokens)
 
 
+def input_modalities(st: ServerState) -> list[str]:
+    p = st.projector
+    return ["text"] + (["image"] if p and p.vision else []) + (["audio"] if p and p.audio else [])
+
+
 def model_object(st: ServerState) -> dict[str, object]:
     """The served model as OpenAI lists it, with llama-server's ``meta`` and the fields of
     Anthropic's model object (``type``, ``display_name``, ``created_at``), so both SDKs
@@ -103,6 +108,8 @@ def model_object(st: ServerState) -> dict[str, object]:
         "type": "model",
         "display_name": st.model_name,
         "created_at": created.isoformat().replace("+00:00", "Z"),
+        # what the model reads (image: a --mmproj projector with vision is loaded)
+        "architecture": {"input_modalities": input_modalities(st), "output_modalities": ["text"]},
         "meta": {
             "n_vocab": b.n_vocab if b else None,
             "n_ctx_train": b.n_ctx_train if b else None,

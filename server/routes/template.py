@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from ..api.schemas import ChatRequest
 from ..api.tools.plan import ChatPlan
-from ..frontend.chat import plan_chat, render_chat, render_prompt
+from ..frontend.chat import media_input, plan_chat, render_chat, render_prompt
 from ..service.state import ServerState
 from .common import prep, state_of
 
@@ -22,8 +22,9 @@ class ApplyTemplateRequest(ChatRequest):
 
 def render_text(st: ServerState, body: ChatRequest, plan: ChatPlan | None = None) -> str:
     """The chat template's text for ``body``, as /v1/chat/completions renders it (APIError
-    400 when the template rejects the messages, 500 when the template itself fails)."""
-    return render_prompt(st, body, plan or plan_chat(st, body)).prompt
+    400 when the template rejects the messages, 500 when the template itself fails); an
+    image is its media marker (checked as a chat request's, with --mmproj)."""
+    return render_prompt(st, body, plan or plan_chat(st, body), media_input(st)).prompt
 
 
 def _n_tokens(st: ServerState, body: ChatRequest) -> int:

@@ -17,6 +17,7 @@ from ..cache.prompt_cache import PromptCache
 from ..cli.config import Settings
 from ..slots.engine import Engine
 from ..slots.model_api import DraftModel, ModelBackend
+from ..types import ImageProjector
 from .adapters import AdapterRegistry
 
 
@@ -56,6 +57,7 @@ class ServerState:
     draft: DraftModel | None = None
     engine: Engine | None = None
     template: ChatTemplate | None = None
+    projector: ImageProjector | None = None  # --mmproj (server.llama.mtmd.Projector)
     model_name: str = ""
     model_aliases: list[str] = field(default_factory=list)  # --alias a,b,c (sorted)
     model_path: str = ""

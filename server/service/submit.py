@@ -15,7 +15,7 @@ from ..cache import tenancy
 from ..constrained import Constraint
 from ..slots.engine import Engine
 from ..slots.model_api import ModelBackend
-from ..types import GenParams, ReasoningBudget
+from ..types import GenParams, PromptImage, ReasoningBudget
 from .adapters import AdapterChoice
 from .budget import BudgetAsk
 from .pools import prepare
@@ -30,6 +30,8 @@ class Prompt(NamedTuple):
 
     tokens: list[int]
     user_start: int = -1  # token index of the last user turn (-1: unknown, or not chat)
+    # the images among ``tokens`` (their placeholders there; server.types.PromptImage)
+    images: tuple[PromptImage, ...] = ()
 
 
 class PromptSource(Protocol):
@@ -76,7 +78,8 @@ def _checked_prompts(job: Submission, backend: ModelBackend) -> list[Prompt]:
     """``job.source.prompts()`` with every token id and every prompt's length checked."""
     prompts = job.source.prompts()
     for p in prompts:
-        check_tokens(p.tokens, backend)
+        if not p.images:  # an image's placeholders are no token ids (the projector's own)
+            check_tokens(p.tokens, backend)
         check_fits(p.tokens, backend)
     return prompts
 
@@ -180,6 +183,7 @@ async def submit(
                 lora=adapters.scales,
                 return_progress=job.return_progress,
                 timings_per_token=job.timings_per_token,
+                images=p.images,
             )
     group.submit()
     return group

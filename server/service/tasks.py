@@ -14,7 +14,16 @@ from starlette.requests import Request
 
 from ..api.errors import APIError
 from ..slots.engine import Engine, EngineDead
-from ..types import Event, GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
+from ..types import (
+    Event,
+    GenParams,
+    PromptImage,
+    SamplingParams,
+    Task,
+    TaskError,
+    TaskResult,
+    TextChunk,
+)
 from .sink import emitter
 
 log = logging.getLogger("server.service")
@@ -111,6 +120,7 @@ class TaskGroup:
         lora: tuple[float, ...] = (),
         return_progress: bool = False,
         timings_per_token: bool = False,
+        images: tuple[PromptImage, ...] = (),
     ) -> Task:
         """Add a task (not yet running: ``submit`` starts them all)."""
         task = Task(
@@ -127,6 +137,7 @@ class TaskGroup:
             return_progress=return_progress and stream,
             timings_per_token=timings_per_token and stream,
             lagging=self.box.lagging(len(self.tasks)) if stream else None,
+            images=images,
         )
         self.tasks.append(task)
         self.box.n_read.append(0)

@@ -92,6 +92,11 @@ class Backend(SeqMemory, Protocol):
     backend_sampling: bool  # -bs: attach_sampler may put chains in the decode graph
 
     def decode(self, start: int, count: int) -> int: ...
+    def decode_image(self, seq: int, pos0: int, embd: np.ndarray, non_causal: bool) -> int:
+        """Decode an image's embeddings (rows of ``embd``) into ``seq`` at positions
+        pos0..; llama_decode's status (the runner's only, as ``decode``)."""
+        ...
+
     def set_adapters(self, scales: tuple[float, ...]) -> None:
         """The LoRA scales (one per loaded adapter; empty: none) the next decodes run under:
         llama.cpp applies them to every sequence of a decode (server.llama.lora)."""

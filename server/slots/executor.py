@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..types import FinishReason
+from ..types import FinishReason, PromptImage
 from .backend_api import Backend
 from .cache_reuse import CacheReuse
 from .plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
@@ -60,7 +60,7 @@ class Executor:
             return out
         for w in plan.work:
             self.store.commit(w.slot, w.tokens)
-        out.outputs = [SlotOutput(w) for w in plan.work]
+        out.outputs += [SlotOutput(w) for w in plan.work]
         self._sample_all(out)
         return out
 
@@ -81,11 +81,43 @@ class Executor:
                 c.data_dft = self.spec.checkpoint_data(w.slot)
                 self.stats.checkpoints_created += 1
                 log.debug("slot %d: checkpoint at %d tokens", w.slot.id, c.n_tokens)
+        for w in [w for w in plan.work if w.image is not None]:
+            self._decode_image(w, plan, out)
         wants = [(w.slot, w.model_room) for w in plan.work if w.model_room > 0]
         drafted = self.spec.model_drafts(wants)
         for w in plan.work:
             if w.model_room > 0:
                 w.tokens += drafted.get(w.slot.id, [])[: w.model_room]
+
+    def _decode_image(self, w: SlotWork, plan: StepPlan, out: StepOutputs) -> None:
+        """An image's embeddings, decoded alone at the slot's next positions and committed
+        (its placeholders): the work leaves the batch, its output stays for the accounting.
+        A failed decode ends the run (an error: the image did not fit, or llama.cpp failed)."""
+        image = w.image
+        assert image is not None
+        s = w.slot
+        plan.drop(s)
+        self.b.set_adapters(plan.adapters)  # the step's adapter set, as its batch's
+        ret = self._image_decode(s, image)
+        if ret == 1 and self.free_idle_kv():  # no KV room: idle slots' KV freed, once more
+            self.store.rollback(s)
+            ret = self._image_decode(s, image)
+        if ret != 0:
+            self.store.rollback(s)
+            why = KV_FULL if ret == 1 else f"llama_decode failed on an image ({ret})"
+            out.ended.append(Ended(s, FinishReason.ERROR, why))
+            return
+        self.store.commit(s, w.tokens)
+        self.stats.on_image(image.n_tokens)
+        out.outputs.append(SlotOutput(w))
+
+    def _image_decode(self, s: Slot, image: PromptImage) -> int:
+        try:
+            e = image.image
+            return self.b.decode_image(s.id, len(s.tokens), e.embd, e.non_causal)
+        except Exception:
+            log.exception("decoding an image failed on slot %d", s.id)
+            return -100
 
     def _move_in(self, w: SlotWork) -> None:
         """--cache-reuse: the work's parked chunks join the slot before its tokens. When a
@@ -103,6 +135,8 @@ class Executor:
         """--context-shift: drop half of what follows n_keep and go on; False: the run
         ends (``length``)."""
         s.live.shift_due = False
+        if s.live.task.images:
+            return False  # a shift could cut an image: a run with images ends at the context
         # cells another slot shares are dropped, never moved (store.owned_discard)
         n_discard = self.store.owned_discard(s, n_keep, n_discard)
         self.spec.before_shift(s, n_keep, n_discard)

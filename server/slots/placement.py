@@ -16,7 +16,7 @@ import logging
 
 from ..cache.prompt_cache import PromptCache
 from ..types import Task, TaskError
-from . import ram
+from . import images, ram
 from .backend_api import Backend
 from .budget import BudgetTracker
 from .cache_reuse import CacheReuse
@@ -117,6 +117,8 @@ class Placer:
                 n_past = yield CopyPrefix(self.store.slots[held.slot], slot, held.n_tokens)
             wait = self.sharing.inflight_source(slot, task.prompt, n_past, task.tenant, match)
         run = slot.start(task, n_past)
+        if task.images:
+            self.stats.image_tokens_cached += images.tokens_before(task.images, n_past)
         if chunks:  # the step moves them in, the gaps before them decoded as prompt chunks
             assert self.reuse is not None
             self.reuse.begin(slot, run, chunks)
@@ -140,7 +142,7 @@ class Placer:
         first), or a resume at a checkpoint. Returns the tokens kept and the parked chunks
         (the run takes them: ``CacheReuse.begin``)."""
         chunks: list[ReuseChunk] = []
-        if self.reuse is not None and plan.checkpoint < 0:
+        if self.reuse is not None and plan.checkpoint < 0 and not task.images:
             chunks = self.reuse.plan(slot, task, plan.n_past)
         if chunks:
             n_past = yield ParkChunks(slot, chunks, plan.n_past)
@@ -169,7 +171,9 @@ class Placer:
         """The run's sampler, its constraint's matcher (else its reasoning budget), where it
         samples (-bs) and whether it speculates."""
         task = run.task
-        run.sampler = self.b.new_sampler(task.sampling, task.prompt)
+        # an image's placeholders are no token ids: the penalties see the text only
+        history = [t for t in task.prompt if t >= 0] if task.images else task.prompt
+        run.sampler = self.b.new_sampler(task.sampling, history)
         if task.sampling.constraint is not None:
             run.matcher = task.sampling.constraint.matcher()
         elif task.gen.reasoning_budget is not None:  # a constrained run's tokens are its grammar's
@@ -180,3 +184,5 @@ class Placer:
             run.backend_sampled = not reason and self.b.attach_sampler(run.sampler, slot.id)
             self.stats.on_sampler_placed(reason or ("" if run.backend_sampled else "refused"))
         self.spec.plan(run)
+        if task.images:
+            run.spec = None  # drafts over placeholders mean nothing (images: no speculation)

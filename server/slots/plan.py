@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..cache.prefix_index import Match
-from ..types import FinishReason, Task, TaskError, TokenLogprob
+from ..types import FinishReason, PromptImage, Task, TaskError, TokenLogprob
 from .policy import SlotChoice
 from .reuse import ReuseChunk
 from .slot import Slot
@@ -71,6 +71,9 @@ class SlotWork:
     shift: tuple[int, int] | None = None  # (n_keep, n_discard): shift the context first
     model_room: int = 0  # draft-simple: most draft-model tokens to propose (execute)
     reuse: int = 0  # --cache-reuse: parked chunks that move in before ``tokens`` (execute)
+    # an image (issue 42): ``tokens`` are its placeholders, its embeddings decoded alone,
+    # before the batch (execute); never cut, never in the batch
+    image: PromptImage | None = None
     row: int = -1  # the first row of the batch holding this work (execute sets it)
 
     @property
@@ -105,6 +108,8 @@ class StepPlan:
                 break
             if w.generating:
                 w.tokens, w.model_room = w.tokens[:1], 0
+            elif w.image is not None:
+                pass  # decoded already, outside the batch (execute's prepare)
             elif len(w.tokens) > room:
                 w.tokens, w.logits = w.tokens[:room], False
             used += len(w.tokens)

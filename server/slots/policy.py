@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..cache.items import PromptItem
+from . import images
 from .locator import Holder, Match, held_len, match_holders
 
 
@@ -145,6 +146,7 @@ def plan_reuse(
     n = held_len(slot_tokens, prompt) if n_lcp is None else n_lcp
     if n >= len(prompt):
         n = len(prompt) - 1  # logits are needed for the last prompt token
+    n = images.outside(prompt, n)  # never keep part of an image
     if n <= 0:
         return ReusePlan(0, reason="no-match")
     if pos_min < 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 
 from ..types import Task
+from . import images
 from .adapter_turns import AdapterTurns
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
@@ -149,7 +150,15 @@ class Scheduler:
         n_reuse, nxt = 0, -1
         if run.reuse:
             n_reuse, cur, nxt = due_chunks(run.reuse, cur)
+        if task.images and not run.reuse:
+            image = images.at(task.images, cur)
+            if image is not None:  # one work, whatever the room: an image is never split
+                return SlotWork(
+                    s, prompt[cur : image.end], generating=False, logits=False, image=image
+                )
         end = min(len(prompt), cur + room)
+        if task.images:
+            end = images.next_start(task.images, cur, end)
         if nxt >= 0:
             end = min(end, nxt)  # the gap up to the next parked chunk, no further
         marks = run.share_marks

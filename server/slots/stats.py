@@ -48,6 +48,10 @@ class EngineStats:
     cache_reuse_tokens: int = 0  # --cache-reuse: cached tokens moved into place
     cache_reuse_chunks: int = 0
     context_shifts: int = 0  # --context-shift: full slots that dropped half and went on
+    # images (issue 42): decoded into slots, and image positions computed vs already cached
+    images_decoded: int = 0
+    image_tokens_computed: int = 0
+    image_tokens_cached: int = 0
     # -bs: tasks whose chain ran on the backend, and those that fell back to the CPU, by why
     backend_sampled: int = 0
     sampling_fallbacks: dict[str, int] = field(default_factory=dict)
@@ -109,6 +113,10 @@ class EngineStats:
             per.extend([0] * (n_accepted - len(per)))
         for i in range(n_accepted):
             per[i] += 1
+
+    def on_image(self, n_tokens: int) -> None:
+        self.images_decoded += 1
+        self.image_tokens_computed += n_tokens
 
     def on_launch(self, queue_ms: float) -> None:
         self._observe("queue_ms", queue_ms)

@@ -139,7 +139,7 @@ def test_tool_use_and_results_become_calls_and_tool_messages():
             ],
             "'t1'",
         ),
-        ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "--mmproj"),
+        ([{"role": "user", "content": [{"type": "image", "source": {}}]}], "an image source"),
         (
             [
                 {

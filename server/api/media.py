@@ -1,0 +1,234 @@
+"""Image inputs of the chat APIs (issue 42): bytes from a data URL, raw base64 or a
+``file://`` path under ``--media-path``, each bounded before any decoder sees it.
+
+Bounds, in order: the encoded size (``--image-max-mib``, checked on the base64 text
+before decoding it), the kind (PNG, JPEG, GIF or BMP, read from the magic bytes: what
+stb_image decodes; anything else never reaches libmtmd), the width and height read from
+the header in Python (``--image-max-pixels``: a decompression bomb is refused before a
+byte is inflated), and the images per request (``--image-max-count``). Remote ``http(s)``
+URLs are refused (no fetching). Every refusal is a 400 naming the image and the problem.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+from .errors import APIError
+
+NO_IMAGES = (
+    "image input is not supported: this server runs without a multimodal projector "
+    "(llama-server's --mmproj)"
+)
+KINDS = "PNG, JPEG, GIF or BMP"
+_DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w-]+=[^;,]*)*)(;base64)?,", re.I)
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    max_bytes: int = 10 << 20
+    max_pixels: int = 1 << 25
+    max_count: int = 16
+    media_path: str | None = None  # file:// inputs only under it (None: refused)
+
+
+def _png(b: bytes) -> tuple[int, int] | None:
+    if len(b) < 24 or b[12:16] != b"IHDR":
+        return None
+    w, h = struct.unpack(">II", b[16:24])
+    return w, h
+
+
+def _gif(b: bytes) -> tuple[int, int] | None:
+    return struct.unpack("<HH", b[6:10]) if len(b) >= 10 else None
+
+
+def _bmp(b: bytes) -> tuple[int, int] | None:
+    if len(b) < 26:
+        return None
+    (size,) = struct.unpack("<I", b[14:18])
+    if size == 12:
+        return struct.unpack("<HH", b[18:22])
+    w, h = struct.unpack("<ii", b[18:26])
+    return abs(w), abs(h)
+
+
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg(b: bytes) -> tuple[int, int] | None:
+    """The frame header's size: a walk over the segments (each step moves forward)."""
+    i = 2
+    while i + 9 <= len(b):
+        if b[i] != 0xFF:
+            return None
+        marker = b[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        (length,) = struct.unpack(">H", b[i + 2 : i + 4])
+        if marker in _SOF:
+            h, w = struct.unpack(">HH", b[i + 5 : i + 9])
+            return w, h
+        if length < 2:
+            return None
+        i += 2 + length
+    return None
+
+
+def image_size(data: bytes, where: str) -> tuple[str, int, int]:
+    """(kind, width, height) from the header; APIError 400 for another kind of file or a
+    header too short to say."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        kind, size = "PNG", _png(data)
+    elif data.startswith(b"\xff\xd8"):
+        kind, size = "JPEG", _jpeg(data)
+    elif data[:6] in (b"GIF87a", b"GIF89a"):
+        kind, size = "GIF", _gif(data)
+    elif data.startswith(b"BM"):
+        kind, size = "BMP", _bmp(data)
+    elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        raise APIError(400, f"{where}: WebP images are not supported (send {KINDS})")
+    else:
+        raise APIError(400, f"{where}: not an image this server reads (send {KINDS})")
+    if size is None:
+        raise APIError(400, f"{where}: the {kind} header is truncated or malformed")
+    return kind, size[0], size[1]
+
+
+def _png_complete(b: bytes) -> bool:
+    """Every chunk whole with its CRC right, up to IEND."""
+    i = 8
+    while i + 12 <= len(b):
+        (n,) = struct.unpack(">I", b[i : i + 4])
+        end = i + 12 + n
+        if end > len(b):
+            return False
+        kind = b[i + 4 : i + 8]
+        if zlib.crc32(b[i + 4 : end - 4]) != struct.unpack(">I", b[end - 4 : end])[0]:
+            return False
+        if kind == b"IEND":
+            return True
+        i = end
+    return False
+
+
+def _bmp_complete(b: bytes, w: int, h: int) -> bool:
+    """An uncompressed bitmap holds all its rows (compressed ones: left to the decoder)."""
+    if len(b) < 34:
+        return False
+    (off,) = struct.unpack("<I", b[10:14])
+    (bpp,) = struct.unpack("<H", b[28:30])
+    (compression,) = struct.unpack("<I", b[30:34])
+    return compression != 0 or off + ((w * bpp + 31) // 32) * 4 * h <= len(b)
+
+
+def complete(kind: str, b: bytes, w: int, h: int) -> bool:
+    """Whether the file is whole (not cut short), by its structure, without decoding it:
+    a truncated image fails here, not in the decoder (whose fallback would try ffmpeg)."""
+    if kind == "PNG":
+        return _png_complete(b)
+    if kind == "JPEG":
+        return b.rfind(b"\xff\xd9", max(0, len(b) - 4096)) >= 0
+    if kind == "GIF":
+        return b.rfind(b"\x3b", max(0, len(b) - 64)) >= 0
+    return _bmp_complete(b, w, h)
+
+
+def check_image(data: bytes, limits: MediaLimits, where: str) -> bytes:
+    """``data`` when it is an image within the limits (see the module doc); else 400."""
+    if not data:
+        raise APIError(400, f"{where}: the image is empty")
+    if len(data) > limits.max_bytes:
+        raise APIError(
+            400, f"{where}: the image is {len(data)} bytes, more than {limits.max_bytes}"
+        )
+    kind, w, h = image_size(data, where)
+    if w <= 0 or h <= 0:
+        raise APIError(400, f"{where}: the {kind} header says {w}x{h} pixels")
+    if w * h > limits.max_pixels:
+        raise APIError(
+            400,
+            f"{where}: the image is {w}x{h} = {w * h} pixels, more than {limits.max_pixels}",
+        )
+    if not complete(kind, data, w, h):
+        raise APIError(400, f"{where}: the {kind} image is truncated or corrupt")
+    return data
+
+
+def decode_base64(text: str, limits: MediaLimits, where: str) -> bytes:
+    """Base64 text (the standard or URL-safe alphabet, padding optional) as bytes, its
+    size bounded before decoding."""
+    if len(text) > limits.max_bytes * 4 // 3 + 8:
+        raise APIError(400, f"{where}: the image is more than {limits.max_bytes} bytes")
+    s = "".join(text.split())
+    s += "=" * (-len(s) % 4)
+    try:
+        return base64.b64decode(s.replace("-", "+").replace("_", "/"), validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{where}: the image data is not valid base64") from None
+
+
+def _file(url: str, limits: MediaLimits, where: str) -> bytes:
+    """A ``file://`` path, only under --media-path (resolved: no way out by .. or links)."""
+    if not limits.media_path:
+        raise APIError(400, f"{where}: file:// images need the server's --media-path")
+    root = os.path.realpath(limits.media_path)
+    rel = url[len("file://") :]
+    path = os.path.realpath(
+        os.path.join(root, rel.lstrip("/") if not rel.startswith(root) else rel)
+    )
+    if os.path.commonpath([root, path]) != root or not os.path.isfile(path):
+        raise APIError(400, f"{where}: no such image under --media-path: {rel!r}")
+    if os.path.getsize(path) > limits.max_bytes:
+        raise APIError(400, f"{where}: the image is more than {limits.max_bytes} bytes")
+    with open(path, "rb") as f:
+        return f.read(limits.max_bytes + 1)
+
+
+def image_bytes(url: str, limits: MediaLimits, where: str) -> bytes:
+    """The image an OpenAI ``image_url.url`` names: a data URL (base64), raw base64, or a
+    ``file://`` path under --media-path; remote URLs are refused. Checked (check_image)."""
+    low = url[:16].lower()
+    if low.startswith(("http://", "https://")):
+        raise APIError(400, f"{where}: remote image URLs are not fetched; send a data URL")
+    if low.startswith("file://"):
+        return check_image(_file(url, limits, where), limits, where)
+    m = _DATA_URL.match(url[:512])
+    if m is not None:
+        if not m.group(3):
+            raise APIError(400, f"{where}: only base64 data URLs are supported")
+        url = url[m.end() :]
+    elif low.startswith("data:"):
+        raise APIError(400, f"{where}: a malformed data URL")
+    return check_image(decode_base64(url, limits, where), limits, where)
+
+
+@dataclass
+class MediaInput:
+    """The images of one request as its messages are rendered: each image's bytes, in
+    prompt order, and the media marker that stands in the text where it goes."""
+
+    marker: str
+    limits: MediaLimits
+    images: list[bytes] = field(default_factory=list)
+
+    def add(self, data: bytes) -> str:
+        """Take an image (checked already); the marker to put in the text."""
+        if len(self.images) >= self.limits.max_count:
+            raise APIError(400, f"more than {self.limits.max_count} images in one request")
+        self.images.append(data)
+        return self.marker
+
+    def add_url(self, url: str, where: str) -> str:
+        if len(self.images) >= self.limits.max_count:
+            raise APIError(400, f"more than {self.limits.max_count} images in one request")
+        return self.add(image_bytes(url, self.limits, where))

@@ -1,0 +1,291 @@
+"""The only module that talks to libmtmd (llama.cpp's multimodal library, issue 42).
+
+``Projector`` loads a projector file (``--mmproj``) against the text model and turns a
+rendered prompt holding media markers plus the images' bytes into ``Piece``s: runs of text
+tokens and ``EncodedImage``s (server.types: the image's identity and embeddings). Decoding the
+bytes (stb_image inside libmtmd), tokenizing and CLIP-encoding run on the caller's thread
+(the prep pools, never the event loop or the engine thread), one at a time per projector
+(an mtmd context is not thread-safe; ``lock``). Every image's bytes must have been bounded
+by the caller first (server/api/media.py reads the size from the header: no decompression
+bombs reach stb_image).
+
+An image's identity is a hash of its decoded pixels (RGB bytes, width, height) and of the
+projector (its file's hash and the token limits): the same picture in other bytes (another
+PNG encoder, a JPEG re-save that decodes equal) is the same image. ``EmbeddingCache``
+keeps embeddings by identity (bounded RAM), so an image is encoded once.
+
+``decode_embeddings`` puts an image's embeddings into the llama context at given positions
+(a llama_batch with ``embd``): it is a memory operation, called by the backend's
+``decode_image`` on the runner's behalf only (tests/unit/test_one_phase.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as L
+import numpy as np
+from llama_cpp import mtmd_cpp as M
+
+from ..types import EncodedImage, MediaError
+
+log = logging.getLogger("server.llama.mtmd")
+
+CHUNK_TEXT = 0
+CHUNK_IMAGE = 1
+
+
+# What stb_image does not decode, libmtmd's helper hands to ffmpeg/ffprobe (a subprocess on
+# client bytes): pointed at a directory without them, that path fails without running one.
+# The callers also pass only PNG, JPEG, GIF and BMP bytes (server/api/media.py).
+_NO_VIDEO = M.mtmd_helper_init_opt_default()
+_NO_VIDEO.video_params.ffmpeg_bin_dir = b"/nonexistent/llama-slot-server-no-video"
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _mtmd_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # libmtmd prints every image's preprocessing: only warnings and errors (levels 3, 4)
+    if level in (3, 4) and text:
+        msg = text.decode("utf-8", "replace").rstrip()
+        if msg:
+            log.log(logging.WARNING if level == 3 else logging.ERROR, "%s", msg)
+
+
+@dataclass(frozen=True)
+class ProjectorOptions:
+    path: str
+    n_threads: int = 4
+    use_gpu: bool = True
+    image_min_tokens: int = -1  # -1: the projector's default
+    image_max_tokens: int = -1
+    cache_bytes: int = 256 << 20  # the embedding cache's RAM (0: none)
+
+
+Piece = list[int] | EncodedImage
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    encoded: int = 0
+    encode_ms: float = 0.0
+    evicted: int = 0
+
+
+class EmbeddingCache:
+    """Image embeddings by identity, least recently used first out, within ``max_bytes``.
+    Thread-safe (the prep pools read and fill it)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.counters = CacheCounters()
+        self._items: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, identity: bytes) -> np.ndarray | None:
+        with self.lock:
+            embd = self._items.get(identity)
+            if embd is None:
+                self.counters.misses += 1
+                return None
+            self._items.move_to_end(identity)
+            self.counters.hits += 1
+            return embd
+
+    def put(self, identity: bytes, embd: np.ndarray) -> None:
+        if embd.nbytes > self.max_bytes:
+            return
+        with self.lock:
+            old = self._items.pop(identity, None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+            self._items[identity] = embd
+            self.nbytes += embd.nbytes
+            while self.nbytes > self.max_bytes and self._items:
+                _, gone = self._items.popitem(last=False)
+                self.nbytes -= gone.nbytes
+                self.counters.evicted += 1
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _file_hash(path: str) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()
+
+
+class Projector:
+    """A loaded projector (see the module doc). ``model`` is the text model's llama_model."""
+
+    def __init__(self, opts: ProjectorOptions, model: L.llama_model_p) -> None:
+        if not Path(opts.path).is_file():
+            raise FileNotFoundError(f"projector file not found: {opts.path}")
+        M.mtmd_log_set(_mtmd_log, None)
+        M.mtmd_helper_log_set(_mtmd_log, None)
+        cp = M.mtmd_context_params_default()
+        cp.use_gpu = opts.use_gpu
+        cp.n_threads = max(1, opts.n_threads)
+        cp.print_timings = False
+        cp.warmup = True
+        cp.image_min_tokens = opts.image_min_tokens
+        cp.image_max_tokens = opts.image_max_tokens
+        ctx = M.mtmd_init_from_file(opts.path.encode(), model, cp)
+        if not ctx:
+            raise ValueError(f"could not load the projector {opts.path} for this model")
+        self.ctx = ctx
+        self.cache = EmbeddingCache(opts.cache_bytes)
+        self.lock = threading.Lock()
+        self.vision = bool(M.mtmd_support_vision(ctx))
+        self.audio = bool(M.mtmd_support_audio(ctx))
+        self.mrope = bool(M.mtmd_decode_use_mrope(ctx))
+        self.marker = M.mtmd_default_marker().decode()
+        self.n_embd = int(L.llama_model_n_embd(model))
+        limits = f"{opts.image_min_tokens}:{opts.image_max_tokens}".encode()
+        self.key = hashlib.blake2b(_file_hash(opts.path) + limits, digest_size=16).digest()
+        if self.mrope:
+            self.close()
+            raise ValueError("projectors with M-RoPE positions (Qwen-VL) are not supported yet")
+
+    def close(self) -> None:
+        if self.ctx:
+            M.mtmd_free(self.ctx)
+            self.ctx = None
+
+    def identity(self, px: bytes, nx: int, ny: int) -> bytes:
+        """The image's identity: its pixels, size and this projector (see the module doc)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(self.key)
+        h.update(nx.to_bytes(4, "little") + ny.to_bytes(4, "little"))
+        h.update(px)
+        return h.digest()
+
+    def tokenize(self, text: str, images: list[bytes]) -> list[Piece]:
+        """``text`` (one media marker per image, in order) with ``images`` (bounded bytes)
+        as pieces: text tokens (special tokens parsed, BOS added as the model wants) and
+        encoded images. Raises MediaError for an image that does not decode, a marker
+        count that does not match, or a preprocessing failure."""
+        n_markers = text.count(self.marker)
+        if n_markers != len(images):
+            raise MediaError(f"the prompt has {n_markers} media markers for {len(images)} images")
+        with self.lock:
+            bitmaps: list[M.mtmd_bitmap_p] = []
+            chunks = None
+            try:
+                for i, data in enumerate(images):
+                    bitmaps.append(self._bitmap(i, data))
+                chunks = self._chunks(text, bitmaps)
+                return self._pieces(chunks)
+            finally:
+                if chunks is not None:
+                    M.mtmd_input_chunks_free(chunks)
+                for b in bitmaps:
+                    M.mtmd_bitmap_free(b)
+
+    def _bitmap(self, i: int, data: bytes) -> M.mtmd_bitmap_p:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        bmp = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False, _NO_VIDEO)
+        if not bmp:
+            raise MediaError(f"image {i}: the data could not be decoded as an image")
+        if M.mtmd_bitmap_is_audio(bmp):
+            M.mtmd_bitmap_free(bmp)
+            raise MediaError(f"image {i}: audio input is not supported")
+        nx, ny = M.mtmd_bitmap_get_nx(bmp), M.mtmd_bitmap_get_ny(bmp)
+        n = M.mtmd_bitmap_get_n_bytes(bmp)
+        px = ctypes.string_at(M.mtmd_bitmap_get_data(bmp), n)
+        M.mtmd_bitmap_set_id(bmp, self.identity(px, nx, ny).hex().encode())
+        return bmp
+
+    def _chunks(self, text: str, bitmaps: list[M.mtmd_bitmap_p]) -> M.mtmd_input_chunks_p:
+        raw = text.encode()
+        it = M.mtmd_input_text(raw, len(raw), True, True)
+        arr = (M.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+        chunks = M.mtmd_input_chunks_init()
+        ret = M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(it), arr, len(bitmaps))
+        if ret != 0:
+            M.mtmd_input_chunks_free(chunks)
+            if ret == 1:
+                raise MediaError("the prompt's media markers do not match its images")
+            raise MediaError("an image could not be preprocessed for the projector")
+        return chunks
+
+    def _pieces(self, chunks: M.mtmd_input_chunks_p) -> list[Piece]:
+        out: list[Piece] = []
+        for i in range(M.mtmd_input_chunks_size(chunks)):
+            c = M.mtmd_input_chunks_get(chunks, i)
+            kind = M.mtmd_input_chunk_get_type(c)
+            if kind == CHUNK_TEXT:
+                n = ctypes.c_size_t()
+                toks = M.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+                out.append([toks[j] for j in range(n.value)])
+            elif kind == CHUNK_IMAGE:
+                out.append(self._image(c))
+            else:
+                raise MediaError("audio input is not supported")
+        return out
+
+    def _image(self, c: M.mtmd_input_chunk_p) -> EncodedImage:
+        n_tokens = M.mtmd_input_chunk_get_n_tokens(c)
+        if M.mtmd_input_chunk_get_n_pos(c) != n_tokens:
+            raise MediaError("this projector's image positions are not supported")
+        identity = bytes.fromhex((M.mtmd_input_chunk_get_id(c) or b"").decode())
+        non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
+        cache = self.cache
+        embd = cache.get(identity)
+        if embd is not None and embd.shape[0] == n_tokens:
+            return EncodedImage(identity, embd, non_causal, encoded=False)
+        t0 = time.perf_counter()
+        if M.mtmd_encode_chunk(self.ctx, c) != 0:
+            raise MediaError("the image could not be encoded")
+        n_embd = self.n_embd
+        out = M.mtmd_get_output_embd(self.ctx)
+        embd = np.ctypeslib.as_array(out, shape=(n_tokens * n_embd,)).reshape(n_tokens, n_embd)
+        embd = embd.copy()
+        embd.flags.writeable = False  # shared by every request of this image (the cache)
+        ms = (time.perf_counter() - t0) * 1e3
+        cache.put(identity, embd)
+        with cache.lock:
+            cache.counters.encoded += 1
+            cache.counters.encode_ms += ms
+        return EncodedImage(identity, embd, non_causal, encoded=True, encode_ms=ms)
+
+
+def decode_embeddings(
+    lctx: L.llama_context_p, embd: np.ndarray, pos0: int, seq: int, non_causal: bool
+) -> int:
+    """Decode ``embd`` ((n, n_embd) float32) into sequence ``seq`` at positions
+    pos0..pos0+n-1, no outputs; llama_decode's status. With ``non_causal`` the image's
+    tokens attend to each other both ways (causal attention is off for this decode only;
+    the caller made sure the image fits one ubatch)."""
+    n, n_embd = embd.shape
+    batch = L.llama_batch_init(n, n_embd, 1)
+    try:
+        data = np.ascontiguousarray(embd, dtype=np.float32)
+        ctypes.memmove(batch.embd, data.ctypes.data, data.nbytes)
+        np.ctypeslib.as_array(batch.pos, shape=(n,))[:] = np.arange(pos0, pos0 + n)
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
+        np.ctypeslib.as_array(batch.logits, shape=(n,))[:] = 0
+        for i in range(n):
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = n
+        if non_causal:
+            L.llama_set_causal_attn(lctx, False)
+        try:
+            return int(L.llama_decode(lctx, batch))
+        finally:
+            if non_causal:
+                L.llama_set_causal_attn(lctx, True)
+    finally:
+        L.llama_batch_free(batch)

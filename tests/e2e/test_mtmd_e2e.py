@@ -1,0 +1,100 @@
+"""libmtmd on the real default model with the generated projector (issue 42): it loads,
+an image becomes its 16 tokens between the template's text, the identity is the pixels'
+(other bytes of the same pixels are the same image, other pixels another), the embedding
+cache encodes an image once, and an image's embeddings decode into the context."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from server.cli.config import Settings
+from server.frontend.chat import image_prompt
+from server.http.app import default_model_path
+from server.llama.backend import LlamaBackend, ModelOptions
+from server.llama.mtmd import Projector, ProjectorOptions
+from server.service.state import ServerState
+from server.types import EncodedImage, MediaError
+from tests.mmproj_gen import N_IMAGE_TOKENS, pixels, png, write_gemma3_mmproj
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = write_gemma3_mmproj(tmp_path_factory.mktemp("mm") / "mmproj.gguf")
+    assert path.stat().st_size < 1 << 20
+    b = LlamaBackend(ModelOptions(path=default_model_path(), n_ctx=2048, n_parallel=1))
+    p = Projector(ProjectorOptions(str(path), n_threads=1, use_gpu=False), b.model)
+    yield b, p
+    p.close()
+    b.close()
+
+
+def prompt(p: Projector, n: int = 1) -> str:
+    return "<start_of_turn>user\nlook " + f"{p.marker} " * n + "what?<end_of_turn>\n"
+
+
+def test_the_projector_loads_and_an_image_is_16_tokens_between_text(loaded):
+    b, p = loaded
+    assert p.vision and not p.audio and not p.mrope and p.n_embd == 640
+    pieces = p.tokenize(prompt(p), [png(pixels(1))])
+    kinds = [type(x).__name__ for x in pieces]
+    assert kinds == ["list", "EncodedImage", "list"]
+    img = pieces[1]
+    assert isinstance(img, EncodedImage) and img.n_tokens == N_IMAGE_TOKENS
+    assert img.embd.shape == (N_IMAGE_TOKENS, 640) and img.embd.dtype == np.float32
+    assert np.isfinite(img.embd).all() and img.non_causal
+    assert pieces[0][0] == 2  # BOS first (add_special)
+
+
+def test_identity_is_the_pixels_not_the_bytes_and_the_cache_encodes_once(loaded):
+    _, p = loaded
+    cache = p.cache
+    hits, encoded = cache.counters.hits, cache.counters.encoded
+    a = p.tokenize(prompt(p), [png(pixels(2))])[1]
+    again = p.tokenize(prompt(p), [png(pixels(2), compress=1, filter_type=1)])[1]
+    other = p.tokenize(prompt(p), [png(pixels(3))])[1]
+    assert isinstance(a, EncodedImage) and isinstance(again, EncodedImage)
+    assert isinstance(other, EncodedImage)
+    assert png(pixels(2)) != png(pixels(2), compress=1, filter_type=1)
+    assert a.identity == again.identity != other.identity
+    assert a.encoded and not again.encoded and other.encoded
+    assert np.array_equal(a.embd, again.embd)
+    assert cache.counters.hits - hits == 1 and cache.counters.encoded - encoded == 2
+
+
+def test_bad_images_raise_media_errors(loaded):
+    _, p = loaded
+    with pytest.raises(MediaError, match="could not be decoded"):
+        p.tokenize(prompt(p), [b"not an image at all"])
+    with pytest.raises(MediaError, match="2 media markers for 1 images"):
+        p.tokenize(prompt(p, 2), [png(pixels(1))])
+
+
+def test_image_embeddings_decode_into_the_context(loaded):
+    b, p = loaded
+    pieces = p.tokenize(prompt(p), [png(pixels(4))])
+    pos = 0
+    for piece in pieces:
+        if isinstance(piece, EncodedImage):
+            assert b.decode_image(0, pos, piece.embd, piece.non_causal) == 0
+            pos += piece.n_tokens
+            continue
+        b.batch.clear()
+        b.batch.add_span(piece, pos, 0, logits_last=True)
+        assert b.decode(0, len(piece)) == 0
+        pos += len(piece)
+    assert b.seq_pos_max(0) == pos - 1
+    b.seq_clear(0)
+
+
+def test_an_image_prompt_knows_where_its_last_user_turn_starts(loaded):
+    b, p = loaded
+    st = ServerState(settings=Settings(), backend=b, projector=p)
+    first = f"<start_of_turn>user\nlook {p.marker} here<end_of_turn>\n<start_of_turn>model\nA cat.<end_of_turn>\n"
+    last = "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    out = image_prompt(st, first + last, [png(pixels(8))], len(first))
+    assert len(out.images) == 1 and out.images[0].n_tokens == N_IMAGE_TOKENS
+    head = p.tokenize(first, [png(pixels(8))])
+    n_head = sum(len(x) if isinstance(x, list) else x.n_tokens for x in head)
+    assert out.user_start == n_head and out.tokens[out.images[0].start] < 0
+    assert all(t >= 0 for t in out.tokens[out.user_start :])

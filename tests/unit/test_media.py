@@ -1,0 +1,108 @@
+"""server/api/media.py (issue 42): image inputs bounded before any decoder sees them:
+the kind and size from each format's header, truncation from its structure, data URLs
+and base64, file:// only under --media-path, the count per request."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import pytest
+
+from server.api.errors import APIError
+from server.api.media import MediaInput, MediaLimits, check_image, image_bytes, image_size
+from tests.mmproj_gen import pixels, png, png_header_only
+
+LIMITS = MediaLimits(max_bytes=1 << 20, max_pixels=4096 * 4096, max_count=2)
+
+
+def jpeg(w: int, h: int) -> bytes:
+    app0 = b"\xff\xe0" + struct.pack(">H", 16) + b"JFIF\0" + b"\0" * 9
+    sof = b"\xff\xc0" + struct.pack(">HBHHB", 11, 8, h, w, 1) + b"\x01\x11\x00"
+    return b"\xff\xd8" + app0 + sof + b"\0" * 16 + b"\xff\xd9"
+
+
+def gif(w: int, h: int) -> bytes:
+    return b"GIF89a" + struct.pack("<HH", w, h) + b"\0" * 8 + b"\x3b"
+
+
+def bmp(w: int, h: int) -> bytes:
+    row = ((w * 24 + 31) // 32) * 4
+    head = b"BM" + struct.pack("<IHHI", 54 + row * h, 0, 0, 54)
+    dib = struct.pack("<IiiHHIIiiII", 40, w, -h, 1, 24, 0, row * h, 0, 0, 0, 0)
+    return head + dib + b"\0" * (row * h)
+
+
+@pytest.mark.parametrize(
+    ("data", "want"),
+    [
+        (png(pixels(1, 8)), ("PNG", 8, 8)),
+        (jpeg(640, 480), ("JPEG", 640, 480)),
+        (gif(33, 17), ("GIF", 33, 17)),
+        (bmp(5, 3), ("BMP", 5, 3)),
+    ],
+)
+def test_each_kind_reads_its_size_from_the_header_and_is_whole(data, want):
+    assert image_size(data, "x") == want
+    assert check_image(data, LIMITS, "x") == data
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (png_header_only(100_000, 100_000), "pixels, more than"),
+        (png(pixels(1, 8))[:-5], "PNG image is truncated"),
+        (jpeg(64, 64)[:-2], "JPEG image is truncated"),
+        (gif(9, 9)[:-1] + b"\0" * 80, "GIF image is truncated"),
+        (bmp(50, 50)[:-100], "BMP image is truncated"),
+        (b"\x89PNG\r\n\x1a\n\0\0", "truncated or malformed"),
+        (b"RIFF\0\0\0\0WEBPVP8 ", "WebP"),
+        (b"%PDF-1.4", "not an image"),
+        (b"", "empty"),
+        (b"\x89PNG\r\n\x1a\n" + b"\0" * (2 << 20), "bytes, more than"),
+        (png_header_only(0, 5), "0x5 pixels"),
+    ],
+)
+def test_bad_images_are_refused_naming_the_problem(data, why):
+    with pytest.raises(APIError, match=why) as e:
+        check_image(data, LIMITS, "messages.0.content.1")
+    assert e.value.status == 400 and "messages.0.content.1" in str(e.value)
+
+
+def test_urls_data_urls_base64_and_files(tmp_path):
+    b = png(pixels(2, 8))
+    b64 = base64.b64encode(b).decode()
+    assert image_bytes("data:image/png;base64," + b64, LIMITS, "x") == b
+    assert image_bytes(b64, LIMITS, "x") == b  # raw base64
+    assert image_bytes(base64.urlsafe_b64encode(b).decode().rstrip("="), LIMITS, "x") == b
+    for url, why in [
+        ("http://example.com/a.png", "remote image URLs"),
+        ("HTTPS://example.com/a.png", "remote image URLs"),
+        ("data:image/png,xyz", "only base64"),
+        ("data:;;;", "malformed data URL"),
+        ("!!!", "not valid base64"),
+        ("file://a.png", "--media-path"),
+        ("A" * (2 << 20), "more than"),
+    ]:
+        with pytest.raises(APIError, match=why):
+            image_bytes(url, LIMITS, "x")
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "a.png").write_bytes(b)
+    (tmp_path / "secret.png").write_bytes(b)
+    (root / "link.png").symlink_to(tmp_path / "secret.png")
+    lim = MediaLimits(1 << 20, 1 << 24, 2, str(root))
+    assert image_bytes("file://a.png", lim, "x") == b
+    assert image_bytes(f"file://{root}/a.png", lim, "x") == b
+    for url in ("file://../secret.png", "file://link.png", "file:///etc/passwd", "file://nope.png"):
+        with pytest.raises(APIError, match="no such image under --media-path"):
+            image_bytes(url, lim, "x")
+
+
+def test_images_per_request_are_counted():
+    m = MediaInput("<__media__>", LIMITS)
+    url = "data:image/png;base64," + base64.b64encode(png(pixels(3, 8))).decode()
+    assert m.add_url(url, "a") == "<__media__>" and m.add_url(url, "b") == "<__media__>"
+    with pytest.raises(APIError, match="more than 2 images"):
+        m.add_url(url, "c")
+    assert len(m.images) == 2
