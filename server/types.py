@@ -10,7 +10,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 # JSON as ``json.loads`` returns it: for the values of a client's body that are arbitrary by
 # nature (a tool's parameters, chat_template_kwargs, a JSON schema). Whoever reads one
@@ -95,8 +95,11 @@ class VocabCompiler(Protocol):
     def compile(self, c: Any) -> TokenConstraint: ...
 
 
-# (llama.cpp vocabulary pointer, end-of-generation token ids) -> that vocabulary's compiler
-CompilerFactory = Callable[[Any, Sequence[int]], VocabCompiler]
+# (the backend's vocabulary handle, end-of-generation token ids) -> that vocabulary's
+# compiler; generic in the handle: LlamaBackend takes a CompilerFactory[llama_vocab_p] (this
+# leaf module does not name llama_cpp's types)
+V = TypeVar("V")
+CompilerFactory = Callable[[V, Sequence[int]], VocabCompiler]
 
 TOKEN_NULL = -1  # llama.cpp's LLAMA_TOKEN_NULL
 
