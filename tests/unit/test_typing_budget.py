@@ -13,7 +13,7 @@ import tokenize
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "server"
-BUDGET = 68  # lines (403 before issue 41)
+BUDGET = 67  # lines (403 before issue 41)
 
 
 def _any_lines(path: Path) -> list[int]:
