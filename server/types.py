@@ -10,7 +10,10 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
 
 import numpy as np
 
@@ -77,7 +80,7 @@ class TokenMatcher(Protocol):
 
     def allows(self, token: int) -> bool: ...
     def accept(self, token: int) -> bool: ...
-    def mask_logits(self, logits: Any) -> int: ...
+    def mask_logits(self, logits: np.ndarray) -> int: ...
     def is_done(self) -> bool: ...
     def is_error(self) -> bool: ...
     def error(self) -> str: ...
@@ -97,8 +100,11 @@ class VocabCompiler(Protocol):
     def compile(self, c: Any) -> TokenConstraint: ...
 
 
-# (llama.cpp vocabulary pointer, end-of-generation token ids) -> that vocabulary's compiler
-CompilerFactory = Callable[[Any, Sequence[int]], VocabCompiler]
+# (the backend's vocabulary handle, end-of-generation token ids) -> that vocabulary's
+# compiler; generic in the handle: LlamaBackend takes a CompilerFactory[llama_vocab_p] (this
+# leaf module does not name llama_cpp's types)
+V = TypeVar("V")
+CompilerFactory = Callable[[V, Sequence[int]], VocabCompiler]
 
 TOKEN_NULL = -1  # llama.cpp's LLAMA_TOKEN_NULL
 

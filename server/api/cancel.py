@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 # A worker holding the GIL makes every other thread that wants it wait up to the switch
 # interval (5 ms) each time it takes it back, and the engine thread takes it back after
@@ -79,12 +79,12 @@ def run_with(flag: CancelFlag, fn: Callable[..., T], args: tuple[object, ...]) -
         _CURRENT.reset(token)
 
 
-class Watched(list[Any]):
+class Watched(list[T]):
     """A list whose iteration calls ``checkpoint`` before each item: handed to a chat
     template as ``messages``, a render whose client left stops at the next message. Indexing,
     ``len``, slicing and JSON encoding are a list's."""
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[T]:
         it = super().__iter__()
         for item in it:
             checkpoint()

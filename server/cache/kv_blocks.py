@@ -28,7 +28,6 @@ import hashlib
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -39,7 +38,10 @@ MEDIUM_GPU = "GPU"  # a slot's sequence in the llama.cpp KV cache (on whatever d
 MEDIUM_CPU = "CPU"  # the RAM prompt cache (--cache-ram)
 MEDIUM_DISK = "DISK"  # the disk tier (--cache-disk), files and entries queued for its writer
 
-Event = list[Any]
+# an event tuple's fields (see the module docstring): its tag, a medium, block hashes or
+# token ids, a parent hash or block size, null, extra keys (one list per block)
+EventField = str | int | None | list[int] | list[list[str]]
+Event = list[EventField]
 
 
 def fnv1a64(data: bytes, h: int = FNV_OFFSET) -> int:

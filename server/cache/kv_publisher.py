@@ -34,7 +34,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+from .kv_blocks import Event
+
+if TYPE_CHECKING:  # imported by the sender thread only (see above)
+    import zmq
+
+    ZmqContext = zmq.Context[zmq.Socket[bytes]]
 
 log = logging.getLogger("server.cache.kv_publisher")
 
@@ -78,7 +85,7 @@ def endpoint_problem(endpoint: str) -> str:
     )
 
 
-def encode(seq: int, ts: float, events: list[Any], dp_rank: int = 0) -> tuple[bytes, bytes]:
+def encode(seq: int, ts: float, events: list[Event], dp_rank: int = 0) -> tuple[bytes, bytes]:
     """The sequence and payload frames of one batch."""
     import msgpack
 
@@ -89,6 +96,8 @@ class KVPublisher:
     """``endpoint``: a ZMQ address to bind (``tcp://127.0.0.1:5557``; ``endpoint_problem``
     is checked by the caller); ``sender``: replaces the ZMQ socket (tests), called with the
     three frames."""
+
+    _sock: zmq.Socket[bytes]  # the XPUB: bound by the sender thread (``_run``) before any use
 
     def __init__(
         self,
@@ -103,9 +112,8 @@ class KVPublisher:
         self.topic = topic.encode("utf-8")
         # a subscription is 1 byte + a prefix; none longer than the topic can match
         self.max_msg = max(256, len(self.topic) + 1)
-        self._sock: Any = None
         self.settle_s = settle_s
-        self._q: queue.Queue[tuple[int, float, list[Any]] | None] = queue.Queue(max_queue)
+        self._q: queue.Queue[tuple[int, float, list[Event]] | None] = queue.Queue(max_queue)
         self._seq_lock = threading.Lock()
         self.seq = -1  # the last number given (the first batch is 0)
         self.sent = 0
@@ -117,7 +125,7 @@ class KVPublisher:
         self._subs: set[bytes] = set()  # distinct prefixes subscribed (libzmq's notices)
         self.resets = 0  # socket resets after too many subscriptions
 
-    def publish(self, events: list[Any]) -> None:
+    def publish(self, events: list[Event]) -> None:
         """Number and queue one batch; never blocks (a full queue drops it)."""
         with self._seq_lock:
             self.seq += 1
@@ -146,7 +154,8 @@ class KVPublisher:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        send, ctx = self._sender, None
+        send = self._sender
+        ctx: ZmqContext | None = None
         try:
             if send is None:
                 import zmq
@@ -172,7 +181,7 @@ class KVPublisher:
                 self._sock.close(linger=500)
                 ctx.term()
 
-    def _loop(self, send: Callable[[list[bytes]], bool], ctx: Any) -> None:
+    def _loop(self, send: Callable[[list[bytes]], bool], ctx: ZmqContext | None) -> None:
         while True:
             if ctx is not None:
                 self._read_subscriptions(ctx)
@@ -194,7 +203,7 @@ class KVPublisher:
             else:
                 self.dropped += 1
 
-    def _read_subscriptions(self, ctx: Any) -> None:
+    def _read_subscriptions(self, ctx: ZmqContext) -> None:
         """Track the distinct subscribed prefixes from the XPUB's notices (``\\x01`` +
         prefix: first subscribed; ``\\x00`` + prefix: no longer subscribed by anyone); over
         ``MAX_SUBSCRIPTIONS``, reset the socket."""
@@ -213,7 +222,7 @@ class KVPublisher:
                 self._reset(ctx)
                 return
 
-    def _reset(self, ctx: Any) -> None:
+    def _reset(self, ctx: ZmqContext) -> None:
         """Close the socket (dropping every peer and what libzmq holds for it) and bind
         again; while the port is not free yet, retry for a few seconds."""
         log.warning(
@@ -232,7 +241,7 @@ class KVPublisher:
                 time.sleep(0.05)
         self._sock = self._bind(ctx)  # still refused: the sender stops with the error
 
-    def _bind(self, ctx: Any) -> Any:
+    def _bind(self, ctx: ZmqContext) -> zmq.Socket[bytes]:
         """An XPUB bound to the endpoint: inbound messages (subscriptions) capped at
         ``MAXMSGSIZE``: a longer one drops its peer."""
         import zmq

@@ -44,7 +44,7 @@ from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
 from ..routes import sleep as sleep_routes
 from ..service.adapters import registry_of
-from ..service.state import ServerState
+from ..service.state import KeptModel, ServerState
 from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
@@ -302,10 +302,10 @@ def load(st: ServerState) -> None:
         # as llama-server: the aliases form a sorted set, the first one names the model
         st.model_aliases = sorted(set(csv_list(s.alias or "")))
         st.model_name = st.model_aliases[0] if st.model_aliases else os.path.basename(path)
-        backend = st.kept_backend  # asleep at level 1: the model kept, a new context
-        if backend is not None:
-            st.kept_backend = None
-            backend.open_context()
+        kept, st.kept_backend = st.kept_backend, None
+        if isinstance(kept, LlamaBackend):  # asleep at level 1: the model kept, a new context
+            kept.open_context()
+            backend = kept
         else:
             backend = LlamaBackend(_backend_options(st, path), compiler=llama_compiler)
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
@@ -408,9 +408,8 @@ def close_engine(st: ServerState, keep_model: bool = False) -> None:
             st.projector = None
         if st.draft is not None:
             st.draft.close()  # before the model it may share
-        free_context = getattr(st.backend, "free_context", None)  # LlamaBackend's
-        if keep_model and free_context is not None:
-            free_context()
+        if keep_model and isinstance(st.backend, KeptModel):  # LlamaBackend
+            st.backend.free_context()
             st.kept_backend = st.backend
         else:
             st.backend.close()

@@ -24,6 +24,7 @@ from ..cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, KVEvents
 from ..cache.kv_publisher import KVPublisher, endpoint_problem, normalize_endpoint
 from ..cache.prompt_cache import PromptCache
 from ..cli.config import Settings
+from ..service.state import KVEventsHandle
 from ..slots.engine import Engine
 from ..slots.kv_watch import SlotWatcher
 
@@ -90,7 +91,7 @@ def start(s: Settings, model: str, cache: PromptCache | None) -> KVEventsRuntime
     return KVEventsRuntime(pub, events)
 
 
-def attach(rt: KVEventsRuntime | None, engine: Engine) -> None:
+def attach(rt: KVEventsHandle | None, engine: Engine) -> None:
     """The engine reports its slots' sequences after each step."""
     if rt is None:
         return
@@ -98,7 +99,7 @@ def attach(rt: KVEventsRuntime | None, engine: Engine) -> None:
     engine.kv_watch = rt.watcher
 
 
-def close_tiers(disk: DiskTier | None, rt: KVEventsRuntime | None) -> None:
+def close_tiers(disk: DiskTier | None, rt: KVEventsHandle | None) -> None:
     """At shutdown, after the engine stopped: the disk tier closes; then, the model being
     unloaded, AllBlocksCleared is published, the queue sent and the socket closed."""
     if disk is not None:

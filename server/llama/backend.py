@@ -12,7 +12,6 @@ import os
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
 
 import llama_cpp as L
 import numpy as np
@@ -259,7 +258,7 @@ class Sampler:
         self.greedy = greedy
         self.bias: GreedyBias | None = None
         # the context and sequence the chain is attached to for backend sampling (-bs)
-        self._ctx: Any = None
+        self._ctx: L.llama_context_p | None = None
         self.seq = -1
         # post_sampling_probs: candidates to report per sampled row (0: off), and what the
         # chain left at each row sampled since (Backend.sampled_logprobs takes them)
@@ -277,7 +276,7 @@ class Sampler:
             self.ptr = None  # type: ignore[assignment]  # freed: the chain is not used again
 
 
-def _wants_scratch(model: Any, opts: ModelOptions) -> bool:
+def _wants_scratch(model: L.llama_model_p, opts: ModelOptions) -> bool:
     """Whether to allocate --cache-reuse's scratch sequence (``scratch_seq``: the sequence
     id slots/cache_reuse.py parks chunks in; -1: none): only under unified KV and where
     positions can move (full attention or --swa-full, not recurrent), so that a
@@ -286,7 +285,9 @@ def _wants_scratch(model: Any, opts: ModelOptions) -> bool:
     return opts.scratch_seq and opts.kv_unified and n_swa == 0 and not recurrent
 
 
-def context_params(opts: ModelOptions, n_ctx_train: int, scratch: bool) -> tuple[Any, int]:
+def context_params(
+    opts: ModelOptions, n_ctx_train: int, scratch: bool
+) -> tuple[L.llama_context_params, int]:
     """llama_context_params from the options, and the decode thread count; ``scratch``: one
     sequence more than the slots (--cache-reuse)."""
     cparams = L.llama_context_default_params()
@@ -327,7 +328,7 @@ def _slot_context(n_ctx_seq: int, n_ctx_train: int) -> int:
     return n_ctx_seq
 
 
-def _fim_tokens(vocab: Any) -> FimTokens:
+def _fim_tokens(vocab: L.llama_vocab_p) -> FimTokens:
     """The vocabulary's fill-in-the-middle tokens (-1, LLAMA_TOKEN_NULL, where it has none)."""
     return FimTokens(
         pre=L.llama_vocab_fim_pre(vocab),
@@ -347,8 +348,12 @@ class LlamaBackend(SeqMemory):
     _candidates: _Candidates | None = None
     _constraints: VocabCompiler | None = None
     _constraints_lock = threading.Lock()
+    # llama.cpp's model (its context and memory: SeqMemory's); None once closed
+    model: L.llama_model_p | None
 
-    def __init__(self, opts: ModelOptions, compiler: CompilerFactory | None = None) -> None:
+    def __init__(
+        self, opts: ModelOptions, compiler: CompilerFactory[L.llama_vocab_p] | None = None
+    ) -> None:
         """Loads the model and creates the context. ``compiler`` builds the vocabulary's
         constraint compiler on first use (server.constrained's, passed in by the app);
         without it, ``constraint_compiler`` raises."""

@@ -15,7 +15,6 @@ decode. Contracts:
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import llama_cpp as L
 
@@ -23,10 +22,13 @@ import llama_cpp as L
 class LoraAdapters:
     """The adapters loaded for one model, in ``--lora`` order (their ids)."""
 
-    def __init__(self, model: Any, ctx: Any, paths: list[str]) -> None:
+    def __init__(self, model: L.llama_model_p, ctx: L.llama_context_p, paths: list[str]) -> None:
         self._ctx = ctx
         self.paths = list(paths)
-        self._handles: list[Any] = []
+        # llama_adapter_lora_init's results: POINTER(c_void_p)s (the bindings' restype,
+        # llama_adapter_lora_p_ctypes; their annotation says c_void_p), as the array that
+        # llama_set_adapters_lora takes holds them
+        self._handles: list[ctypes._Pointer[ctypes.c_void_p]] = []
         for p in self.paths:
             h = L.llama_adapter_lora_init(model, p.encode())
             if not h:
@@ -34,7 +36,7 @@ class LoraAdapters:
             self._handles.append(h)
         self._applied: tuple[tuple[int, float], ...] = ()  # (id, scale) last set
 
-    def rebind(self, ctx: Any) -> None:
+    def rebind(self, ctx: L.llama_context_p) -> None:
         """A new context of the same model (a wake from sleep level 1): nothing is set on it
         yet; the next ``apply`` sets the adapters again."""
         self._ctx = ctx

@@ -5,7 +5,6 @@ thread only, except ``state_cells``."""
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import llama_cpp as L
 
@@ -13,7 +12,9 @@ from ..types import CacheCells, StateBuf
 from .kv_state import StateFormatError, read_caches
 
 
-def memory_layout(model: Any, swa_full: bool) -> tuple[int, bool, tuple[str, ...] | None]:
+def memory_layout(
+    model: L.llama_model_p, swa_full: bool
+) -> tuple[int, bool, tuple[str, ...] | None]:
     """A model's memory as the engine sees it: the sliding window (0: none, or a full-size
     SWA cache), whether it is recurrent (or hybrid), and the caches a sequence state holds
     in llama.cpp's order (None: recurrent memory's format)."""
@@ -27,8 +28,10 @@ class SeqMemory:
     """Needs ``ctx`` (a llama context), ``mem`` (its memory) and ``kv_kinds`` (the caches a
     state holds, in llama.cpp's order; None for recurrent memory)."""
 
-    ctx: Any
-    mem: Any
+    # llama.cpp's pointers (ints, as the bindings return them); None once the context is
+    # freed (LlamaBackend.free_context, close): nothing is called on them then
+    ctx: L.llama_context_p | None
+    mem: L.llama_memory_t | None
     kv_kinds: tuple[str, ...] | None
 
     # ---- memory -------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import llama_cpp as L
 
@@ -97,11 +97,35 @@ def buffer_types() -> dict[str, int]:
 class ModelParams:
     """llama_model_params and the ctypes objects they point to (kept alive with the model)."""
 
-    params: Any
-    keep: list[Any] = field(default_factory=list)
+    params: L.llama_model_params
+    keep: list[object] = field(default_factory=list)  # arrays and bytes, only kept alive
 
 
-def load_model(opts: Any) -> tuple[Any, ModelParams]:
+class LoadOptions(Protocol):
+    """What ``load_model`` reads of the backend's ModelOptions (server.llama.backend, which
+    imports this module)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def type_v(self) -> str: ...
+    @property
+    def flash_attn(self) -> str: ...
+    @property
+    def n_gpu_layers(self) -> int: ...
+    @property
+    def split_mode(self) -> str: ...
+    @property
+    def tensor_split(self) -> tuple[float, ...]: ...
+    @property
+    def main_gpu(self) -> int: ...
+    @property
+    def load_mode(self) -> str: ...
+    @property
+    def tensor_overrides(self) -> tuple[tuple[str, str], ...]: ...
+
+
+def load_model(opts: LoadOptions) -> tuple[L.llama_model_p, ModelParams]:
     """The model at ``opts.path`` (a backend ModelOptions), loaded with llama-server's model
     params, and those params (their arrays must live as long as the model). RuntimeError
     where llama-server fails to start: a quantized V cache without flash attention (llama.cpp
@@ -145,7 +169,9 @@ def model_params(
         if len(tensor_split) > n_max:
             raise ValueError(f"--tensor-split: {len(tensor_split)} values, at most {n_max}")
         arr = (ctypes.c_float * n_max)(*tensor_split)
-        p.tensor_split = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
+        # the bindings annotate these two pointer fields as arrays; their ctypes fields are
+        # POINTER(c_float) and c_void_p, which these casts fill
+        p.tensor_split = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))  # type: ignore[assignment]
         mp.keep.append(arr)
     if overrides:
         known = buffer_types() if bufts is None else bufts
@@ -159,6 +185,6 @@ def model_params(
             raw = pattern.encode()
             mp.keep.append(raw)
             arr[i].pattern, arr[i].buft = raw, known[name]
-        p.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+        p.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)  # type: ignore[assignment]
         mp.keep.append(arr)
     return mp

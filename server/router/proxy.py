@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import quote
 
 import anyio
@@ -80,9 +79,14 @@ class ProxiedResponse(StreamingResponse):
     whether the body was sent in full, the client left, or sending failed."""
 
     def __init__(
-        self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any
+        self,
+        body: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str | None = None,
     ) -> None:
-        super().__init__(body, **kw)
+        super().__init__(body, status_code=status_code, headers=headers, media_type=media_type)
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -30,7 +30,7 @@ import os
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 from starlette.requests import Request
 
@@ -81,7 +81,7 @@ async def _until_gone(request: Request, gone: asyncio.Future[None]) -> None:
         gone.set_result(None)
 
 
-def _retrieve(f: asyncio.Future[Any]) -> None:
+def _retrieve(f: asyncio.Future[T]) -> None:
     # an abandoned work's outcome (often Cancelled) is read by nobody: read it here so
     # asyncio does not log "exception was never retrieved"
     if not f.cancelled():
@@ -132,7 +132,7 @@ async def prepare(
         watchers.append(asyncio.create_task(_until_gone(req, gone)))
 
     timer = loop.call_later(WATCH_AFTER_S, watch, request) if request is not None else None
-    either: set[asyncio.Future[Any]] = {fut, gone}
+    either: set[asyncio.Future[T] | asyncio.Future[None]] = {fut, gone}
     try:
         done, _ = await asyncio.wait(
             either, timeout=max(0.0, remaining), return_when="FIRST_COMPLETED"

@@ -6,16 +6,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol, runtime_checkable
 
 from starlette.requests import Request
 
 from ..api.chat import ChatTemplate
 from ..api.errors import APIError
 from ..cache import tenancy
+from ..cache.kv_events import KVEvents
+from ..cache.kv_publisher import KVPublisher
 from ..cache.prompt_cache import PromptCache
 from ..cli.config import Settings
 from ..slots.engine import Engine
+from ..slots.kv_watch import SlotWatcher
 from ..slots.model_api import DraftModel, ModelBackend
 from ..types import ImageProjector
 from .adapters import AdapterRegistry
@@ -32,6 +35,26 @@ class Metrics(Protocol):
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
         ...
+
+
+class KVEventsHandle(Protocol):
+    """The KV-cache events while a model is loaded (--kv-events-endpoint;
+    server.http.kv_setup's KVEventsRuntime, which this layer may not import): the publisher
+    (/metrics reads its counters), the ledger, and the engine's slot watcher once attached."""
+
+    publisher: KVPublisher
+    events: KVEvents
+    watcher: SlotWatcher | None
+
+
+@runtime_checkable
+class KeptModel(Protocol):
+    """A model that sleeps at level 1 (server.llama.backend.LlamaBackend): its context freed
+    and the model kept, then a new context opened on it, or the whole closed."""
+
+    def free_context(self) -> None: ...
+    def open_context(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class NoMetrics:
@@ -67,7 +90,7 @@ class ServerState:
     load_error: str = ""
     on_load_failed: Callable[[], None] | None = None  # set by the CLI: stop serving
     metrics: Metrics = field(default_factory=NoMetrics)
-    kv_events: Any = None  # --kv-events-endpoint: server.http.kv_setup.KVEventsRuntime
+    kv_events: KVEventsHandle | None = None  # --kv-events-endpoint
     started: float = field(default_factory=time.time)
     # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
     # with an error event (streams) or a 503.
@@ -80,9 +103,9 @@ class ServerState:
     # POST /sleep?level=1 without a disk tier: the RAM cache (the slots saved into it) kept
     # across the sleep; the next load serves from it. None otherwise.
     kept_cache: PromptCache | None = None
-    # POST /sleep?level=1: the model (server.llama.backend.LlamaBackend) with its context
-    # freed; the next load opens a new context on it. None otherwise.
-    kept_backend: Any = None
+    # POST /sleep?level=1: the model with its context freed; the next load opens a new
+    # context on it. None otherwise.
+    kept_backend: KeptModel | None = None
 
     def require_backend(self) -> ModelBackend:
         """The loaded model, or an APIError 503 while there is none (loading, asleep, or

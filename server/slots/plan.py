@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..cache.prefix_index import Match
 from ..types import FinishReason, PromptImage, Task, TaskError, TokenLogprob
@@ -237,6 +237,8 @@ MemoryOp = (
     Restore | Cut | ResumeAt | ParkChunks | CopyPrefix | CacheIdle | EvictIdle | Clear | EmbedDecode
 )
 # a decision: yields memory operations, reads each one's outcome (sent back by
-# ``Runner.drive``), and returns its own result
+# ``Runner.drive``), and returns its own result. Every outcome is an int (a token count, a
+# flag, llama_decode's return code; 0 for the operations that have none): a decision reads
+# the one its operation's type documents
 R = TypeVar("R")
-Ops = Generator[MemoryOp, Any, R]
+Ops = Generator[MemoryOp, int, R]

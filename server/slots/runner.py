@@ -82,7 +82,7 @@ class Runner:
         except StopIteration as stop:
             return stop.value
 
-    def run(self, op: MemoryOp) -> object:
+    def run(self, op: MemoryOp) -> int:
         """Carry out one operation; its outcome (see each type in slots/plan.py)."""
         store = self.store
         if isinstance(op, Cut):
@@ -106,10 +106,10 @@ class Runner:
         if isinstance(op, CacheIdle):
             assert self.cache is not None
             ram.cache_idle_slots(store, self.cache, self.b.kv_unified)
-            return None
+            return 0
         if isinstance(op, EvictIdle):
             ram.evict_idle(store, self.cache, op.slot)
-            return None
+            return 0
         if isinstance(op, Clear):
             return store.clear(op.slot)
         if isinstance(op, EmbedDecode):
