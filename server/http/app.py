@@ -243,6 +243,7 @@ def projector_of(s: Settings, backend: LlamaBackend, drafting: bool) -> ImagePro
         image_max_tokens=s.image_max_tokens,
         cache_bytes=s.image_cache_mib << 20,
     )
+    assert backend.model is not None  # loaded: the projector is checked against it
     p = Projector(opts, backend.model)
     log.info("projector %s: vision %s, audio %s", s.mmproj, p.vision, p.audio)
     return p

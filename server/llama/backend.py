@@ -509,6 +509,7 @@ class LlamaBackend(SeqMemory):
     def decode_image(self, seq: int, pos0: int, embd: np.ndarray, non_causal: bool) -> int:
         """Decode an image's embeddings (server/llama/mtmd.py) into ``seq`` at positions
         pos0..; llama_decode's status. The runner's only (a memory operation)."""
+        assert self.ctx is not None  # open: the engine decodes only between open and close
         return decode_embeddings(self.ctx, embd, pos0, seq, non_causal)
 
     def set_adapters(self, scales: tuple[float, ...]) -> None:
