@@ -386,6 +386,35 @@ def _disk(disk: Any) -> Iterator[Metric]:
     )
 
 
+def _streams(reg: Any) -> Iterator[Metric]:
+    """Resumable streams (server.service.streams): sessions, buffers, what became of them."""
+    st = reg.stats
+    yield _gauge("llamaslot_streams", "Resumable streams kept", len(reg.sessions))
+    yield _gauge(
+        "llamaslot_streams_generating", "Resumable streams still generating", reg.generating()
+    )
+    yield _gauge(
+        "llamaslot_streams_buffered_bytes", "Bytes held by replay buffers", reg.buffered_bytes()
+    )
+    yield _counter("llamaslot_streams_opened", "Resumable streams opened", st.opened)
+    yield _counter("llamaslot_streams_replays", "GET /v1/stream replays served", st.replays)
+    yield _counter("llamaslot_streams_stopped", "Streams stopped (DELETE or replaced)", st.stopped)
+    yield _counter(
+        "llamaslot_streams_expired", "Streams dropped after --stream-ttl unread", st.expired
+    )
+    yield _counter(
+        "llamaslot_streams_expired_generating",
+        "Expired streams whose generation was stopped (nobody came back)",
+        st.expired_running,
+    )
+    yield _counter("llamaslot_streams_refused", "Named streams refused (429: no room)", st.refused)
+    yield _counter(
+        "llamaslot_streams_events_dropped",
+        "Events dropped from full replay buffers",
+        st.events_dropped,
+    )
+
+
 class _EngineCollector:
     """Reads the engine's counters at each scrape (nothing before the engine exists)."""
 
@@ -393,6 +422,7 @@ class _EngineCollector:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
+        yield from _streams(self.state.streams)
         engine = self.state.engine
         if engine is None:
             return

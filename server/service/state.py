@@ -17,6 +17,7 @@ from ..cli.config import Settings
 from ..slots.engine import Engine
 from ..slots.model_api import DraftModel, ModelBackend
 from .adapters import AdapterRegistry
+from .streams import StreamLimits, StreamRegistry
 
 
 class Metrics(Protocol):
@@ -80,6 +81,8 @@ class ServerState:
     # POST /sleep?level=1: the model (server.llama.backend.LlamaBackend) with its context
     # freed; the next load opens a new context on it. None otherwise.
     kept_backend: Any = None
+    # resumable streams (X-Conversation-Id): create_app sizes it from the flags
+    streams: StreamRegistry = field(default_factory=lambda: StreamRegistry(StreamLimits()))
 
     def require_backend(self) -> ModelBackend:
         """The loaded model, or an APIError 503 while there is none (loading, asleep, or
