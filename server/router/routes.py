@@ -11,7 +11,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,6 +23,7 @@ from ..http.middleware import from_foreign_page
 from .instances import LOADING, READY, Instance
 from .manager import Manager
 from .proxy import Upstream, forward, upstream_headers
+from .streams import ConvMap, note_request
 
 router = APIRouter()
 
@@ -44,6 +45,7 @@ class RouterState:
     reload: Any = None  # () -> dict[str, ModelSpec], re-reading the sources
     started: float = 0.0
     timeout: float = 600.0  # --timeout: an instance's own limit unless its preset sets one
+    streams: ConvMap = field(default_factory=ConvMap)  # resumable streams' owners
 
 
 def llama_version() -> str:
@@ -277,5 +279,6 @@ async def proxied(request: Request, path: str) -> Response:
     """Any other endpoint: routed by the body's ``model`` (POST) or ``?model=`` (GET)."""
     if request.method in ("POST", "PUT", "PATCH"):
         body = await _body_model(request)
+        note_request(state_of(request), request, body.model)
         return await _proxy(request, body.model, body)
     return await _proxy(request, request.query_params.get("model"), RoutedBody(b""))

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..api.errors import APIError
-from ..api.json_body import parse_json_body
-from ..service.streams import LOOKUP_MAX, check_id, owner_of, requested_name
+from ..api.stream_ids import check_id, lookup_ids, owner_of
+from ..service.streams import requested_name
 from ..service.tasks import TaskGroup
 from .common import SSE_HEADERS, state_of
 
@@ -79,17 +79,6 @@ async def stop(request: Request) -> Response:
     conv_id = check_id(request.query_params.get("conv_id"))
     st.streams.stop(owner_of(request), conv_id)
     return Response(status_code=204)
-
-
-def lookup_ids(raw: bytes) -> list[str]:
-    """The ``conversation_ids`` of a lookup body, each checked (400 otherwise)."""
-    body = parse_json_body(raw, empty={})
-    ids = body.get("conversation_ids") if isinstance(body, dict) else None
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise APIError(400, "'conversation_ids' must be a list of strings")
-    if len(ids) > LOOKUP_MAX:
-        raise APIError(400, f"at most {LOOKUP_MAX} conversation_ids per lookup")
-    return [check_id(i) for i in ids]
 
 
 @router.post("/v1/streams/lookup")

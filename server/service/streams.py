@@ -27,38 +27,15 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import NoReturn
 
 from ..api.errors import APIError
+from ..api.stream_ids import HEADER, check_id, owner_of
 
 log = logging.getLogger("server.streams")
-
-ID_MAX = 256
-# Ids are names a client chooses (llama-server's web UI: "<uuid>::<model>", a model name may
-# hold '/', ':', '.', '@', '+'): printable, no spaces, quotes, '%', '?', '&' or '#'.
-_ID = re.compile(r"[A-Za-z0-9._~:/@+=-]{1,256}")
-LOOKUP_MAX = 256  # ids one lookup may name
-
-
-def valid_id(conv_id: str) -> bool:
-    """Whether ``conv_id`` may name a stream: 1 to ID_MAX characters of ``_ID``."""
-    return _ID.fullmatch(conv_id) is not None
-
-
-def check_id(conv_id: str | None) -> str:
-    """``conv_id``, or APIError 400 when it is missing or not a valid id."""
-    if not conv_id:
-        raise APIError(400, "Missing conversation id (conv_id)")
-    if not valid_id(conv_id):
-        raise APIError(
-            400,
-            f"invalid conversation id: 1 to {ID_MAX} characters of letters, digits and ._~:/@+=-",
-        )
-    return conv_id
 
 
 @dataclass(frozen=True)
@@ -368,14 +345,6 @@ class StreamRegistry:
         """Stop every session (the server shuts down)."""
         for s in list(self.sessions.values()):
             self._drop(s)
-
-
-HEADER = "x-conversation-id"
-
-
-def owner_of(request: object) -> str:
-    """Whose sessions a request reaches: its API key's digest (``""`` without keys)."""
-    return str(getattr(getattr(request, "state", None), "api_key_id", "") or "")
 
 
 def requested_name(registry: StreamRegistry, request: object) -> str | None:

@@ -10,11 +10,12 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from urllib.parse import quote
 
 import httpx
 import pytest
 
-from .conftest import ServerProc
+from .conftest import ServerProc, gemma_path
 
 pytestmark = pytest.mark.e2e
 
@@ -295,3 +296,40 @@ def test_streams_belong_to_their_api_key_and_are_bounded(keyed: ServerProc) -> N
             break
         time.sleep(0.2)
     assert not any(x["is_processing"] for x in slots)
+
+
+def test_router_mode_replays_looks_up_and_stops(tmp_path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "gemma.gguf").symlink_to(gemma_path())
+    r = ServerProc("--models-dir", str(models), "-c", "2048", "-np", "2", "--stream-ttl", "120")
+    try:
+        cid = f"{conv()}::ggml-org/gemma:Q4_K_M"  # llama-server's web UI: "<id>::<model>"
+        qs = "conv_id=" + quote(cid, safe="")
+        body = {**LONG, "model": "gemma", "max_tokens": 200}
+        first = read_some(r, "/v1/chat/completions", body, cid, 4)
+        whole = r.client.get(f"/v1/stream?{qs}&from=0")
+        assert whole.status_code == 200
+        again = frames(whole.content)
+        assert again[:4] == first and again[-1] == b"data: [DONE]\n\n"
+        assert (
+            sum(
+                1 for c in chunks(again) if c["choices"] and c["choices"][0]["delta"].get("content")
+            )
+            > 4
+        )
+        cut = sum(len(e) for e in again[:2])
+        assert r.client.get(f"/v1/stream?{qs}&from={cut}").content == whole.content[cut:]
+        base = cid.split("::")[0]
+        look = r.client.post("/v1/streams/lookup", json={"conversation_ids": [base, conv()]})
+        assert [e["conversation_id"] for e in look.json()] == [cid]
+        assert r.client.get(f"/v1/stream?conv_id={conv()}").status_code == 404
+        assert r.client.get("/v1/stream?conv_id=a%20b").status_code == 400
+        # a stop reaches the instance that holds it
+        live = conv()
+        read_some(r, "/v1/chat/completions", {**LONG, "model": "gemma"}, live, 3)
+        assert r.client.delete(f"/v1/stream?conv_id={live}").status_code == 204
+        assert r.client.get(f"/v1/stream?conv_id={live}").status_code == 404
+        assert r.client.delete(f"/v1/stream?conv_id={live}").status_code == 204
+    finally:
+        r.stop()

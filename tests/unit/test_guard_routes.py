@@ -107,6 +107,7 @@ ROUTER_OPEN = (
     | {("GET", p) for p in [*_DOCS, *_PAGE]}
     | {("HEAD", p) for p in [*_DOCS, *_PAGE]}
     | _CATCH_ALL
+    | _STREAMS
 )
 _PAGE_FILES = "/{name}"  # the page's other files, under its prefix
 
