@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import httpx
@@ -38,31 +39,44 @@ router = APIRouter()
 
 
 class ConvMap:
-    """(owner, conversation id) -> the model its latest named request went to."""
+    """(owner, conversation id) -> the model its latest named request went to, with that
+    request's ticket (a stop forgets it: a request still waiting for its model to load
+    sees its ticket gone and ends)."""
 
     def __init__(self, max_size: int = MAP_MAX) -> None:
         self.max_size = max_size
-        self.models: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[tuple[str, str], tuple[str, int]] = (
+            collections.OrderedDict()
+        )
+        self.tickets = 0
 
-    def remember(self, owner: str, conv_id: str, model: str) -> None:
+    def remember(self, owner: str, conv_id: str, model: str) -> int:
         key = (owner, conv_id)
-        self.models[key] = model
-        self.models.move_to_end(key)
-        while len(self.models) > self.max_size:
-            self.models.popitem(last=False)
+        self.tickets += 1
+        self.entries[key] = (model, self.tickets)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.max_size:
+            self.entries.popitem(last=False)
+        return self.tickets
 
     def get(self, owner: str, conv_id: str) -> str | None:
-        return self.models.get((owner, conv_id))
+        entry = self.entries.get((owner, conv_id))
+        return entry[0] if entry else None
+
+    def holds(self, owner: str, conv_id: str, ticket: int) -> bool:
+        """Whether the request of ``ticket`` is still the id's latest, not stopped."""
+        entry = self.entries.get((owner, conv_id))
+        return entry is not None and entry[1] == ticket
 
     def forget(self, owner: str, conv_id: str) -> None:
-        self.models.pop((owner, conv_id), None)
+        self.entries.pop((owner, conv_id), None)
 
     def variants(self, owner: str, conv_id: str) -> list[tuple[str, str]]:
         """The remembered (id, model) that ``conv_id`` names: itself and ``<id>::...``."""
         prefix = conv_id + "::"
         return [
             (cid, m)
-            for (o, cid), m in self.models.items()
+            for (o, cid), (m, _) in self.entries.items()
             if o == owner and (cid == conv_id or cid.startswith(prefix))
         ]
 
@@ -77,11 +91,17 @@ class RouterState(Protocol):
     timeout: float
 
 
-def note_request(st: RouterState, request: Request, model: str | None) -> None:
-    """Remember where a named request goes (a bad id is left to the instance's 400)."""
+def note_request(st: RouterState, request: Request, model: str | None) -> Callable[[], bool] | None:
+    """Remember where a named request goes (a bad id is left to the instance's 400).
+    Returns ``wanted()``, whether no stop (or newer request of the id) came since; None for
+    an unnamed request. As llama-server's router: a named request outlives its client while
+    its model loads (only a stop ends it), so a reload can resume it."""
     conv_id = request.headers.get(HEADER)
-    if conv_id and model and valid_id(conv_id):
-        st.streams.remember(owner_of(request), conv_id, model)
+    if not (conv_id and model and valid_id(conv_id)):
+        return None
+    owner = owner_of(request)
+    ticket = st.streams.remember(owner, conv_id, model)
+    return lambda: st.streams.holds(owner, conv_id, ticket)
 
 
 def _state(request: Request) -> RouterState:
