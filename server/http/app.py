@@ -522,6 +522,7 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
         await asyncio.to_thread(close_engine, st)
 
     sleeper = sleep_controller(st)
+    st.streams.on_busy = lambda busy: sleeper.enter_running() if busy else sleeper.leave()
     app = FastAPI(title="llama-slot-server", lifespan=lifespan)
     app.state.server = st
     app.state.sleeper = sleeper  # POST /sleep, /wake_up, GET /is_sleeping

@@ -28,7 +28,7 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -185,6 +185,9 @@ class StreamRegistry:
         self.limits = limits
         self.sessions: dict[tuple[str, str], StreamSession] = {}
         self.stats = StreamStats()
+        # told True when a generation starts, False when it ends: a stream whose client left
+        # still runs a task (the app counts it as one: no idle sleep under it)
+        self.on_busy: Callable[[bool], None] = lambda busy: None
 
     @property
     def enabled(self) -> bool:
@@ -246,6 +249,7 @@ class StreamRegistry:
                 pool.remove(oldest)
 
     async def _produce(self, s: StreamSession, source: AsyncIterator[str]) -> None:
+        self.on_busy(True)
         try:
             async for text in source:
                 self.stats.events_dropped += s.append(text)
@@ -256,6 +260,7 @@ class StreamRegistry:
         except Exception:
             log.exception("stream %s failed", s.conv_id)
         finally:
+            self.on_busy(False)
             s.finish()
             if s.readers == 0 and self.sessions.get((s.owner, s.conv_id)) is s:
                 self._arm(s)

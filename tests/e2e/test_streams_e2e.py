@@ -157,6 +157,22 @@ def test_delete_stops_the_generation_and_frees_the_slot(srv: ServerProc) -> None
     assert metric(srv, "llamacpp:tokens_predicted_total") - predicted < 4000
 
 
+def test_a_stream_whose_client_left_keeps_the_server_awake(srv: ServerProc) -> None:
+    cid = conv()
+    read_some(srv, "/v1/chat/completions", LONG, cid, 3)
+    # its request is over, its generation is not: no sleep under it
+    r = srv.client.post("/sleep?level=1")
+    assert r.status_code == 409, r.text
+    assert srv.client.delete(f"/v1/stream?conv_id={cid}").status_code == 204
+    srv.wait_idle()
+    deadline = time.time() + 30
+    while srv.client.post("/sleep?level=1").status_code == 409 and time.time() < deadline:
+        time.sleep(0.2)  # the stopped stream's producer ends within a step
+    assert srv.client.get("/is_sleeping").json()["is_sleeping"] is True
+    assert srv.client.post("/wake_up").status_code == 200
+    srv.wait_ready()
+
+
 def test_an_unnamed_stream_still_ends_with_its_client(srv: ServerProc) -> None:
     predicted = metric(srv, "llamacpp:tokens_predicted_total")
     got = b""
