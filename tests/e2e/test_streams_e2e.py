@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -347,5 +349,71 @@ def test_router_mode_replays_looks_up_and_stops(tmp_path) -> None:
         assert r.client.delete(f"/v1/stream?conv_id={live}").status_code == 204
         assert r.client.get(f"/v1/stream?conv_id={live}").status_code == 404
         assert r.client.delete(f"/v1/stream?conv_id={live}").status_code == 204
+    finally:
+        r.stop()
+
+
+def _status(r: ServerProc, model: str) -> str:
+    return {m["id"]: m["status"]["value"] for m in r.client.get("/models").json()["data"]}[model]
+
+
+def _wait_loading(r: ServerProc, model: str) -> None:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if _status(r, model) == "loading":
+            return
+        time.sleep(0.01)
+    raise AssertionError("the model never was seen loading")
+
+
+def test_router_while_the_model_loads_a_stop_cancels_and_a_reload_resumes(tmp_path) -> None:
+    """llama.cpp's test_stream load-window cases: a stop while the named request waits for
+    its model cancels it (400); a client that drops while it waits does not (the replay is a
+    503 until the load ends, then the whole answer)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "gemma.gguf").symlink_to(gemma_path())
+    r = ServerProc("--models-dir", str(models), "-c", "2048", "-np", "2")
+    try:
+        cid, box = conv(), {}
+        body = {**CHAT, "model": "gemma", "max_tokens": 512}
+
+        def post() -> None:
+            box["r"] = r.client.post(
+                "/v1/chat/completions", json=body, headers={"X-Conversation-Id": cid}
+            )
+
+        t = threading.Thread(target=post)
+        t.start()
+        _wait_loading(r, "gemma")
+        assert r.client.delete(f"/v1/stream?conv_id={cid}").status_code == 204
+        t.join(120)
+        assert box["r"].status_code == 400 and "cancelled" in box["r"].text
+        assert r.client.get(f"/v1/stream?conv_id={cid}").status_code == 404
+        assert r.client.post("/models/unload", json={"model": "gemma"}).status_code == 200
+        # a client that leaves while the model loads: the answer is generated all the same
+        cid = conv()
+        raw = json.dumps({**CHAT, "model": "gemma", "max_tokens": 16}).encode()
+        sock = socket.create_connection(("127.0.0.1", r.port))
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nX-Conversation-Id: {cid}\r\n"
+            f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
+        )
+        sock.sendall(head.encode() + raw)
+        _wait_loading(r, "gemma")
+        sock.close()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            before = _status(r, "gemma")
+            got = r.client.get(f"/v1/stream?conv_id={cid}&from=0")
+            if before == _status(r, "gemma") == "loading":  # loading all along: retry later
+                assert got.status_code == 503, got.text
+            if got.status_code == 200:
+                break
+            assert got.status_code in (404, 503), got.text  # 404: the instance took it, not yet
+            time.sleep(0.1)
+        assert got.status_code == 200
+        assert frames(got.content)[-1] == b"data: [DONE]\n\n"
     finally:
         r.stop()
