@@ -36,6 +36,8 @@ KNOWN = {
     "/cache",
     "/v1/models",
     "/models",
+    "/v1/stream",
+    "/v1/streams/lookup",
 }
 
 
