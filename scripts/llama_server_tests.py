@@ -47,6 +47,7 @@ FILES = [
     "test_router",
     "test_sleep",
     "test_lora",
+    "test_stream",
 ]
 DEPS = ["filelock", "wget"]  # what their utils.py / conftest.py import beyond ours
 DROP_VALUED = {"--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"}

@@ -250,6 +250,12 @@ class Settings(BaseModel):
     constraint_workers: int = Field(2, gt=0)
     timeout: float = Field(600, gt=0)
     request_prep_timeout: float = Field(60, gt=0)  # server.service.pools.prepare
+    # resumable streams (server.service.streams): expiry, per-stream buffer, how many
+    stream_ttl: float = Field(300.0, gt=0, le=86400)
+    stream_max_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1 << 30)
+    stream_max_events: int = Field(32768, ge=16, le=1 << 24)
+    streams_max: int = Field(64, ge=0, le=65536)
+    streams_per_key: int = Field(16, ge=1, le=65536)
     slot_save_path: str | None = None
     verbose: bool = False
     log_verbosity: int = 3

@@ -208,6 +208,12 @@ OPTIONS: list[Opt] = [
     _o("--reuse-port", "reuse_port", "LLAMA_ARG_REUSE_PORT", "SO_REUSEPORT: several servers may bind the same port (default: off)", "bool"),
     _o("--api-prefix", "api_prefix", "LLAMA_ARG_API_PREFIX", "serve every route under this path prefix, e.g. /llm (default: none)"),
     _o("--sse-ping-interval", "sse_ping_interval", "LLAMA_ARG_SSE_PING_INTERVAL", "seconds of silence in a stream before an SSE comment ping (default: 30; <= 0 disables)", float),
+    # resumable streams (X-Conversation-Id; llama-server's are constants: 300 s, 4 MiB)
+    _o("--stream-ttl", "stream_ttl", "LLAMA_ARG_STREAM_TTL", "seconds a resumable stream (X-Conversation-Id) is kept with nobody reading it; one still generating is then stopped (default: 300)", float),
+    _o("--stream-max-bytes", "stream_max_bytes", "LLAMA_ARG_STREAM_MAX_BYTES", "replay buffer of one resumable stream, bytes; the oldest events go first (default: 4194304)", int),
+    _o("--stream-max-events", "stream_max_events", "LLAMA_ARG_STREAM_MAX_EVENTS", "replay buffer of one resumable stream, events (default: 32768)", int),
+    _o("--streams-max", "streams_max", "LLAMA_ARG_STREAMS_MAX", "resumable streams kept in all; 0 turns them off (X-Conversation-Id ignored) (default: 64)", int),
+    _o("--streams-per-key", "streams_per_key", "LLAMA_ARG_STREAMS_PER_KEY", "resumable streams kept per API key (default: 16)", int),
     _o("--slots", "slots", "LLAMA_ARG_ENDPOINT_SLOTS", "expose the /slots endpoint (default: on)", "bool", neg="--no-slots"),
     _o("--metrics", "metrics", "LLAMA_ARG_ENDPOINT_METRICS", "expose Prometheus metrics at /metrics (default: off)", "bool"),
     _o("--props", "props", "LLAMA_ARG_ENDPOINT_PROPS", "allow changing global properties with POST /props (default: off)", "bool"),

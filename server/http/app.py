@@ -43,8 +43,10 @@ from ..routes import cache as cache_routes
 from ..routes import embeddings as embedding_routes
 from ..routes import metrics as metrics_routes
 from ..routes import sleep as sleep_routes
+from ..routes import streams as stream_routes
 from ..service.adapters import registry_of
 from ..service.state import KeptModel, ServerState
+from ..service.streams import StreamLimits, StreamRegistry
 from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
@@ -499,6 +501,7 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
     app.include_router(template.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)
+    app.include_router(stream_routes.router)
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
     app.include_router(lora.router)
@@ -515,8 +518,20 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
     return webui.page_paths(page) | health
 
 
+def stream_limits(s: Settings) -> StreamLimits:
+    """The resumable streams' bounds (--stream-*, --streams-*)."""
+    return StreamLimits(
+        ttl=s.stream_ttl,
+        max_bytes=s.stream_max_bytes,
+        max_events=s.stream_max_events,
+        max_streams=s.streams_max,
+        per_owner=s.streams_per_key,
+    )
+
+
 def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAPI:
     st = ServerState(settings=settings)
+    st.streams = StreamRegistry(stream_limits(settings))
     worker.configure(constraint_limits(settings))
     metrics = st.metrics = ServerMetrics(st)
 
@@ -530,9 +545,11 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
         yield
         if watcher is not None:
             watcher.cancel()
+        st.streams.close()
         await asyncio.to_thread(close_engine, st)
 
     sleeper = sleep_controller(st)
+    st.streams.on_busy = lambda busy: sleeper.enter_running() if busy else sleeper.leave()
     app = FastAPI(title="llama-slot-server", lifespan=lifespan)
     app.state.server = st
     app.state.sleeper = sleeper  # POST /sleep, /wake_up, GET /is_sleeping

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -44,6 +44,8 @@ KNOWN = {
     "/cache",
     "/v1/models",
     "/models",
+    "/v1/stream",
+    "/v1/streams/lookup",
 }
 
 
@@ -66,6 +68,31 @@ class MetricsSource(Protocol):
     def model_name(self) -> str: ...
     @property
     def settings(self) -> Settings: ...
+    @property
+    def streams(self) -> _Streams: ...
+
+
+class _StreamCounts(Protocol):
+    """The resumable streams' counters (server.service.streams.StreamStats)."""
+
+    opened: int
+    replays: int
+    stopped: int
+    expired: int
+    expired_running: int
+    refused: int
+    events_dropped: int
+
+
+class _Streams(Protocol):
+    """The resumable streams (server.service.streams.StreamRegistry)."""
+
+    @property
+    def stats(self) -> _StreamCounts: ...
+    @property
+    def sessions(self) -> Sized: ...
+    def generating(self) -> int: ...
+    def buffered_bytes(self) -> int: ...
 
 
 class _Adapter(Protocol):
@@ -450,6 +477,35 @@ def _disk(disk: DiskTier) -> Iterator[Metric]:
     )
 
 
+def _streams(reg: _Streams) -> Iterator[Metric]:
+    """Resumable streams (server.service.streams): sessions, buffers, what became of them."""
+    st = reg.stats
+    yield _gauge("llamaslot_streams", "Resumable streams kept", len(reg.sessions))
+    yield _gauge(
+        "llamaslot_streams_generating", "Resumable streams still generating", reg.generating()
+    )
+    yield _gauge(
+        "llamaslot_streams_buffered_bytes", "Bytes held by replay buffers", reg.buffered_bytes()
+    )
+    yield _counter("llamaslot_streams_opened", "Resumable streams opened", st.opened)
+    yield _counter("llamaslot_streams_replays", "GET /v1/stream replays served", st.replays)
+    yield _counter("llamaslot_streams_stopped", "Streams stopped (DELETE or replaced)", st.stopped)
+    yield _counter(
+        "llamaslot_streams_expired", "Streams dropped after --stream-ttl unread", st.expired
+    )
+    yield _counter(
+        "llamaslot_streams_expired_generating",
+        "Expired streams whose generation was stopped (nobody came back)",
+        st.expired_running,
+    )
+    yield _counter("llamaslot_streams_refused", "Named streams refused (429: no room)", st.refused)
+    yield _counter(
+        "llamaslot_streams_events_dropped",
+        "Events dropped from full replay buffers",
+        st.events_dropped,
+    )
+
+
 class _EngineCollector:
     """Reads the engine's counters at each scrape (nothing before the engine exists)."""
 
@@ -457,6 +513,7 @@ class _EngineCollector:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
+        yield from _streams(self.state.streams)
         engine = self.state.engine
         if engine is None:
             return

@@ -92,6 +92,12 @@ class SleepController:
         self.last = time.monotonic()
         await self.wake()
 
+    def enter_running(self) -> None:
+        """A task begins that the server, awake, already runs (a resumable stream's
+        generation, which outlives its request)."""
+        self.active += 1
+        self.last = time.monotonic()
+
     async def wake(self) -> None:
         """Wake the server if it sleeps (or is falling asleep); returns once it is awake."""
         if self.sleeping or self.lock.locked():

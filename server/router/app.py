@@ -27,6 +27,7 @@ from ..http.heap import settle_heap
 from ..http.listen import bind
 from ..http.middleware import ApiKeyAuth, ApiPrefix, BodyLimit, RequestGuard
 from ..routes import webui
+from . import streams as stream_routes
 from .manager import Manager, RouterConfig
 from .presets import FlagTable, ModelSpec, PresetError, build_specs, flag_table, parse_argv
 from .routes import RouterState, router
@@ -93,6 +94,7 @@ def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
     page = webui.load_assets() if s.webui else {}
     if page:  # the chat page, with its model picker fed by /models (before the catch-all)
         app.include_router(webui.make_router(page))
+    app.include_router(stream_routes.router)  # before the catch-all of ``router``
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=int(s.max_body_mb * 1024 * 1024))
     app.add_middleware(ApiKeyAuth, keys=keys, public=webui.page_paths(page))

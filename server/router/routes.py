@@ -11,7 +11,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +23,7 @@ from .instances import LOADING, READY, Instance
 from .manager import Manager
 from .presets import ModelSpec
 from .proxy import Upstream, forward, upstream_headers
+from .streams import ConvMap, note_request
 
 router = APIRouter()
 
@@ -44,6 +45,7 @@ class RouterState:
     reload: Callable[[], dict[str, ModelSpec]] | None = None  # re-reads the sources
     started: float = 0.0
     timeout: float = 600.0  # --timeout: an instance's own limit unless its preset sets one
+    streams: ConvMap = field(default_factory=ConvMap)  # resumable streams' owners
 
 
 def llama_version() -> str:
@@ -243,19 +245,28 @@ def silence_limit(st: RouterState, inst: Instance, asked: float | None) -> float
 
 
 async def _proxy(
-    request: Request, name: str | None, body: RoutedBody, autoload: bool | None = None
+    request: Request,
+    name: str | None,
+    body: RoutedBody,
+    autoload: bool | None = None,
+    wanted: Callable[[], bool] | None = None,
 ) -> Response:
     """Hold the named instance (starting it when allowed: ``autoload``, by default the
     request's or the router's), then pass the request on. A client that leaves while
-    waiting gives up its place; the start goes on for others."""
+    waiting gives up its place; the start goes on for others. A named stream's request
+    (``wanted``: router.streams.note_request) waits on without its client, unless a stop
+    came meanwhile (400)."""
     st = state_of(request)
     inst = st.manager.require(name, autoload_of(st, request) if autoload is None else autoload)
     release = st.manager.hold(inst)
     try:
         waiting = asyncio.create_task(st.manager.ready(inst))
-        gone = asyncio.create_task(_until_disconnect(request))
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
+        watched: set[asyncio.Task[None]] = {waiting}
+        if wanted is None:  # else the client may leave: only a stop ends the request
+            watched.add(asyncio.create_task(_until_disconnect(request)))
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        for t in watched - {waiting}:
+            t.cancel()
         if not waiting.done():
             waiting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -263,6 +274,8 @@ async def _proxy(
             release()
             return Response(status_code=499)
         waiting.result()
+        if wanted is not None and not wanted():
+            raise APIError(400, "request cancelled by a stop while the model was loading")
     except BaseException:
         release()
         raise
@@ -277,5 +290,6 @@ async def proxied(request: Request, path: str) -> Response:
     """Any other endpoint: routed by the body's ``model`` (POST) or ``?model=`` (GET)."""
     if request.method in ("POST", "PUT", "PATCH"):
         body = await _body_model(request)
-        return await _proxy(request, body.model, body)
+        wanted = note_request(state_of(request), request, body.model)
+        return await _proxy(request, body.model, body, wanted=wanted)
     return await _proxy(request, request.query_params.get("model"), RoutedBody(b""))

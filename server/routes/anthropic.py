@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..api.anthropic import (
@@ -34,7 +34,8 @@ from ..service.state import ServerState, tenant_of
 from ..service.submit import submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
-from .common import SSE_HEADERS, Frame, json_str, prep, sse_batches, sse_named, state_of
+from .common import Frame, json_str, prep, sse_batches, sse_named, state_of
+from .streams import sse_response
 
 router = APIRouter()
 
@@ -69,7 +70,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
         out = message_object(new_id("msg_"), st.model_name, blocks, r, bool(m.tool_calls))
         return JSONResponse(out)
     stream = _MessageStream(plan, st.model_name, omit, len(group.tasks[0].prompt))
-    return StreamingResponse(stream.run(group), media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(request, group, stream.run(group))
 
 
 @router.post("/v1/messages/count_tokens")

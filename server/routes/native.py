@@ -6,7 +6,7 @@ import math
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..api.cancel import checkpoint
 from ..api.errors import APIError
@@ -31,7 +31,6 @@ from ..types import (
     TokenLogprob,
 )
 from .common import (
-    SSE_HEADERS,
     Frame,
     TokenProb,
     generation_settings,
@@ -45,6 +44,7 @@ from .common import (
     state_of,
     token_logprobs,
 )
+from .streams import sse_response
 
 router = APIRouter()
 
@@ -252,11 +252,7 @@ async def run_native(
         ]
         # llama-server: one prompt, one object; several, a list
         return JSONResponse(out[0] if len(out) == 1 else out)
-    return StreamingResponse(
-        _stream(st, group, echoes, body.response_fields),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
+    return sse_response(request, group, _stream(st, group, echoes, body.response_fields))
 
 
 def pick_fields(obj: dict[str, object], fields: list[str] | None) -> dict[str, object]:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..api.errors import APIError
 from ..api.schemas import ChatRequest, CompletionRequest
@@ -29,7 +29,6 @@ from ..slots.model_api import Tokenizer
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,
-    SSE_HEADERS,
     Frame,
     json_str,
     prep,
@@ -41,6 +40,7 @@ from .common import (
     token_logprobs,
 )
 from .native import completion_object
+from .streams import sse_response
 
 router = APIRouter()
 
@@ -380,11 +380,7 @@ async def respond(
         return JSONResponse(out)
     base = {**head, "object": shape.chunk_obj}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(
-        _stream(group, shape, base, include_usage, verbose),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
+    return sse_response(request, group, _stream(group, shape, base, include_usage, verbose))
 
 
 def _wants_verbose(st: ServerState, body: CompletionRequest | ChatRequest) -> bool:

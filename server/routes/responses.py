@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..api.errors import APIError
@@ -35,7 +35,6 @@ from ..service.submit import submit
 from ..service.tasks import TaskGroup
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
 from .common import (
-    SSE_HEADERS,
     Frame,
     json_str,
     prep,
@@ -44,6 +43,7 @@ from .common import (
     sse_named,
     state_of,
 )
+from .streams import sse_response
 
 router = APIRouter()
 
@@ -79,7 +79,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         use = usage(r.n_prompt, r.timings.predicted_n, r.timings.cache_n)
         return JSONResponse(response_object(new_id("resp_"), model, out, use))
     stream = _ResponseStream(plan, model)
-    return StreamingResponse(stream.run(group), media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(request, group, stream.run(group))
 
 
 @router.post("/v1/responses/input_tokens")

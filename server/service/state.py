@@ -22,6 +22,7 @@ from ..slots.kv_watch import SlotWatcher
 from ..slots.model_api import DraftModel, ModelBackend
 from ..types import ImageProjector
 from .adapters import AdapterRegistry
+from .streams import StreamLimits, StreamRegistry
 
 
 class Metrics(Protocol):
@@ -106,6 +107,8 @@ class ServerState:
     # POST /sleep?level=1: the model with its context freed; the next load opens a new
     # context on it. None otherwise.
     kept_backend: KeptModel | None = None
+    # resumable streams (X-Conversation-Id): create_app sizes it from the flags
+    streams: StreamRegistry = field(default_factory=lambda: StreamRegistry(StreamLimits()))
 
     def require_backend(self) -> ModelBackend:
         """The loaded model, or an APIError 503 while there is none (loading, asleep, or

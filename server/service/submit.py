@@ -21,6 +21,7 @@ from .budget import BudgetAsk
 from .pools import prepare
 from .sampling import sampling_from, stops_from
 from .state import ServerState
+from .streams import requested_name
 from .tasks import TaskGroup
 from .validation import bind_constraint, check_fits, check_tokens
 
@@ -147,7 +148,10 @@ async def submit(
     settings, and submits ``len(prompts) * job.n`` tasks, prompt-major (choice ``i`` runs
     prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then.
     The slow checks run on the request's preparation pool (``service.pools.prepare``):
-    with ``request``, abandoned when its client leaves; 408 after --request-prep-timeout."""
+    with ``request``, abandoned when its client leaves; 408 after --request-prep-timeout.
+    A streamed request's ``X-Conversation-Id`` is checked first (service.streams)."""
+    if job.stream and request is not None:
+        requested_name(st.streams, request)
     ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint, budget = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key

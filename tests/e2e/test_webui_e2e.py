@@ -262,6 +262,22 @@ def test_stop_ends_a_long_answer(page: Page):
     assert all(s["n_decoded"] < 1000 for s in slots), slots
 
 
+def test_a_reload_resumes_the_answer(page: Page):
+    """The page names each answer's stream by its conversation (X-Conversation-Id): a reload
+    mid-answer looks the stream up and replays it from its first byte, then follows it live
+    to its end, without asking for a new answer."""
+    page.settings(max_tokens=300, extra={"ignore_eos": True})
+    page.send("Tell me about the sea.")
+    page.wait(lambda: page.answer_state()[1] > 10 or _decoding(page.server) > 10, 120)
+    page.open(fresh=False)  # the reload
+    page.wait_answer(180)
+    assert page.answer_state()[0] == "done"
+    # the replay reached the final chunk: 300 tokens, cut at the limit
+    page.wait(lambda: len(page.all("cut-note")) == 1, 10, "no final chunk replayed")
+    assert page.d.execute_script("return window.__sse") == []  # no new chat request
+    page.server.wait_idle(timeout=60)
+
+
 def test_stopped_answers_are_listed_with_what_they_reused(page: Page):
     """Two answers stopped by the user (their final chunks never come): each is a row of
     the panel with the prompt's figures of the last chunk the page got (every chunk carries

@@ -79,8 +79,11 @@ _READ = [
 ]
 _DOCS = ["/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"]
 _PAGE = ["/", "/index.html"]
+# resumable streams: a stream's id is its capability (and its API key's, with keys)
+_STREAMS = {("GET", "/v1/stream"), ("DELETE", "/v1/stream"), ("POST", "/v1/streams/lookup")}
 SERVER_OPEN = (
-    {("POST", p) for p in _GENERATE}
+    _STREAMS
+    | {("POST", p) for p in _GENERATE}
     | {("GET", p) for p in [*_READ, *_DOCS, *_PAGE]}
     | {("HEAD", p) for p in [*_DOCS, *_PAGE]}
 )
@@ -104,6 +107,7 @@ ROUTER_OPEN = (
     | {("GET", p) for p in [*_DOCS, *_PAGE]}
     | {("HEAD", p) for p in [*_DOCS, *_PAGE]}
     | _CATCH_ALL
+    | _STREAMS
 )
 _PAGE_FILES = "/{name}"  # the page's other files, under its prefix
 

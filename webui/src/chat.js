@@ -142,13 +142,39 @@ function applyChunk(msg, ev) {
   if (typeof ev.id_slot === 'number') msg.stats = { ...(msg.stats || {}), slot: ev.id_slot };
 }
 
-// Streams an answer to the conversation's messages in; the answer is appended to them.
-async function runTurn() {
-  const conv = state.conv;
+// Answers are resumable streams named by their conversation's id (X-Conversation-Id): the
+// server goes on generating when the page goes, and a reloaded page replays the answer from
+// its first byte (GET /v1/stream) and follows it live. An id the server would refuse (an
+// imported conversation's) is sent without a name.
+const NAMEABLE = /^[A-Za-z0-9._~:/@+=-]{1,256}$/;
+const streamPath = (conv) => '/v1/stream?conv_id=' + encodeURIComponent(conv.id);
+let running = null; // the conversation whose answer streams in
+let leaving = false; // the page goes (a reload): a cut answer stays 'streaming', to be resumed
+addEventListener('pagehide', () => { leaving = true; });
+
+function startAnswer(conv, resume) {
+  if (resume) {
+    const msg = conv.messages[conv.messages.length - 1];
+    for (const k of ['reasoning', 'tool_calls', 'stats', 'finish']) delete msg[k];
+    msg.content = '';
+    return { msg, open: (signal) => api(streamPath(conv) + '&from=0', { signal }) };
+  }
   const history = conv.messages.slice();
-  const msg = { role: 'assistant', content: '' };
+  const msg = { role: 'assistant', content: '', state: 'streaming' };
   conv.messages.push(msg);
+  save(); // a reloaded page finds the answer it has to resume
+  const headers = NAMEABLE.test(conv.id) ? { 'X-Conversation-Id': conv.id } : {};
+  const body = JSON.stringify(requestBody(history));
+  return { msg, open: (signal) => api('/v1/chat/completions', { method: 'POST', body, signal, headers }) };
+}
+
+// Streams an answer to the conversation's messages in (``resume``: the last one, again
+// from the server's replay buffer); the answer is appended to them.
+async function runTurn(resume = false) {
+  const conv = state.conv;
+  const { msg, open } = startAnswer(conv, resume);
   state.controller = new AbortController();
+  running = conv;
   renderMessages();
   const art = $('messages').lastElementChild;
   fillAssistant(art, msg, true);
@@ -156,23 +182,46 @@ async function runTurn() {
   let timer = null;
   const paint = () => { timer = null; fillAssistant(art, msg, true); $('messages').scrollTop = $('messages').scrollHeight; };
   try {
-    const body = JSON.stringify(requestBody(history));
-    const r = await api('/v1/chat/completions', { method: 'POST', body, signal: state.controller.signal });
+    const r = await open(state.controller.signal);
     for await (const ev of events(r)) {
       applyChunk(msg, ev);
       if (timer === null) timer = setTimeout(paint, 60);
     }
     msg.state = 'done';
   } catch (e) {
-    if (e.name === 'AbortError') msg.state = 'stopped';
+    if (leaving) msg.state = 'streaming';
+    else if (e.name === 'AbortError') msg.state = 'stopped';
     else Object.assign(msg, { state: 'error', error: e.message });
   } finally {
     clearTimeout(timer);
     state.controller = null;
+    running = null;
     setBusy(false);
     if (state.conv === conv) renderMessages();
     save();
     state.listeners.turnDone(conv);
+  }
+}
+
+// On load: the conversation on screen ended with an answer still streaming when the page
+// went. Its stream is looked up by id; found, it is replayed, else the answer is stopped.
+export async function resumeAnswer() {
+  const conv = state.conv;
+  const last = conv && conv.messages[conv.messages.length - 1];
+  if (!last || last.role !== 'assistant' || last.state !== 'streaming' || busy()) return;
+  let found = [];
+  try {
+    const body = JSON.stringify({ conversation_ids: [conv.id] });
+    found = await (await api('/v1/streams/lookup', { method: 'POST', body })).json();
+  } catch {
+    found = [];
+  }
+  if (state.conv !== conv || busy()) return;
+  if (Array.isArray(found) && found.some((s) => s.conversation_id === conv.id)) runTurn(true);
+  else {
+    last.state = 'stopped';
+    save();
+    renderMessages();
   }
 }
 
@@ -186,8 +235,12 @@ export function send(text) {
   return true;
 }
 
+// Stop: the reading ends, and the server's generation with it (a named stream outlives
+// its reader otherwise).
 export function stop() {
-  if (state.controller) state.controller.abort();
+  if (!state.controller) return;
+  state.controller.abort();
+  if (running && NAMEABLE.test(running.id)) api(streamPath(running), { method: 'DELETE' }).catch(() => {});
 }
 
 export function regenerate() {

@@ -2,7 +2,7 @@
 // field, conversation list and cache panel together.
 
 import { auth, getJSON, setKey } from './api.js';
-import { busy, extraFields, renderMessages, send, state, stop } from './chat.js';
+import { busy, extraFields, renderMessages, resumeAnswer, send, state, stop } from './chat.js';
 import { $, el } from './dom.js';
 import { renderTurns, startLive } from './panel.js';
 import { newChat, renderList, select, setupSidebar } from './sidebar.js';
@@ -195,6 +195,7 @@ function boot() {
   if (current) select(current);
   else newChat();
   loadModel().then(() => { refreshLive = startLive(modelQuery, refreshModels); });
+  resumeAnswer();
   $('prompt').focus();
 }
 

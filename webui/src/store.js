@@ -1,7 +1,7 @@
 // Conversations and settings, kept in this browser's localStorage.
 //
 // A conversation: {id, title, created, updated, model, messages}. A message: {role,
-// content} and, for answers, reasoning, tool_calls, state (done/stopped/error) and stats
+// content} and, for answers, reasoning, tool_calls, state (done/stopped/error, or streaming: to be resumed) and stats
 // (the server's timings for that turn: cache_n, prompt_n, predicted_n,
 // predicted_per_second, and the slot it ran on).
 
@@ -88,7 +88,7 @@ function cleanMessage(m) {
   const calls = cleanToolCalls(m.tool_calls);
   if (calls && calls.length) out.tool_calls = calls;
   if (m.tool_call_id) out.tool_call_id = str(m.tool_call_id);
-  if (['done', 'stopped', 'error'].includes(m.state)) out.state = m.state;
+  if (['done', 'stopped', 'error', 'streaming'].includes(m.state)) out.state = m.state;
   const stats = cleanStats(m.stats);
   if (stats) out.stats = stats;
   return out;
