@@ -108,6 +108,8 @@ class Settings(BaseModel):
     sample_threads: int = Field(-1, ge=-1)  # CPU sampling workers (-1: auto, 0: off)
     slot_prompt_similarity: float = Field(0.10, ge=0.0, le=1.0)
     step_target_ms: float = Field(500.0, ge=0.0)
+    scheduling_policy: str = "fcfs"  # server.slots.priority
+    priority_aging_seconds: float = Field(10.0, ge=0.0)
     n_predict: int = -1
     alias: str | None = None
     tags: str | None = None

@@ -105,6 +105,8 @@ OPTIONS: list[Opt] = [
     # --- scheduling and caches ---
     _o("-sps --slot-prompt-similarity", "slot_prompt_similarity", "LLAMA_ARG_SLOT_PROMPT_SIMILARITY", "how much of a prompt must match a slot's tokens to pick that slot (default: 0.10, 0 = off)", float),
     _o("--step-target-ms", "step_target_ms", "LLAMA_ARG_STEP_TARGET_MS", "while slots generate, cut a step's prompt tokens (at most one ubatch) to what fits in this many ms by the measured step speed, so a long prompt stalls other streams no longer (default: 500, 0 = one ubatch)", float),
+    _o("--scheduling-policy", "scheduling_policy", "LLAMA_ARG_SCHEDULING_POLICY", "fcfs: requests in arrival order; priority: by the request's priority field (vLLM's: lower first, ties by arrival), a waiting request preempting a running one of a worse priority into the RAM cache (default: fcfs)", choices=("fcfs", "priority")),
+    _o("--priority-aging-seconds", "priority_aging_seconds", "LLAMA_ARG_PRIORITY_AGING_SECONDS", "--scheduling-policy priority: a waiting request's priority improves by one per this many seconds waited, so none starves (default: 10; 0 = no aging)", float),
     _o("-cram --cache-ram", "cache_ram", "LLAMA_ARG_CACHE_RAM", "RAM prompt cache size in MiB (default: 8192, -1 = no limit, 0 = off)", int),
     _o("--cache-ram-tokens", "cache_ram_tokens", "LLAMA_ARG_CACHE_RAM_TOKENS", "RAM prompt cache token limit (default: the context size; raised to what the byte limit holds)", int),
     _o("--cache-disk", "cache_disk", "LLAMA_ARG_CACHE_DISK", "directory for the disk tier under the RAM cache: entries evicted from RAM, and idle slots at shutdown, are kept there; replicas may share it (default: off; needs --cache-ram)"),

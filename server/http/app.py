@@ -47,6 +47,7 @@ from ..service.adapters import registry_of
 from ..service.state import ServerState
 from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
+from ..slots.priority import PriorityRule
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
@@ -193,6 +194,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
         spec=spec_config(s),
         context_shift=s.context_shift,
         cache_reuse=s.cache_reuse,
+        priority=PriorityRule(s.scheduling_policy, s.priority_aging_seconds),
     )
 
 

@@ -284,6 +284,27 @@ def _sampling(st: Any) -> Iterator[Metric]:
     yield fb
 
 
+def _priorities(st: Any) -> Iterator[Metric]:
+    """--scheduling-policy priority: per request priority (at most 16 labels, the rest
+    "other"): requests admitted, preemptions, seconds waited in the queue."""
+    by = list(st.by_priority.items())
+    fams = (
+        ("llamaslot_priority_requests", "Requests admitted to a slot, by priority", "requests"),
+        ("llamaslot_priority_preemptions", "Runs preempted, by priority", "preemptions"),
+        (
+            "llamaslot_priority_queue_seconds",
+            "Seconds requests waited for a slot (after a preemption too), by priority",
+            "queue_seconds",
+        ),
+    )
+    for name, doc, attr in fams:
+        fam = CounterMetricFamily(name, doc, labels=["priority"])
+        for key, c in by:
+            fam.add_metric([key], getattr(c, attr))
+        yield fam
+    yield _counter("llamaslot_preemptions", "Runs preempted (all priorities)", st.preemptions)
+
+
 def _speculative(st: Any) -> Iterator[Metric]:
     """llama-server's speculative decoding counters (0 when speculation is off)."""
     yield _counter(
@@ -402,6 +423,7 @@ class _EngineCollector:
         yield from _protocol(self.state, engine, slots)
         yield from _beyond(engine.stats)
         yield from _sampling(engine.stats)
+        yield from _priorities(engine.stats)
         yield from _speculative(engine.stats)
         yield from _per_slot(slots)
         if engine.cache is not None:

@@ -10,6 +10,7 @@ from typing import NamedTuple, Protocol
 
 from starlette.requests import Request
 
+from ..api.errors import APIError
 from ..api.schemas import SamplingFields
 from ..cache import tenancy
 from ..constrained import Constraint
@@ -137,6 +138,13 @@ async def submit(
     prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then.
     The slow checks run on the request's preparation pool (``service.pools.prepare``):
     with ``request``, abandoned when its client leaves; 408 after --request-prep-timeout."""
+    if body.priority and st.settings.scheduling_policy != "priority":
+        # vLLM refuses a priority it would not honour too
+        raise APIError(
+            400,
+            f"priority {body.priority} needs --scheduling-policy priority "
+            f"(this server schedules {st.settings.scheduling_policy})",
+        )
     ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
@@ -171,6 +179,7 @@ async def submit(
                 lora=adapters.scales,
                 return_progress=job.return_progress,
                 timings_per_token=job.timings_per_token,
+                priority=body.priority,
             )
     group.submit()
     return group

@@ -111,6 +111,7 @@ class TaskGroup:
         lora: tuple[float, ...] = (),
         return_progress: bool = False,
         timings_per_token: bool = False,
+        priority: int = 0,
     ) -> Task:
         """Add a task (not yet running: ``submit`` starts them all)."""
         task = Task(
@@ -127,6 +128,7 @@ class TaskGroup:
             return_progress=return_progress and stream,
             timings_per_token=timings_per_token and stream,
             lagging=self.box.lagging(len(self.tasks)) if stream else None,
+            priority=priority,
         )
         self.tasks.append(task)
         self.box.n_read.append(0)
