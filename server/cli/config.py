@@ -163,6 +163,10 @@ class Settings(BaseModel):
     lora_scaled: list[str] = Field(default_factory=list)
     lora_init_without_apply: bool = False
     lora_alias: list[str] = Field(default_factory=list)
+    # run-time adapters (server.service.lora_runtime)
+    enable_lora_runtime: bool = False
+    lora_runtime_dir: str | None = None
+    lora_runtime_max: int = Field(16, ge=0, le=1024)
     cache_ram: int = Field(8192, ge=-1)
     cache_ram_tokens: int = Field(0, ge=0)
     cache_idle_slots: bool = True
@@ -244,6 +248,17 @@ class Settings(BaseModel):
         llama-server does (-c given, even 0, keeps the pool; N then only caps a slot)."""
         if self.kv_unified_per_slot > 0 and "ctx_size" not in self.model_fields_set:
             self.ctx_size = self.parallel * self.kv_unified_per_slot
+        return self
+
+    @model_validator(mode="after")
+    def _lora_runtime(self) -> Settings:
+        """--enable-lora-runtime loads files only from --lora-runtime-dir: both or neither
+        make sense, and the directory must exist."""
+        d = self.lora_runtime_dir
+        if self.enable_lora_runtime and not d:
+            raise ValueError("--enable-lora-runtime needs --lora-runtime-dir DIR")
+        if self.enable_lora_runtime and d and not os.path.isdir(d):
+            raise ValueError(f"--lora-runtime-dir {d!r} is not a directory")
         return self
 
     @field_validator("parallel", mode="before")

@@ -371,6 +371,9 @@ OPTIONS += [
     _o("--lora", "lora", "", "LoRA adapter file, at scale 1 (comma-separated or repeated for several; ids in order)", lora_files, repeat=True),
     _o("--lora-scaled", "lora_scaled", "", "LoRA adapter with its scale: FNAME:SCALE,... (repeatable; ids after the --lora files)", scaled_files, repeat=True),
     _o("--lora-init-without-apply", "lora_init_without_apply", "", "load the adapters at global scale 0 (apply later with POST /lora-adapters)", "bool"),
+    _o("--enable-lora-runtime", "enable_lora_runtime", "LLAMA_ARG_ENABLE_LORA_RUNTIME", "vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: load adapters at run time, only files under --lora-runtime-dir (default: off)", "bool"),
+    _o("--lora-runtime-dir", "lora_runtime_dir", "LLAMA_ARG_LORA_RUNTIME_DIR", "the directory run-time adapter paths must lie in (symlinks resolved; needed by --enable-lora-runtime)"),
+    _o("--lora-runtime-max", "lora_runtime_max", "LLAMA_ARG_LORA_RUNTIME_MAX", "most distinct adapter files loaded at run time over the server's life; their memory stays with the model (default: 16)", int),
     _o("--lora-alias", "lora_alias", "", "NAME=FNAME,...: requests with model NAME run under that adapter (added at scale 0 if not loaded yet); /v1/models lists the names (repeatable)", lora_aliases, repeat=True),
     # --- router mode (server.router) and sleeping when idle (server.http.sleep) ---
     _o("--models-dir", "models_dir", "LLAMA_ARG_MODELS_DIR", "router mode (without -m): serve the GGUF files of this directory, one server process per model, named by file stem (a subfolder per multi-file model) (default: off)"),

@@ -15,6 +15,7 @@ decode. Contracts:
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import llama_cpp as L
@@ -25,6 +26,7 @@ class LoraAdapters:
 
     def __init__(self, model: Any, ctx: Any, paths: list[str]) -> None:
         self._ctx = ctx
+        self._model = model
         self.paths = list(paths)
         self._handles: list[Any] = []
         for p in self.paths:
@@ -42,6 +44,36 @@ class LoraAdapters:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    def load_fd(self, fd: int) -> Any:
+        """Load an adapter from the open file ``fd`` (read from its start), on any thread:
+        llama.cpp reads it into buffers of its own and registers it with the model, which
+        no decode reads (a decode reads the context's adapters, set by ``apply``). The
+        caller hashed these very bytes (runtime loading: service/lora_runtime.py), so no
+        path is opened twice. ValueError when llama.cpp refuses it."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fdopen.restype = ctypes.c_void_p
+        libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        os.lseek(fd, 0, os.SEEK_SET)
+        dup = os.dup(fd)
+        fp = libc.fdopen(dup, b"rb")
+        if not fp:
+            os.close(dup)
+            raise OSError(ctypes.get_errno(), "fdopen failed")
+        try:
+            h = L.llama_adapter_lora_init_from_file_ptr(self._model, ctypes.c_void_p(fp))
+        finally:
+            libc.fclose(fp)
+        if not h:
+            raise ValueError("not a LoRA adapter of this model")
+        return h
+
+    def attach(self, handle: Any) -> int:
+        """Add a loaded adapter (``load_fd``'s) under the next id; engine thread only (the
+        ids are the scales' indices the next ``apply`` reads)."""
+        self._handles.append(handle)
+        return len(self._handles) - 1
 
     def apply(self, scales: tuple[float, ...]) -> None:
         """Set the adapters with a non-zero scale on the context (see module docstring)."""
