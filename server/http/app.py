@@ -265,7 +265,7 @@ def _backend_options(st: ServerState, path: str) -> ModelOptions:
         st.adapters = registry_of(
             s.lora, s.lora_scaled, s.lora_alias, not s.lora_init_without_apply
         )
-    return replace(model_options(s, path), lora_paths=tuple(st.adapters.paths))
+    return replace(model_options(s, path), lora_paths=tuple(st.adapters.reload_paths()))
 
 
 def load(st: ServerState) -> None:

@@ -30,6 +30,9 @@ class LoraAdapters:
         self.paths = list(paths)
         self._handles: list[Any] = []
         for p in self.paths:
+            if not p:  # an id left empty: a run-time adapter unloaded (service/adapters.py)
+                self._handles.append(None)
+                continue
             h = L.llama_adapter_lora_init(model, p.encode())
             if not h:
                 raise ValueError(f"failed to load LoRA adapter {p!r} (not a LoRA of this model?)")
@@ -77,7 +80,12 @@ class LoraAdapters:
 
     def apply(self, scales: tuple[float, ...]) -> None:
         """Set the adapters with a non-zero scale on the context (see module docstring)."""
-        active = tuple((i, s) for i, s in enumerate(scales) if s != 0.0 and i < len(self._handles))
+        handles = self._handles
+        active = tuple(
+            (i, s)
+            for i, s in enumerate(scales)
+            if s != 0.0 and i < len(handles) and handles[i] is not None
+        )
         if active == self._applied:
             return
         n = len(active)

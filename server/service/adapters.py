@@ -157,6 +157,23 @@ class AdapterRegistry:
         self.by_alias[name] = a
         self.runtime_names.add(name)
 
+    def reload_paths(self) -> list[str]:
+        """The files a model (re)load loads, one per id. A run-time adapter whose file is
+        gone or holds other bytes now (a wake from sleep reloads by path) is unloaded and
+        its id left empty (""): its digest keys cache entries of the old bytes."""
+        out = []
+        for a in self.adapters:
+            if a.runtime and not a.removed:
+                try:
+                    same = file_digest(a.path) == a.digest
+                except OSError:
+                    same = False
+                if not same:
+                    for name in [n for n, b in self.by_alias.items() if b is a]:
+                        self.remove(name)
+            out.append("" if a.runtime and a.removed else a.path)
+        return out
+
     def remove(self, name: str) -> Adapter:
         """Unload a runtime adapter by name: no request may name it from now on (KeyError
         for an unknown name; ValueError for a --lora adapter)."""

@@ -98,11 +98,14 @@ def test_an_adapter_loaded_at_run_time_serves_and_keys_every_cache(make_server, 
     assert again["tokens_cached"] == n - 1  # keyed by the adapter: the second one hits
     assert same(again, first)
     ad_id = ids_by_alias(s)["ad"]
+    models = {m["id"]: m for m in s.client.get("/v1/models").json()["data"]}
+    assert models["ad"]["lora_id"] == ad_id and models["ad"]["root"].endswith("ad.gguf")
 
     # unloaded: no request can name it; the same bytes again: same id, the cache still hits
     assert unload(s, "ad").status_code == 200
     assert unload(s, "ad").status_code == 404
     assert "ad" not in ids_by_alias(s)
+    assert "ad" not in {m["id"] for m in s.client.get("/v1/models").json()["data"]}
     gone = s.client.post(
         "/completion", json={"prompt": "Hi", "n_predict": 1, "lora": [{"id": ad_id, "scale": 1}]}
     )
@@ -147,4 +150,32 @@ def test_bad_paths_are_refused_and_the_server_keeps_serving(make_server, files):
     assert s.client.get("/lora-adapters").json() == []
     assert load(s, "a", "a.gguf").status_code == 200  # a good one still loads
     assert ask(s, "a")["tokens_predicted"] == 1
+    s.assert_integrity()
+
+
+def test_a_wake_reloads_runtime_adapters_and_drops_those_whose_file_changed(
+    make_server, files, tmp_path
+):
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(files["a"], root / "keep.gguf")
+    shutil.copy(files["b"], root / "swap.gguf")
+    s = make_server(
+        "-np", "1", "--enable-lora-runtime", "--lora-runtime-dir", str(root),
+        "--cache-disk", str(tmp_path / "disk"),
+    )  # fmt: skip
+    assert load(s, "keep", "keep.gguf").status_code == 200
+    assert load(s, "swap", "swap.gguf").status_code == 200
+    kept = ask(s, "keep")
+    r = s.client.post("/sleep", params={"level": "2"})  # the model (and adapters) freed
+    assert r.status_code == 200 and r.json()["level"] == 2
+    shutil.copy(files["a"], root / "swap.gguf")  # other bytes under a loaded adapter's path
+    assert s.client.post("/wake_up").status_code == 200
+    assert set(ids_by_alias(s)) == {"keep"}  # swap's bytes changed: unloaded at the reload
+    again = ask(s, "keep")
+    assert again["tokens_cached"] == again["tokens_evaluated"] - 1  # the disk tier carried it
+    assert same(again, kept)
+    assert load(s, "swap", "swap.gguf").status_code == 200  # a's bytes: keep's id, keep's key
+    swapped = ask(s, "swap")
+    assert swapped["tokens_cached"] == swapped["tokens_evaluated"] - 1
     s.assert_integrity()

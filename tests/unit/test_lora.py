@@ -292,3 +292,19 @@ def test_runtime_paths_stay_under_the_directory(tmp_path):
     with pytest.raises(APIError) as e:
         open_checked(r, os.path.join(r, "sub"))
     assert e.value.status == 403
+
+
+def test_a_reload_drops_runtime_adapters_whose_file_changed(tmp_path):
+    from server.service.adapters import file_digest
+
+    same, changed, gone = (tmp_path / n for n in ("same", "changed", "gone"))
+    for p in (same, changed, gone):
+        p.write_bytes(p.name.encode())
+    reg = AdapterRegistry([Adapter(0, "base.gguf", "b" * 32, 1.0, 1.0)])
+    for i, p in enumerate((same, changed, gone), start=1):
+        reg.add_runtime(i, str(p), file_digest(str(p)), p.name)
+    changed.write_bytes(b"other bytes")
+    gone.unlink()
+    assert reg.reload_paths() == ["base.gguf", str(same), "", ""]
+    assert set(reg.by_alias) == {"same"}
+    assert [a.removed for a in reg.adapters] == [False, False, True, True]
