@@ -112,6 +112,16 @@ def test_priority_is_refused_under_fcfs_and_bounded(make_server):
         json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "priority": 2},
     )
     assert r.status_code == 400 and "--scheduling-policy" in r.json()["error"]["message"]
+    r = s.client.post(  # Anthropic Messages: an extension field, as llama-server's own
+        "/v1/messages",
+        json={
+            "model": "m",
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "priority": 1,
+        },
+    )
+    assert r.status_code == 400 and "--scheduling-policy" in r.text
     ok = s.client.post("/completion", json={"prompt": "Hi", "n_predict": 1, "priority": 0})
     assert ok.status_code == 200
     big = s.client.post("/completion", json={"prompt": "Hi", "n_predict": 1, "priority": 10**9})
