@@ -113,7 +113,7 @@ class Engine:
             self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv, self.reuse
         )
         self.updater = Updater(self.b, self.stats, self._send, lambda: self.shifts)
-        self.preemption = Preemption(self.opts.priority)
+        self.preemption = Preemption()
         self.placer = Placer(
             self.b,
             self.store,
@@ -385,7 +385,8 @@ class Engine:
         if sum(1 for s in self.slots if s.idle) >= len(self.waiting):
             return  # an idle slot for every waiter: nothing to weigh
         runs = self.preemption.views(self.slots, self.cache is not None, self.spec.by_model)
-        back = self.runner.drive(self.preemption.make_room(self.waiting, self.slots, runs, now))
+        room = self.preemption.make_room(rule, self.waiting, self.slots, runs, now)
+        back = self.runner.drive(room)
         if back:
             self.stats.on_preempted([t.priority for t in back])
             self.waiting.extend(back)

@@ -37,8 +37,7 @@ class Preempted:
 
 
 class Preemption:
-    def __init__(self, rule: PriorityRule) -> None:
-        self.rule = rule
+    def __init__(self) -> None:
         self.held: dict[int, Preempted] = {}
         self.count = 0  # preemptions done
 
@@ -65,17 +64,19 @@ class Preemption:
 
     def make_room(
         self,
+        rule: PriorityRule,
         waiting: Sequence[Task],
         slots: Sequence[Slot],
         runs: list[RunView],
         now: float,
     ) -> Ops[list[Task]]:
-        """Preempt the runs ``victims`` names for ``waiting`` (in admission order): each
-        one's state to the RAM cache, then its slot idle. Returns the preempted tasks (to
-        wait again; their aging starts ``now``). A run whose save fails keeps its slot."""
+        """Preempt the runs ``victims`` names under ``rule`` for ``waiting`` (in admission
+        order): each one's state to the RAM cache, then its slot idle. Returns the preempted
+        tasks (to wait again; their aging starts ``now``). A run whose save fails keeps its
+        slot."""
         n_idle = sum(1 for s in slots if s.idle)
         out: list[Task] = []
-        for _, sid in victims(self.rule, waiting, n_idle, runs, now):
+        for _, sid in victims(rule, waiting, n_idle, runs, now):
             slot = slots[sid]
             if not (yield SaveRun(slot)):
                 continue

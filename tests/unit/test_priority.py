@@ -77,7 +77,6 @@ def test_victims_leave_idle_slots_and_pinned_tasks_alone():
 def prio_engine(n_seq=2, **kw):
     e, b = make_engine(n_seq=n_seq, **kw)
     e.opts.priority = PRIO
-    e.preemption.rule = PRIO
     e.cache = PromptCache(-1, 0)
     e.opts.cache_idle_slots = False
     return e, b
@@ -169,7 +168,7 @@ def test_a_run_whose_cache_entry_was_lost_recomputes_it_and_finishes_whole():
 
 def test_fcfs_never_preempts():
     e, b = prio_engine(n_seq=1)
-    e.opts.priority = e.preemption.rule = PriorityRule("fcfs")
+    e.opts.priority = PriorityRule("fcfs")
     low, lc = prio_task(long_prompt(100), 5, t0=0.0, max_tokens=10)
     e.waiting.append(low)
     for _ in range(3):
