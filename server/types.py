@@ -331,6 +331,10 @@ class Timings:
     draft_n_accepted: int = 0
     cache_reuse_n: int = 0  # --cache-reuse: cached tokens moved into place (in cache_n)
     cache_reuse_chunks: int = 0
+    # --scheduling-policy priority: times the run was preempted, and the tokens (prompt and
+    # answer) the RAM cache gave back at its last resume (cache_n: the prompt's part of them)
+    preempted: int = 0
+    resumed_n: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
         """llama-server's ``timings``: the generation rate counts decode steps, one fewer
@@ -358,6 +362,9 @@ class Timings:
                 {"cache_reuse_n": self.cache_reuse_n, "cache_reuse_chunks": self.cache_reuse_chunks}
                 if self.cache_reuse_chunks
                 else {}
+            ),
+            **(
+                {"preempted": self.preempted, "resumed_n": self.resumed_n} if self.preempted else {}
             ),
         }
 
@@ -522,6 +529,11 @@ class Task:
     n_sent: int = 0  # events the engine has sent (engine thread only writes it)
     # the prompt's images, in order (their placeholders are in ``prompt``; issue 42)
     images: tuple[PromptImage, ...] = ()
+    # vLLM's ``priority`` (--scheduling-policy priority): lower is served first, ties by
+    # arrival; ``t_waiting``: when the task last entered the wait queue (its arrival, or
+    # its preemption), from which its aging counts (slots/priority.py)
+    priority: int = 0
+    t_waiting: float = 0.0
 
     def cancel(self) -> None:
         """Safe from any thread: the engine drops the task at its next step."""

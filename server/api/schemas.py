@@ -82,6 +82,10 @@ class StreamOptions(BaseBody):
 LORA_SCALE_MAX = 10.0
 
 
+# the widest request priority either way (vLLM takes any integer; these are plenty)
+PRIORITY_MAX = 1_000_000
+
+
 class LoraScale(BaseBody):
     """llama-server's LoRA item: an adapter id (GET /lora-adapters) and its scale, within
     ``LORA_SCALE_MAX`` either way."""
@@ -135,6 +139,9 @@ class SamplingFields(BaseBody, SamplerFields):
     n_discard: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     # --cache-reuse for this request (0: off; default: the server's); llama-server's field
     n_cache_reuse: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    # vLLM's scheduling priority: lower is served first (needs --scheduling-policy priority;
+    # under fcfs only 0 is taken, as vLLM does)
+    priority: Annotated[int, Field(ge=-PRIORITY_MAX, le=PRIORITY_MAX)] = 0
     # llama-server's per-request adapter scales; an adapter left out runs at 0 (issue 32)
     lora: Annotated[list[LoraScale], Field(max_length=1024)] | None = None
 

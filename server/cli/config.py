@@ -127,6 +127,8 @@ class Settings(BaseModel):
     sample_threads: int = Field(-1, ge=-1)  # CPU sampling workers (-1: auto, 0: off)
     slot_prompt_similarity: float = Field(0.10, ge=0.0, le=1.0)
     step_target_ms: float = Field(500.0, ge=0.0)
+    scheduling_policy: str = "fcfs"  # server.slots.priority
+    priority_aging_seconds: float = Field(10.0, ge=0.0)
     n_predict: int = -1
     alias: str | None = None
     tags: str | None = None
@@ -211,6 +213,10 @@ class Settings(BaseModel):
     image_max_mib: int = Field(10, ge=1, le=1024)
     image_max_pixels: int = Field(33554432, ge=1)
     image_max_count: int = Field(16, ge=1, le=256)
+    # run-time adapters (server.service.lora_runtime)
+    enable_lora_runtime: bool = False
+    lora_runtime_dir: str | None = None
+    lora_runtime_max: int = Field(16, ge=0, le=1024)
     cache_ram: int = Field(8192, ge=-1)
     cache_ram_tokens: int = Field(0, ge=0)
     cache_idle_slots: bool = True
@@ -306,6 +312,17 @@ class Settings(BaseModel):
         llama-server does (-c given, even 0, keeps the pool; N then only caps a slot)."""
         if self.kv_unified_per_slot > 0 and "ctx_size" not in self.model_fields_set:
             self.ctx_size = self.parallel * self.kv_unified_per_slot
+        return self
+
+    @model_validator(mode="after")
+    def _lora_runtime(self) -> Settings:
+        """--enable-lora-runtime loads files only from --lora-runtime-dir: both or neither
+        make sense, and the directory must exist."""
+        d = self.lora_runtime_dir
+        if self.enable_lora_runtime and not d:
+            raise ValueError("--enable-lora-runtime needs --lora-runtime-dir DIR")
+        if self.enable_lora_runtime and d and not os.path.isdir(d):
+            raise ValueError(f"--lora-runtime-dir {d!r} is not a directory")
         return self
 
     @field_validator("parallel", mode="before")

@@ -123,6 +123,8 @@ OPTIONS: list[Opt] = [
     # --- scheduling and caches ---
     _o("-sps --slot-prompt-similarity", "slot_prompt_similarity", "LLAMA_ARG_SLOT_PROMPT_SIMILARITY", "how much of a prompt must match a slot's tokens to pick that slot (default: 0.10, 0 = off)", float),
     _o("--step-target-ms", "step_target_ms", "LLAMA_ARG_STEP_TARGET_MS", "while slots generate, cut a step's prompt tokens (at most one ubatch) to what fits in this many ms by the measured step speed, so a long prompt stalls other streams no longer (default: 500, 0 = one ubatch)", float),
+    _o("--scheduling-policy", "scheduling_policy", "LLAMA_ARG_SCHEDULING_POLICY", "fcfs: requests in arrival order; priority: by the request's priority field (vLLM's: lower first, ties by arrival), a waiting request preempting a running one of a worse priority into the RAM cache (default: fcfs)", choices=("fcfs", "priority")),
+    _o("--priority-aging-seconds", "priority_aging_seconds", "LLAMA_ARG_PRIORITY_AGING_SECONDS", "--scheduling-policy priority: a waiting request's priority improves by one per this many seconds waited, so none starves (default: 10; 0 = no aging)", float),
     _o("-cram --cache-ram", "cache_ram", "LLAMA_ARG_CACHE_RAM", "RAM prompt cache size in MiB (default: 8192, -1 = no limit, 0 = off)", int),
     _o("--cache-ram-tokens", "cache_ram_tokens", "LLAMA_ARG_CACHE_RAM_TOKENS", "RAM prompt cache token limit (default: the context size; raised to what the byte limit holds)", int),
     _o("--cache-disk", "cache_disk", "LLAMA_ARG_CACHE_DISK", "directory for the disk tier under the RAM cache: entries evicted from RAM, and idle slots at shutdown, are kept there; replicas may share it (default: off; needs --cache-ram)"),
@@ -413,6 +415,9 @@ OPTIONS += [
     _o("--lora", "lora", "", "LoRA adapter file, at scale 1 (comma-separated or repeated for several; ids in order)", lora_files, repeat=True),
     _o("--lora-scaled", "lora_scaled", "", "LoRA adapter with its scale: FNAME:SCALE,... (repeatable; ids after the --lora files)", scaled_files, repeat=True),
     _o("--lora-init-without-apply", "lora_init_without_apply", "", "load the adapters at global scale 0 (apply later with POST /lora-adapters)", "bool"),
+    _o("--enable-lora-runtime", "enable_lora_runtime", "LLAMA_ARG_ENABLE_LORA_RUNTIME", "vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: load adapters at run time, only files under --lora-runtime-dir (default: off)", "bool"),
+    _o("--lora-runtime-dir", "lora_runtime_dir", "LLAMA_ARG_LORA_RUNTIME_DIR", "the directory run-time adapter paths must lie in (symlinks resolved; needed by --enable-lora-runtime)"),
+    _o("--lora-runtime-max", "lora_runtime_max", "LLAMA_ARG_LORA_RUNTIME_MAX", "most distinct adapter files loaded at run time over the server's life; their memory stays with the model (default: 16)", int),
     _o("--lora-alias", "lora_alias", "", "NAME=FNAME,...: requests with model NAME run under that adapter (added at scale 0 if not loaded yet); /v1/models lists the names (repeatable)", lora_aliases, repeat=True),
     # --- images (issue 42; server.llama.mtmd, server.api.media) ---
     _o("-mm --mmproj", "mmproj", "LLAMA_ARG_MMPROJ", "multimodal projector file: images in chat messages (default: none)"),

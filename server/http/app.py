@@ -49,6 +49,7 @@ from ..service.state import KeptModel, ServerState
 from ..service.streams import StreamLimits, StreamRegistry
 from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
+from ..slots.priority import PriorityRule
 from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
 from ..types import ImageProjector
 from . import kv_setup
@@ -196,6 +197,7 @@ def engine_options(s: Settings, has_cache: bool) -> EngineOptions:
         spec=spec_config(s),
         context_shift=s.context_shift,
         cache_reuse=s.cache_reuse,
+        priority=PriorityRule(s.scheduling_policy, s.priority_aging_seconds),
     )
 
 
@@ -289,7 +291,7 @@ def _backend_options(st: ServerState, path: str) -> ModelOptions:
         st.adapters = registry_of(
             s.lora, s.lora_scaled, s.lora_alias, not s.lora_init_without_apply
         )
-    return replace(model_options(s, path), lora_paths=tuple(st.adapters.paths))
+    return replace(model_options(s, path), lora_paths=tuple(st.adapters.reload_paths()))
 
 
 def load(st: ServerState) -> None:

@@ -375,6 +375,27 @@ def _sampling(st: EngineStats) -> Iterator[Metric]:
     yield fb
 
 
+def _priorities(st: EngineStats) -> Iterator[Metric]:
+    """--scheduling-policy priority: per request priority (at most 16 labels, the rest
+    "other"): requests admitted, preemptions, seconds waited in the queue."""
+    by = list(st.by_priority.items())
+    fams = (
+        ("llamaslot_priority_requests", "Requests admitted to a slot, by priority", "requests"),
+        ("llamaslot_priority_preemptions", "Runs preempted, by priority", "preemptions"),
+        (
+            "llamaslot_priority_queue_seconds",
+            "Seconds requests waited for a slot (after a preemption too), by priority",
+            "queue_seconds",
+        ),
+    )
+    for name, doc, attr in fams:
+        fam = CounterMetricFamily(name, doc, labels=["priority"])
+        for key, c in by:
+            fam.add_metric([key], getattr(c, attr))
+        yield fam
+    yield _counter("llamaslot_preemptions", "Runs preempted (all priorities)", st.preemptions)
+
+
 def _speculative(st: EngineStats) -> Iterator[Metric]:
     """llama-server's speculative decoding counters (0 when speculation is off)."""
     yield _counter(
@@ -524,6 +545,7 @@ class _EngineCollector:
         yield from _beyond(engine.stats)
         yield from _images(engine.stats, self.state)
         yield from _sampling(engine.stats)
+        yield from _priorities(engine.stats)
         yield from _speculative(engine.stats)
         yield from _per_slot(slots)
         if engine.cache is not None:

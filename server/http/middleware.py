@@ -220,6 +220,8 @@ LOCAL_ONLY = (
     LocalOnly("/props"),
     LocalOnly("/cors-proxy"),
     LocalOnly("/lora-adapters"),
+    LocalOnly("/v1/load_lora_adapter"),  # vLLM's run-time adapters (--enable-lora-runtime)
+    LocalOnly("/v1/unload_lora_adapter"),
     LocalOnly("/debug"),
     LocalOnly("/sleep"),  # vLLM's sleep mode: frees the model (GET /is_sleeping is open)
     LocalOnly("/wake_up"),

@@ -516,6 +516,15 @@ class LlamaBackend(SeqMemory):
         """The LoRA scales the next decodes run under (one per loaded adapter; empty: none)."""
         self.lora.apply(scales)
 
+    def load_adapter(self, fd: int) -> object:
+        """Load a LoRA adapter from an open file, off the engine thread (LoraAdapters.load_fd)."""
+        return self.lora.load_fd(fd)
+
+    def attach_adapter(self, handle: object) -> int:
+        """Give a loaded adapter its id; engine thread only (LoraAdapters.attach)."""
+        assert isinstance(handle, ctypes._Pointer)  # load_adapter's result
+        return self.lora.attach(handle)
+
     def set_embeddings(self, on: bool) -> None:
         """Switch the context to computing embeddings (every token of a decode is then an
         output, pooled per sequence) or back to logits only. Between decodes."""

@@ -5,11 +5,13 @@ an alias, overrides the global scales for that request only."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
 from pydantic import TypeAdapter, ValidationError
 
 from ..api.errors import APIError
 from ..api.json_body import parse_json_body
 from ..api.schemas import LoraScale
+from ..service import lora_runtime
 from .common import state_of
 
 router = APIRouter()
@@ -36,3 +38,26 @@ async def post_lora_adapters(request: Request) -> dict[str, object]:
         raise APIError(400, f"expected a list of {{id, scale}} items: {e}") from None
     st.adapters.set_global(items)
     return {"success": True}
+
+
+def _object(raw: bytes) -> dict[str, object]:
+    body = parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise APIError(400, "expected a JSON object")
+    return body
+
+
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+async def load_lora_adapter(request: Request) -> str:
+    """vLLM's: ``{"lora_name", "lora_path"}`` loads the adapter file (under
+    --lora-runtime-dir; --enable-lora-runtime, else 404); requests then name it as their
+    ``model`` (service/lora_runtime.py)."""
+    st = state_of(request)
+    return await lora_runtime.load(st, _object(await request.body()))
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+async def unload_lora_adapter(request: Request) -> str:
+    """vLLM's: ``{"lora_name"}`` unloads an adapter loaded at run time."""
+    st = state_of(request)
+    return await lora_runtime.unload(st, _object(await request.body()))

@@ -136,22 +136,22 @@ async def models(request: Request) -> dict[str, object]:
 
 
 def adapter_models(st: ServerState) -> list[dict[str, object]]:
-    """The --lora-alias adapters as models (vLLM's convention: ``parent`` is the base
-    model, ``root`` the adapter file); ``model: NAME`` selects one."""
+    """The named adapters (--lora-alias, and those loaded at run time) as models (vLLM's
+    convention: ``parent`` is the base model, ``root`` the adapter file); ``model: NAME``
+    selects one."""
     return [
         {
-            "id": a.alias,
+            "id": name,
             "object": "model",
             "created": int(st.started),
             "owned_by": "llamacpp",
             "type": "model",
-            "display_name": a.alias,
+            "display_name": name,
             "root": a.path,
             "parent": st.model_name,
             "lora_id": a.id,
         }
-        for a in st.adapters.adapters
-        if a.alias
+        for name, a in list(st.adapters.by_alias.items())
     ]
 
 

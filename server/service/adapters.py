@@ -34,6 +34,11 @@ class Adapter:
     scale: float  # the global scale (POST /lora-adapters changes it)
     default_scale: float  # its --lora-scaled scale (1.0 for --lora): an alias runs it so
     alias: str | None = None
+    # loaded by POST /v1/load_lora_adapter (service/lora_runtime.py); ``removed``: unloaded
+    # since (its id stays taken: ids are the scales' indices; the same bytes loaded again
+    # come back under it, with the cache entries keyed by its digest)
+    runtime: bool = False
+    removed: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class AdapterRegistry:
         # the global scales as one tuple, replaced whole (``set_global``, on the event loop):
         # ``resolve`` may run in a worker thread and never sees half of a change
         self.global_scales = tuple(a.scale for a in adapters)
+        self.runtime_names: set[str] = set()  # aliases given at run time (unloadable)
+        self.runtime_busy = False  # a run-time load is under way (service/lora_runtime.py)
 
     @classmethod
     def from_files(
@@ -89,6 +96,8 @@ class AdapterRegistry:
         """GET /lora-adapters: llama-server's list (``alias`` added where one is set)."""
         out = []
         for a in self.adapters:
+            if a.removed:
+                continue
             d: dict[str, object] = {
                 "id": a.id,
                 "path": a.path,
@@ -108,6 +117,8 @@ class AdapterRegistry:
         for it in items:
             if not 0 <= it.id < len(scales):
                 raise APIError(400, f"invalid adapter id {it.id}: {len(scales)} adapters loaded")
+            if it.scale and self.adapters[it.id].removed:
+                raise APIError(400, f"adapter {it.id} was unloaded")
             scales[it.id] = float(it.scale)
         return tuple(scales)
 
@@ -117,6 +128,65 @@ class AdapterRegistry:
         for a, s in zip(self.adapters, scales, strict=True):
             a.scale = s
         self.global_scales = scales
+
+    # ---- run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter) -------------
+
+    def by_digest(self, digest: str) -> Adapter | None:
+        """The adapter loaded from these bytes, unloaded or not."""
+        return next((a for a in self.adapters if a.digest == digest), None)
+
+    def add_runtime(self, id: int, path: str, digest: str, name: str) -> Adapter:
+        """Register an adapter the engine attached under ``id`` (the next one), named
+        ``name`` (requests name it as their ``model``), at scale 0 globally."""
+        if id != len(self.adapters):
+            raise RuntimeError(f"adapter id {id} out of step with {len(self.adapters)} adapters")
+        a = Adapter(id, path, digest, 0.0, 1.0, alias=name, runtime=True)
+        self.adapters.append(a)
+        self.by_alias[name] = a
+        self.runtime_names.add(name)
+        self.global_scales = (*self.global_scales, 0.0)
+        return a
+
+    def revive(self, a: Adapter, path: str, name: str) -> None:
+        """The bytes of ``a`` loaded again under ``name``: the same id, digest and so the
+        same cache entries."""
+        if a.removed:
+            a.removed, a.path = False, path
+        a.alias = a.alias or name
+        self.by_alias[name] = a
+        self.runtime_names.add(name)
+
+    def reload_paths(self) -> list[str]:
+        """The files a model (re)load loads, one per id. A run-time adapter whose file is
+        gone or holds other bytes now (a wake from sleep reloads by path) is unloaded and
+        its id left empty (""): its digest keys cache entries of the old bytes."""
+        out = []
+        for a in self.adapters:
+            if a.runtime and not a.removed:
+                try:
+                    same = file_digest(a.path) == a.digest
+                except OSError:
+                    same = False
+                if not same:
+                    for name in [n for n, b in self.by_alias.items() if b is a]:
+                        self.remove(name)
+            out.append("" if a.runtime and a.removed else a.path)
+        return out
+
+    def remove(self, name: str) -> Adapter:
+        """Unload a runtime adapter by name: no request may name it from now on (KeyError
+        for an unknown name; ValueError for a --lora adapter)."""
+        a = self.by_alias[name]
+        if name not in self.runtime_names:
+            raise ValueError(f"{name!r} was loaded at start (--lora-alias): it stays")
+        del self.by_alias[name]
+        self.runtime_names.discard(name)
+        if a.runtime and not any(b is a for b in self.by_alias.values()):
+            a.removed, a.alias, a.scale = True, None, 0.0
+            self.global_scales = tuple(
+                0.0 if b is a else s for b, s in zip(self.adapters, self.global_scales, strict=True)
+            )
+        return a
 
     def resolve(self, lora: list[LoraScale] | None, model: str | None) -> AdapterChoice:
         """What a request with these fields runs under (module docstring). Thread-safe

@@ -10,6 +10,7 @@ from typing import NamedTuple, Protocol
 
 from starlette.requests import Request
 
+from ..api.errors import APIError
 from ..api.schemas import SamplingFields
 from ..cache import tenancy
 from ..constrained import Constraint
@@ -152,6 +153,13 @@ async def submit(
     A streamed request's ``X-Conversation-Id`` is checked first (service.streams)."""
     if job.stream and request is not None:
         requested_name(st.streams, request)
+    if body.priority and st.settings.scheduling_policy != "priority":
+        # vLLM refuses a priority it would not honour too
+        raise APIError(
+            400,
+            f"priority {body.priority} needs --scheduling-policy priority "
+            f"(this server schedules {st.settings.scheduling_policy})",
+        )
     ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint, budget = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
@@ -188,6 +196,7 @@ async def submit(
                 return_progress=job.return_progress,
                 timings_per_token=job.timings_per_token,
                 images=p.images,
+                priority=body.priority,
             )
     group.submit()
     return group

@@ -121,6 +121,7 @@ class TaskGroup:
         return_progress: bool = False,
         timings_per_token: bool = False,
         images: tuple[PromptImage, ...] = (),
+        priority: int = 0,
     ) -> Task:
         """Add a task (not yet running: ``submit`` starts them all)."""
         task = Task(
@@ -138,6 +139,7 @@ class TaskGroup:
             timings_per_token=timings_per_token and stream,
             lagging=self.box.lagging(len(self.tasks)) if stream else None,
             images=images,
+            priority=priority,
         )
         self.tasks.append(task)
         self.box.n_read.append(0)

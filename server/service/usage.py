@@ -18,6 +18,8 @@ def merged_timings(results: list[TaskResult]) -> Timings:
         t.draft_n_accepted += r.timings.draft_n_accepted
         t.cache_reuse_n += r.timings.cache_reuse_n
         t.cache_reuse_chunks += r.timings.cache_reuse_chunks
+        t.preempted += r.timings.preempted
+        t.resumed_n += r.timings.resumed_n
         t.prompt_ms = max(t.prompt_ms, r.timings.prompt_ms)
         t.predicted_ms = max(t.predicted_ms, r.timings.predicted_ms)
     return t

@@ -34,6 +34,7 @@ from .executor import Executor
 from .kv_watch import SlotWatcher
 from .options import EngineOptions
 from .placement import Placer
+from .preempt import Preemption
 from .runner import Runner
 from .sampling import ParallelSampling
 from .scheduler import Scheduler
@@ -112,6 +113,7 @@ class Engine:
             self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv, self.reuse
         )
         self.updater = Updater(self.b, self.stats, self._send, lambda: self.shifts)
+        self.preemption = Preemption()
         self.placer = Placer(
             self.b,
             self.store,
@@ -121,6 +123,7 @@ class Engine:
             cache,
             self.opts,
             self.reuse if self.reuse.available else None,
+            self.preemption,
         )
         self.runner = Runner(
             self.store, self.spec, self.stats, self.executor, self.reuse, cache, disk
@@ -336,6 +339,9 @@ class Engine:
 
     def _reap_cancelled(self) -> None:
         if any(t.cancelled for t in self.waiting):
+            for t in self.waiting:
+                if t.cancelled:
+                    self.preemption.drop(t)
             self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
         for s in self.slots:
             if s.state is not SlotState.IDLE:
@@ -349,13 +355,42 @@ class Engine:
         (the memory side: cache restores, cuts, sharing)."""
         if not self.waiting:
             return
+        now = time.perf_counter()
+        rule = self.opts.priority
+        if rule.on:
+            self._preempt(now)
         admission = self.scheduler.admit(self.waiting, self.slots)
         self.waiting = admission.deferred
         placed = self.runner.drive(self.placer.place(admission.placements))
+        for p in admission.placements:
+            t = p.task
+            if p.slot.task is t:
+                run = p.slot.live
+                run.rank = rule.effective(t, now)
+                self.stats.on_admitted(
+                    t.priority, now - (t.t_waiting or t.t_enqueued), not run.preempted
+                )
         for task, err in placed.failed:
+            self.preemption.drop(task)
             self._send(task, err)
         for slot in placed.progress:
             self.updater.progress(slot)
+
+    def _preempt(self, now: float) -> None:
+        """--scheduling-policy priority: order the queue, then preempt the runs that waiting
+        tasks of a better priority displace (slots/priority.py, slots/preempt.py); the
+        preempted tasks wait again, in order."""
+        rule = self.opts.priority
+        self.waiting = rule.order(self.waiting, now)
+        if sum(1 for s in self.slots if s.idle) >= len(self.waiting):
+            return  # an idle slot for every waiter: nothing to weigh
+        runs = self.preemption.views(self.slots, self.cache is not None, self.spec.by_model)
+        room = self.preemption.make_room(rule, self.waiting, self.slots, runs, now)
+        back = self.runner.drive(room)
+        if back:
+            self.stats.on_preempted([t.priority for t in back])
+            self.waiting.extend(back)
+            self.waiting = rule.order(self.waiting, now)
 
     # ---- the step: schedule, execute, update ---------------------------------------
 
@@ -410,7 +445,9 @@ class Engine:
                 s.task.emit(TaskError(500, message))
                 s.release()
         while self.waiting:
-            self.waiting.popleft().emit(TaskError(503, message))
+            t = self.waiting.popleft()
+            self.preemption.drop(t)
+            t.emit(TaskError(503, message))
         self.embed.fail_all(message)
         while True:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .priority import PriorityRule
 from .speculative import SpecConfig
 
 
@@ -28,6 +29,8 @@ class EngineOptions:
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (--spec-*)
     context_shift: bool = False  # --context-shift: a full slot shifts (SlotStore.shift)
     cache_reuse: int = 0  # --cache-reuse N: least chunk reused by a KV shift (slots/reuse.py)
+    # --scheduling-policy and --priority-aging-seconds (slots/priority.py)
+    priority: PriorityRule = field(default_factory=PriorityRule)
 
 
 __all__ = ["EngineOptions"]

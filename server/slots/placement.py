@@ -24,6 +24,7 @@ from .locator import Match
 from .options import EngineOptions
 from .plan import CacheIdle, CopyPrefix, Cut, Ops, ParkChunks, Placed, Placement, Restore, ResumeAt
 from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
+from .preempt import Preemption
 from .reuse import ReuseChunk
 from .sampling import cpu_reason
 from .sharing import PrefixSharing
@@ -46,8 +47,10 @@ class Placer:
         cache: PromptCache | None,
         opts: EngineOptions,
         reuse: CacheReuse | None = None,
+        preemption: Preemption | None = None,
     ) -> None:
-        """``reuse``: --cache-reuse (None: off)."""
+        """``reuse``: --cache-reuse (None: off); ``preemption``: the preempted runs that
+        resume when their tasks are placed again (slots/preempt.py)."""
         self.b = backend
         self.store = store
         self.sharing = sharing
@@ -56,6 +59,7 @@ class Placer:
         self.cache = cache
         self.opts = opts
         self.reuse = reuse
+        self.preemption = preemption
 
     def place(self, placements: list[Placement]) -> Ops[Placed]:
         """Start every placement in order; then, once per admission pass, the slots left
@@ -74,6 +78,10 @@ class Placer:
         ``out.failed`` and leaves the slot idle)."""
         slot, task = p.slot, p.task
         try:
+            probe = self.preemption.resume_probe(task) if self.preemption else None
+            if probe is not None:
+                yield from self._resume(slot, task, probe, p.choice)
+                return
             # one lookup over every holder serves the tier loads and prefix sharing
             index = self.cache.index if self.cache is not None else None
             match = self.sharing.locator.match(task.tenant, task.prompt, index)
@@ -104,6 +112,44 @@ class Placer:
             n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
         self.cache.update()
         return n_lcp
+
+    def _resume(self, slot: Slot, task: Task, probe: list[int], choice: SlotChoice) -> Ops[None]:
+        """A preempted run comes back on ``slot``: its state out of the RAM cache (or the
+        disk tier, or what the slot still holds of it), cut to what is usable, then the run
+        itself (``Preemption.reattach``). ``probe``: its state's tokens (and next token)."""
+        assert self.preemption is not None  # only a preempted task has a probe
+        if self.cache is not None:
+            if choice.save_first:
+                ram.save(self.store, self.cache, slot)
+            match = self.sharing.locator.match(task.tenant, probe, self.cache.index)
+            yield Restore(slot, probe, task.tenant, match.tiers())
+            self.cache.update()
+        own = slot.tenant == task.tenant
+        plan = plan_reuse(
+            slot.tokens,
+            probe,
+            cache_prompt=True,
+            pos_min=self.store.pos_min(slot),
+            n_swa=self.b.n_swa,
+            checkpoints=[
+                CheckpointView(c.n_tokens, c.pos_min, c.pos_max) for c in slot.checkpoints
+            ],
+            n_lcp=None if own else 0,
+            recurrent=self.b.is_recurrent,
+        )
+        if plan.checkpoint >= 0:
+            n_past = yield ResumeAt(slot, plan.checkpoint)
+        else:
+            n_past = yield Cut(slot, plan.n_past)
+        run = self.preemption.reattach(slot, task, n_past)
+        log.debug(
+            "slot %d: task %d resumed at %d of %d (%s)",
+            slot.id,
+            task.id,
+            n_past,
+            len(probe),
+            "refill" if run.refill is not None else plan.reason,
+        )
 
     def _launch(self, slot: Slot, task: Task, n_lcp: int | None, match: Match) -> Ops[None]:
         """Place ``task`` on ``slot``: keep the reusable prefix of its KV, drop the rest,

@@ -221,6 +221,15 @@ class EvictIdle:
 
 
 @dataclass(frozen=True, slots=True)
+class SaveRun:
+    """--scheduling-policy priority: keep a running ``slot``'s whole state in the RAM cache
+    (its run is about to be preempted). Outcome: whether the cache holds it now (saved, or
+    covered by a longer entry of its tenant)."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
 class Clear:
     """Empty ``slot``'s sequence (an embedding's slot after its decode)."""
 
@@ -234,7 +243,16 @@ class EmbedDecode:
 
 
 MemoryOp = (
-    Restore | Cut | ResumeAt | ParkChunks | CopyPrefix | CacheIdle | EvictIdle | Clear | EmbedDecode
+    Restore
+    | Cut
+    | ResumeAt
+    | ParkChunks
+    | CopyPrefix
+    | CacheIdle
+    | EvictIdle
+    | SaveRun
+    | Clear
+    | EmbedDecode
 )
 # a decision: yields memory operations, reads each one's outcome (sent back by
 # ``Runner.drive``), and returns its own result. Every outcome is an int (a token count, a

@@ -23,6 +23,17 @@ def save(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
     return cache.put(store.snapshot(slot)).saved
 
 
+def save_run(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
+    """Keep a running slot's state (a preempted run's, slots/preempt.py) in the RAM cache,
+    whoever's tenant it is (the run itself comes back for it); True when the cache holds it
+    (saved, or covered by a longer entry of its tenant)."""
+    if not slot.tokens:
+        return False
+    out = cache.put(store.snapshot(slot))
+    cache.update()
+    return out.saved or out.reason == "covered"
+
+
 def load(
     store: SlotStore,
     cache: PromptCache,

@@ -34,6 +34,7 @@ from .plan import (
     ParkChunks,
     Restore,
     ResumeAt,
+    SaveRun,
     StepOutputs,
     StepPlan,
 )
@@ -110,6 +111,8 @@ class Runner:
         if isinstance(op, EvictIdle):
             ram.evict_idle(store, self.cache, op.slot)
             return 0
+        if isinstance(op, SaveRun):
+            return self.cache is not None and ram.save_run(store, self.cache, op.slot)
         if isinstance(op, Clear):
             return store.clear(op.slot)
         if isinstance(op, EmbedDecode):

@@ -67,7 +67,8 @@ class Scheduler:
         return min(plan.budget, used + room)
 
     def admit(self, waiting: collections.deque[Task], slots: list[Slot]) -> Admission:
-        """Which idle slot each waiting task takes, in FIFO order (DESIGN §5). A task whose
+        """Which idle slot each waiting task takes, in queue order (FIFO, or the priority
+        order slots/priority.py sorted the queue in; DESIGN §5). A task whose
         slot (``id_slot``) is busy waits and the next ones go on; a task that finds no idle
         slot at all stops admission (the rest keep their order). Pure: the slots a pass
         places are only marked taken in its own views."""
@@ -146,7 +147,10 @@ class Scheduler:
         cur = len(s.tokens)
         run = s.live
         task = run.task
-        prompt = task.prompt
+        # a resumed run recomputing what the RAM cache lost of it (slots/preempt.py) fills
+        # its KV back up to its answer so far; no logits: its next token is sampled already
+        refill = run.refill
+        prompt = task.prompt if refill is None else refill
         n_reuse, nxt = 0, -1
         if run.reuse:
             n_reuse, cur, nxt = due_chunks(run.reuse, cur)
@@ -165,7 +169,7 @@ class Scheduler:
         if marks:
             end = min(end, min((m for m in marks if m > cur), default=end))
         checkpoint = False
-        if self.ckpt.enabled:
+        if self.ckpt.enabled and refill is None:
             n_start = run.n_cached
             end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
             checkpoint = self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start)
@@ -173,7 +177,7 @@ class Scheduler:
             s,
             prompt[cur:end],
             generating=False,
-            logits=end == len(prompt),
+            logits=end == len(prompt) and refill is None,
             checkpoint=checkpoint,
             reuse=n_reuse,
         )

@@ -30,6 +30,16 @@ class Usage(NamedTuple):
     predicted_n: int
 
 
+class RunCounts(NamedTuple):
+    """A run's counts and answer, kept while it is preempted (slots/preempt.py)."""
+
+    n_prompt: int
+    n_sampled: int
+    generated: list[int]
+    next_token: int
+    n_emitted: int
+
+
 class Sequence:
     __slots__ = (
         "tokens",
@@ -72,6 +82,21 @@ class Sequence:
         """A task starts on the slot holding ``n_cached`` tokens of its prompt."""
         self.n_prompt, self.n_cached, self.n_computed = n_prompt, n_cached, 0
         self.n_sampled, self.generated, self.next_token, self.n_emitted = 0, [], -1, 0
+        self.n_reused = self.n_reuse_chunks = 0
+
+    def counts(self) -> RunCounts:
+        """What a preempted run takes along (its KV goes to the RAM cache)."""
+        return RunCounts(
+            self.n_prompt, self.n_sampled, self.generated, self.next_token, self.n_emitted
+        )
+
+    def resume(self, c: RunCounts, n_past: int) -> None:
+        """A preempted run resumes on this slot, which holds ``n_past`` tokens of it: its
+        answer so far comes back; the prompt is accounted as a placement's would be (cache_n:
+        the prompt tokens the slot holds again, prompt_n: those it computes from here)."""
+        self.n_prompt, self.n_cached, self.n_computed = c.n_prompt, min(n_past, c.n_prompt), 0
+        self.n_sampled, self.generated, self.next_token = c.n_sampled, c.generated, c.next_token
+        self.n_emitted = c.n_emitted
         self.n_reused = self.n_reuse_chunks = 0
 
     def reused(self, n_tokens: int, n_chunks: int) -> None:

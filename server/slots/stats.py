@@ -7,6 +7,20 @@ from dataclasses import dataclass, field
 
 from ..types import FinishReason, TaskResult
 
+# distinct priorities counted apart in the metrics; the rest under "other" (a client's
+# integer must not grow the label set without bound)
+MAX_PRIORITY_LABELS = 16
+
+
+@dataclass
+class PriorityCounts:
+    """One priority's tasks: admitted (first placements), preemptions, seconds waited in
+    the queue (first waits and waits after a preemption)."""
+
+    requests: int = 0
+    preemptions: int = 0
+    queue_seconds: float = 0.0
+
 
 @dataclass
 class EngineStats:
@@ -62,6 +76,9 @@ class EngineStats:
     draft_steps: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_catchup_tokens: int = 0  # decoded by the draft model to catch up with its slot
+    # --scheduling-policy priority: per priority (its decimal text, or "other")
+    by_priority: dict[str, PriorityCounts] = field(default_factory=dict)
+    preemptions: int = 0
     # Observers (metrics) called on the engine thread; must be cheap and never raise.
     observers: list[Callable[[str, float], None]] = field(default_factory=list)
 
@@ -117,6 +134,28 @@ class EngineStats:
     def on_image(self, n_tokens: int) -> None:
         self.images_decoded += 1
         self.image_tokens_computed += n_tokens
+
+    def _priority(self, priority: int) -> PriorityCounts:
+        key = str(priority)
+        got = self.by_priority.get(key)
+        if got is None:
+            if len(self.by_priority) >= MAX_PRIORITY_LABELS - 1:
+                key = "other"
+            got = self.by_priority.setdefault(key, PriorityCounts())
+        return got
+
+    def on_admitted(self, priority: int, waited_s: float, first: bool) -> None:
+        """A task of ``priority`` got a slot after ``waited_s`` in the queue (``first``: its
+        first placement, not a resume)."""
+        c = self._priority(priority)
+        c.requests += first
+        c.queue_seconds += waited_s
+
+    def on_preempted(self, priorities: list[int]) -> None:
+        """Runs of these priorities gave their slots up (slots/preempt.py)."""
+        self.preemptions += len(priorities)
+        for p in priorities:
+            self._priority(p).preemptions += 1
 
     def on_launch(self, queue_ms: float) -> None:
         self._observe("queue_ms", queue_ms)

@@ -63,6 +63,9 @@ class Updater:
         run = s.run
         assert run is not None  # checked by ``update`` (per token: no ``live`` call)
         if not o.work.generating:
+            if run.refill is not None:
+                self._refilled(s, run, len(o.work.tokens))
+                return
             run.seq.n_computed += len(o.work.tokens)
             if run.task.return_progress:
                 self.progress(s)
@@ -82,6 +85,18 @@ class Updater:
         for i, tok in enumerate(o.tokens):
             if not self.take(s, tok, lps[i] if lps is not None else None):
                 return
+
+    def _refilled(self, s: Slot, run: SlotRun, n: int) -> None:
+        """A resumed run recomputed ``n`` tokens the RAM cache had lost (slots/preempt.py):
+        those of its prompt count as computed prompt tokens; once its KV holds its answer so
+        far again it generates on from the token it had sampled."""
+        refill = run.refill
+        assert refill is not None  # checked by ``_account``
+        end = len(s.tokens)
+        run.seq.n_computed += max(0, min(end, run.n_prompt) - (end - n))
+        if end >= len(refill):
+            run.refill = None
+            s.state = SlotState.GENERATE
 
     def take(self, s: Slot, tok: int, logprob: TokenLogprob | None = None) -> bool:
         """Account for the sampled token (and its log-probs, when asked for) and emit its
@@ -213,6 +228,8 @@ def timings_of(run: SlotRun, now: float) -> Timings:
         draft_n_accepted=run.n_draft_accepted,
         cache_reuse_n=run.seq.n_reused,
         cache_reuse_chunks=run.seq.n_reuse_chunks,
+        preempted=run.preempted,
+        resumed_n=run.resumed_n,
     )
 
 

@@ -32,6 +32,8 @@ SERVER_LOCAL_ONLY = {
     ("GET", "/debug/integrity"),
     ("GET", "/lora-adapters"),
     ("POST", "/lora-adapters"),  # every client's adapter scales
+    ("POST", "/v1/load_lora_adapter"),  # vLLM's run-time adapters: files of the machine
+    ("POST", "/v1/unload_lora_adapter"),
     ("GET", "/cors-proxy"),  # other hosts
     ("POST", "/cors-proxy"),
     ("POST", "/sleep"),  # vLLM's sleep mode: frees the model

@@ -4,6 +4,8 @@ sharing, slot files), the registry's resolution rules and the flags."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from server.api.errors import APIError
@@ -231,3 +233,78 @@ def test_prefix_sharing_within_a_set_still_shares():
     t, c = lora_task(DOC[:1000] + [5, 6], A, KA, max_tokens=2, id_slot=1)
     run(e, t)
     assert c.result.timings.cache_n == 1000 and e.stats.prefix_shared_tokens == 1000
+
+
+# ---- run-time adapters (issue 44: service/lora_runtime.py) ---------------------------
+
+
+def test_runtime_adapters_keep_their_ids_and_keys_across_unload_and_reload(tmp_path):
+    reg = AdapterRegistry([])
+    a = reg.add_runtime(0, str(tmp_path / "a"), "d" * 32, "ad")
+    key = reg.key((1.0,))
+    assert reg.resolve(None, "ad").key == key and reg.global_scales == (0.0,)
+    reg.remove("ad")
+    assert a.removed and "ad" not in reg.by_alias and reg.describe() == []
+    with pytest.raises(APIError):
+        reg.scales_of([LoraScale(id=0, scale=1.0)])
+    assert reg.by_digest("d" * 32) is a
+    reg.revive(a, str(tmp_path / "b"), "again")
+    assert reg.resolve(None, "again").key == key  # the same bytes: the same cache key
+    reg.add_runtime(1, str(tmp_path / "c"), "e" * 32, "other")
+    assert reg.resolve(None, "other").key != key  # other bytes: another key
+    with pytest.raises(RuntimeError):
+        reg.add_runtime(5, "x", "f" * 32, "skip")
+
+
+def test_startup_aliases_cannot_be_unloaded(tmp_path):
+    reg = AdapterRegistry([Adapter(0, "p", "d" * 32, 1.0, 1.0, alias="base")])
+    with pytest.raises(ValueError):
+        reg.remove("base")
+    with pytest.raises(KeyError):
+        reg.remove("nobody")
+
+
+def test_runtime_paths_stay_under_the_directory(tmp_path):
+    from server.service.lora_runtime import checked_path, open_checked
+
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "ok.gguf").write_bytes(b"x")
+    (tmp_path / "out.gguf").write_bytes(b"y")
+    os.symlink(tmp_path / "out.gguf", root / "link.gguf")
+    r = os.path.realpath(root)
+    assert checked_path(r, "ok.gguf") == os.path.join(r, "ok.gguf")
+    assert checked_path(r, "sub/../ok.gguf") == os.path.join(r, "ok.gguf")
+    for bad, status in [
+        ("../out.gguf", 403),
+        (str(tmp_path / "out.gguf"), 403),
+        ("link.gguf", 403),
+        (".", 403),
+        ("", 400),
+        ("a\0b", 400),
+        (3, 400),
+    ]:
+        with pytest.raises(APIError) as e:
+            checked_path(r, bad)
+        assert e.value.status == status, bad
+    fd = open_checked(r, os.path.join(r, "ok.gguf"))
+    os.close(fd)
+    with pytest.raises(APIError) as e:
+        open_checked(r, os.path.join(r, "sub"))
+    assert e.value.status == 403
+
+
+def test_a_reload_drops_runtime_adapters_whose_file_changed(tmp_path):
+    from server.service.adapters import file_digest
+
+    same, changed, gone = (tmp_path / n for n in ("same", "changed", "gone"))
+    for p in (same, changed, gone):
+        p.write_bytes(p.name.encode())
+    reg = AdapterRegistry([Adapter(0, "base.gguf", "b" * 32, 1.0, 1.0)])
+    for i, p in enumerate((same, changed, gone), start=1):
+        reg.add_runtime(i, str(p), file_digest(str(p)), p.name)
+    changed.write_bytes(b"other bytes")
+    gone.unlink()
+    assert reg.reload_paths() == ["base.gguf", str(same), "", ""]
+    assert set(reg.by_alias) == {"same"}
+    assert [a.removed for a in reg.adapters] == [False, False, True, True]
