@@ -349,7 +349,7 @@ class Engine:
         (the memory side: cache restores, cuts, sharing)."""
         if not self.waiting:
             return
-        admission = self.scheduler.admit(self.waiting, self.slots)
+        admission = self.scheduler.admit(self.waiting, self.slots, self.sharing.locator)
         self.waiting = admission.deferred
         placed = self.runner.drive(self.placer.place(admission.placements))
         for task, err in placed.failed:

@@ -17,6 +17,7 @@ record, never copies kept in step by hand.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -45,6 +46,7 @@ class Sequence:
         "n_stable",
         "n_reused",
         "n_reuse_chunks",
+        "watch",
     )
 
     def __init__(self) -> None:
@@ -65,6 +67,9 @@ class Sequence:
         # --cache-reuse: cached tokens of this run moved into place (in n_cached), in chunks
         self.n_reused = 0
         self.n_reuse_chunks = 0
+        # told of every change of ``tokens`` (the tokens now, how many leading ones stayed):
+        # the slots' block index (server.cache.block_index, wired by SlotStore); None: none
+        self.watch: Callable[[list[int], int], None] | None = None
 
     # ---- a run -------------------------------------------------------------------
 
@@ -93,23 +98,32 @@ class Sequence:
     # ---- the KV's tokens (SlotStore only) ----------------------------------------
 
     def extend(self, toks: list[int]) -> None:
+        n = len(self.tokens)
         self.tokens.extend(toks)
+        if self.watch is not None:
+            self.watch(self.tokens, n)
 
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
         self._n_arr = min(self._n_arr, n)
         self.n_stable = min(self.n_stable, n)
+        if self.watch is not None:
+            self.watch(self.tokens, n)
 
     def remove(self, start: int, end: int) -> None:
         """Drop tokens[start:end] (a context shift): those after them move down."""
         del self.tokens[start:end]
         self._n_arr = min(self._n_arr, start)
         self.n_stable = min(self.n_stable, start)
+        if self.watch is not None:
+            self.watch(self.tokens, start)
 
     def assign(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self._n_arr = 0
         self.n_stable = 0
+        if self.watch is not None:
+            self.watch(tokens, 0)
 
     def array(self) -> np.ndarray:
         """``tokens`` as an int32 array (a view, valid until the tokens change): only the
