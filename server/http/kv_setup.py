@@ -23,7 +23,7 @@ from ..cache.kv_blocks import BlockHasher
 from ..cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, KVEvents
 from ..cache.kv_publisher import KVPublisher, endpoint_problem, normalize_endpoint
 from ..cli.config import Settings
-from ..slots.kv_watch import SlotWatcher
+from ..slots.kv_watch import SlotWatcher, watch_slots
 
 log = logging.getLogger("server.http.kv_setup")
 
@@ -90,7 +90,7 @@ def attach(rt: KVEventsRuntime | None, engine: Any) -> None:
     """The engine reports its slots' sequences after each step."""
     if rt is None:
         return
-    rt.watcher = SlotWatcher(rt.events, len(engine.slots))
+    rt.watcher = watch_slots(rt.events, engine.store.blocks, engine.slots)
     engine.kv_watch = rt.watcher
 
 

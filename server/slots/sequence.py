@@ -43,7 +43,6 @@ class Sequence:
         "n_emitted",
         "_arr",
         "_n_arr",
-        "n_stable",
         "n_reused",
         "n_reuse_chunks",
         "watch",
@@ -61,14 +60,12 @@ class Sequence:
         # int32 mirror of tokens[:_n_arr] (the rest is copied in when array() is read)
         self._arr = np.empty(0, dtype=np.int32)
         self._n_arr = 0
-        # tokens[:n_stable] are unchanged since the KV-event watcher last looked (it sets it
-        # back to len(tokens); slots/kv_watch.py): a cut, shift or assign lowers it
-        self.n_stable = 0
         # --cache-reuse: cached tokens of this run moved into place (in n_cached), in chunks
         self.n_reused = 0
         self.n_reuse_chunks = 0
         # told of every change of ``tokens`` (the tokens now, how many leading ones stayed):
-        # the slots' block index (server.cache.block_index, wired by SlotStore); None: none
+        # the slots' block index (server.cache.block_index, wired by SlotStore), which tells
+        # its listeners (the KV events: slots/kv_watch.py); None: none
         self.watch: Callable[[list[int], int], None] | None = None
 
     # ---- a run -------------------------------------------------------------------
@@ -106,7 +103,6 @@ class Sequence:
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
         self._n_arr = min(self._n_arr, n)
-        self.n_stable = min(self.n_stable, n)
         if self.watch is not None:
             self.watch(self.tokens, n)
 
@@ -114,14 +110,12 @@ class Sequence:
         """Drop tokens[start:end] (a context shift): those after them move down."""
         del self.tokens[start:end]
         self._n_arr = min(self._n_arr, start)
-        self.n_stable = min(self.n_stable, start)
         if self.watch is not None:
             self.watch(self.tokens, start)
 
     def assign(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self._n_arr = 0
-        self.n_stable = 0
         if self.watch is not None:
             self.watch(tokens, 0)
 
