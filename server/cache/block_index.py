@@ -126,13 +126,14 @@ class BlockIndex:
         c.items = items
         bs, nodes = self.bs, c.nodes
         n_full = len(items) // bs
-        keep = min(n_keep // bs, len(nodes), n_full)
-        if keep < len(nodes):
-            self._release(nodes, keep)
-            self.gen += 1
-        if n_full > len(nodes):
-            self._grow(c, n_full)
-            self.gen += 1
+        if n_full != len(nodes) or n_keep < n_full * bs:  # else: within its last block
+            keep = min(n_keep // bs, len(nodes), n_full)
+            if keep < len(nodes):
+                self._release(nodes, keep)
+                self.gen += 1
+            if n_full > len(nodes):
+                self._grow(c, n_full)
+                self.gen += 1
         if not quiet:
             for ls in self.listeners:
                 ls.changed(hid, items, n_keep)
