@@ -18,10 +18,11 @@ loads it into a slot: ``SlotStore.restore(slot, state, trusted)``.
 Where the state came from decides how far it is trusted (``restore``'s ``trusted``): one we
 made ourselves (RAM, a queued write) loads as it is; a file's (slot file, disk tier) has its
 cells proven before llama.cpp sees it. Files keep their on-disk formats (slot_file.py,
-disk_files.py): SavedState is what they are read into and written from. Two records stay
-beside it, neither a saved state: ``slot_file.Appendices``, what the appendix parser read
-(given to a SavedState with ``slot_file.give_appendices``), and ``disk_files.DiskEntry``,
-the disk index's record of a file not read yet (``DiskTier.read`` makes it a SavedState).
+disk_files.py): SavedState is what they are read into and written from; a file's
+appendices are read as a SavedState of its extras alone (``slot_file.parse_appendices``,
+given to the state they follow with ``slot_file.give_appendices``). One record stays
+beside it, not a saved state: ``disk_files.DiskEntry``, the disk index's record of a file
+not read yet (``DiskTier.read`` makes it a SavedState).
 """
 
 from __future__ import annotations
