@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..cache import slot_file
 from ..cache.block_index import BlockIndex
-from ..cache.saved import Extras, InBuffer, InFile, InSlot, SavedState
+from ..cache.saved import Extras, InBuffer, InFile, InSlot, OnDisk, SavedState
 from ..types import Checkpoint, StateBuf, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
@@ -329,7 +329,7 @@ class SlotStore:
         ``trusted``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
         0 when refused (the slot is then empty)."""
         where, n = state.data, len(state.tokens)
-        if isinstance(where, (InSlot, InFile)):
+        if isinstance(where, (InSlot, InFile, OnDisk)):
             raise TypeError(f"a state {type(where).__name__} has no bytes to load")
         region, data, nbytes = None, where, None
         if isinstance(where, InBuffer):
