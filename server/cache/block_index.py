@@ -16,7 +16,9 @@ item compare within the next block: independent of the number of holders and of
 anything cached elsewhere.
 
 Listeners (KV events: server/slots/kv_watch.py) are told of every change with the same
-arguments, after the trie took it: the one record of what the slots hold.
+arguments, after the trie took it: the one record of what the slots hold. Appends that
+fill no block (of the index's or a listener's size) need not be told at all: ``changed``
+returns the length at which the next one must be.
 
 Engine thread only (the slots' tokens change there, and the admission reads there).
 """
@@ -71,9 +73,11 @@ class Chain:
 
 
 class ChainListener(Protocol):
-    """Told of each holder's changes (``BlockIndex.listeners``)."""
+    """Told of each holder's changes (``BlockIndex.listeners``), as the index is; returns
+    the length at which it must hear of an append next (appends below it may go untold:
+    the next call's ``n_keep`` then covers them)."""
 
-    def changed(self, hid: Hashable, items: Sequence[PromptItem], n_keep: int) -> None: ...
+    def changed(self, hid: Hashable, items: Sequence[PromptItem], n_keep: int) -> int: ...
 
 
 class Path:
@@ -116,10 +120,13 @@ class BlockIndex:
 
     def changed(
         self, hid: Hashable, items: Sequence[PromptItem], n_keep: int, quiet: bool = False
-    ) -> None:
+    ) -> int:
         """Holder ``hid`` now holds ``items``, of which the first ``n_keep`` are the ones it
-        held before (an append: its old length; a cut to n: n; an assign: 0). Listeners
-        are told unless ``quiet`` (an in-flight prompt: not in any KV)."""
+        held before (an append: its length before the appends since the last call; a cut
+        to n: n; an assign: 0). Listeners are told unless ``quiet`` (an in-flight prompt:
+        not in any KV). Returns the length at which an append must be told next (the end
+        of the holder's next block, or sooner for a listener): appends that stay below it
+        may go untold (a ``Sequence`` skips them: one compare per generated token)."""
         c = self._chains.get(hid)
         if c is None:
             c = self._chains[hid] = Chain()
@@ -134,9 +141,11 @@ class BlockIndex:
             if n_full > len(nodes):
                 self._grow(c, n_full)
                 self.gen += 1
+        tell_at = (n_full + 1) * bs
         if not quiet:
             for ls in self.listeners:
-                ls.changed(hid, items, n_keep)
+                tell_at = min(tell_at, ls.changed(hid, items, n_keep))
+        return tell_at
 
     def drop(self, hid: Hashable) -> None:
         """Forget ``hid`` (its nodes no other holder passes through go)."""

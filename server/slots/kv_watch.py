@@ -41,18 +41,20 @@ class SlotWatcher:
         self._len = [0] * n_slots  # each slot's length at its last change
         self._low: dict[int, int] = {}  # slot id -> first token changed since the last sync
 
-    def changed(self, hid: Hashable, items: Sequence[PromptItem], n_keep: int) -> None:
-        """Slot ``hid`` holds ``items`` now, the first ``n_keep`` of them unchanged."""
+    def changed(self, hid: Hashable, items: Sequence[PromptItem], n_keep: int) -> int:
+        """Slot ``hid`` holds ``items`` now, the first ``n_keep`` of them unchanged (appends
+        since the last call included). Returns the length that fills its next block."""
+        n, bs = len(items), self.bs
         if not isinstance(hid, int):
-            return
-        old, n = self._len[hid], len(items)
+            return (n // bs + 1) * bs
+        old = self._len[hid]
         self._len[hid] = n
-        bs = self.bs
         if n_keep >= old and n // bs == old // bs:
-            return  # an append that filled no block
+            return (n // bs + 1) * bs  # appends that filled no block
         low = self._low.get(hid)
         if low is None or n_keep < low:
             self._low[hid] = n_keep
+        return (n // bs + 1) * bs
 
     def sync(self, slots: list[Slot]) -> None:
         """Publish what changed in the slots' blocks since the last call: blocks now held
@@ -96,5 +98,5 @@ def watch_slots(events: KVEvents, blocks: BlockIndex, slots: list[Slot]) -> Slot
     w = SlotWatcher(events, len(slots))
     blocks.listeners.append(w)
     for s in slots:
-        w.changed(s.id, s.tokens, 0)
+        s.seq.retell()  # from now on told at this watcher's block ends too
     return w

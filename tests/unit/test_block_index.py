@@ -145,3 +145,38 @@ def test_engine_slots_are_indexed_as_their_tokens_change():
     assert list(m.inflight) == [0, 200, 0]
     assert m.held[0] == 100 and 0 < m.held[1] < 200
     assert e.sharing.locator.match("other", prompt).held[0] == 0  # another tenant's
+
+
+def test_appends_within_a_block_go_untold_and_a_late_listener_hears_everything():
+    """A sequence tells its watch an append only when it reaches the length the watch
+    returned (the end of the next block, of the index's or a listener's size); a listener
+    that joins later is told the tokens as they are (``retell``)."""
+    from server.slots.sequence import Sequence
+
+    class Spy:
+        def __init__(self, bs: int) -> None:
+            self.bs, self.calls = bs, []
+
+        def changed(self, hid, items, n_keep) -> int:
+            self.calls.append((len(items), n_keep))
+            return (len(items) // self.bs + 1) * self.bs
+
+    ix = BlockIndex(8)
+    seq = Sequence()
+    seq.watch = lambda items, n_keep: ix.changed(0, items, n_keep)
+    told = []
+    real = ix.changed
+    ix.changed = lambda *a, **k: told.append(len(a[1])) or real(*a, **k)  # type: ignore[method-assign]
+    for t in range(20):
+        seq.extend([t])
+    assert told == [1, 8, 16]  # the first append, then each block's end
+    assert ix.shared(0, ix.path(list(range(20))), list(range(20))) == 20
+    spy = Spy(3)
+    ix.listeners.append(spy)
+    seq.retell()
+    assert spy.calls == [(20, 20)]
+    for t in range(20, 26):
+        seq.extend([t])
+    assert [n for n, _ in spy.calls] == [20, 21, 24]  # every 3 now (the listener's blocks)
+    seq.truncate(5)  # a cut is always told
+    assert spy.calls[-1] == (5, 5) and ix.check_integrity() == []
