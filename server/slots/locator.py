@@ -37,7 +37,6 @@ from ..cache.block_index import BlockIndex, Path
 from ..cache.items import PromptItem, common_prefix
 from ..cache.prefix_index import Match as TierMatch
 from ..cache.prefix_index import PrefixIndex
-from ..types import Task
 from .slot import Slot, SlotState
 
 
@@ -129,7 +128,9 @@ class Locator:
         self.slots = slots
         self.index = index
         self.blocks = blocks
-        self._inflight: dict[int, Task] = {}  # slot id -> the prompt indexed as in flight
+        # slot id -> the task whose prompt is indexed as in flight there (its id: no
+        # reference kept to a finished task)
+        self._inflight: dict[int, int] = {}
 
     def match(
         self,
@@ -175,9 +176,9 @@ class Locator:
                 if self._inflight.pop(i, None) is not None:
                     blocks.drop(hid)
                 return 0
-            if self._inflight.get(i) is not task:  # its prompt, indexed once per task
+            if self._inflight.get(i) != task.id:  # its prompt, indexed once per task
                 blocks.changed(hid, task.prompt, 0, quiet=True)
-                self._inflight[i] = task
+                self._inflight[i] = task.id
             return blocks.shared(hid, path.nodes(), prompt) if task.tenant == key else 0
 
         n = len(slots)
