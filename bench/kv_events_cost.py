@@ -18,7 +18,7 @@ import time
 from server.cache.kv_blocks import BlockHasher
 from server.cache.kv_events import KVEvents
 from server.cache.kv_publisher import KVPublisher
-from server.slots.kv_watch import SlotWatcher
+from server.slots.kv_watch import watch_slots
 
 from .step_cost import busy_engine
 
@@ -33,7 +33,7 @@ def per_step_us(n_slots: int, events: bool, steps: int = 2000, prompt_len: int =
         pub = KVPublisher("tcp://127.0.0.1:*", "kv@bench@m", settle_s=0)
         pub.start()
         ev = KVEvents(BlockHasher(16, "m"), pub.publish)
-        e.kv_watch = SlotWatcher(ev, n_slots)
+        e.kv_watch = watch_slots(ev, e.store.blocks, e.slots)
     for _ in range(4):  # admission and prefill (its blocks published), then warm up
         e.step()
     t0 = time.process_time()

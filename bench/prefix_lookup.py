@@ -12,9 +12,12 @@ hundred tokens (agent conversations). The bench fills each tier with N entries, 
 - ``disk add``: what the writer does with a written file (covers, add, prefixes_of),
   undone again;
 - ``locate new`` / ``locate cont``: the admission's one lookup (server.slots.locator, issue
-  41): ``Locator.match`` over SLOTS slots (``locate4``: 4 slots; ``scan``/``scan4``: the
-  same slot prefixes computed as before issue 41, each consumer scanning with ``lcp``) (each holding one of the conversations, half of
-  them prefilling one more) plus the RAM tier's rule on the index walk, the two prompts;
+  41): ``Locator.match`` over SLOTS live slots (``locate4``: 4 slots; ``scan``/``scan4``:
+  the same slot prefixes computed as before issue 41, each consumer scanning with ``lcp``)
+  (each holding one of the conversations, half of them prefilling one more; their tokens
+  kept in the slots' block index as the engine's store keeps them) plus the RAM tier's
+  rule on the index walk, the two prompts; every slot's two values are read, as slot
+  choice plus sharing do at most;
 - ``ram find worst``: RAM find for a new conversation when the entries were saved longest
   first (tails of N+100 down to 101 tokens), so that every one is shorter than all before
   it: the prefix index's worst case (every entry is a record, see cache/prefix_index.py).
@@ -27,6 +30,7 @@ Times are wall-clock medians per call, in microseconds.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import sys
@@ -34,11 +38,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from server.cache.block_index import BlockIndex
 from server.cache.disk import DiskTier
 from server.cache.disk_files import DiskEntry, FileCheck
 from server.cache.prompt_cache import PromptCache, RamHeld
-from server.slots.locator import Holder, Locator
-from server.types import lcp
+from server.slots.locator import Locator
+from server.slots.slot import Slot
+from server.types import GenParams, SamplingParams, Task, lcp
 
 SYSTEM = 2000  # tokens of the shared system prompt
 TAIL = (200, 400)  # each entry's own tail
@@ -113,15 +119,22 @@ def locate_row(n: int, n_slots: int = SLOTS) -> tuple[float, float, float]:
     c = PromptCache(-1, 0)
     for t in convs:
         c.save(t, 16, lambda: bytearray(16))
-    slots = [
-        Holder(i, convs[i % n], "", convs[(i + 1) % n] if i % 2 else (), "") for i in range(n_slots)
-    ]
-    loc = Locator(index=c.index)
+    blocks = BlockIndex()
+    slots = []
+    for i in range(n_slots):  # as SlotStore wires them: their sequences keep ``blocks``
+        s = Slot(i, 1 << 20)
+        s.seq.watch = functools.partial(blocks.changed, i)
+        s.tokens = list(convs[i % n])
+        if i % 2:  # prefilling the next conversation
+            t = Task(list(convs[(i + 1) % n]), SamplingParams(), GenParams(), lambda ev: None)
+            s.start(t, len(s.tokens))
+        slots.append(s)
+    loc = Locator(slots, c.index, blocks)
     fresh = system + [VOCAB * 3 + j for j in range(300)]
     cont = convs[n // 2] + [VOCAB * 4 + j for j in range(50)]
 
     def locate(prompt: list[int]) -> object:
-        m = loc.match("", prompt, holders=slots)
+        m = loc.match("", prompt)
         sum(m.held) + sum(m.inflight)  # every slot read, as slot choice plus sharing do
         tiers = m.tiers()
         assert tiers is not None
@@ -130,8 +143,8 @@ def locate_row(n: int, n_slots: int = SLOTS) -> tuple[float, float, float]:
     def scan(prompt: list[int]) -> object:  # before: each consumer scanned the slots itself
         for h in slots:
             lcp(h.tokens, prompt)
-            if h.inflight:
-                lcp(h.inflight, prompt)
+            if h.task is not None:
+                lcp(h.task.prompt, prompt)
         return c.index.match("", prompt).best((RamHeld.TIER,), -1.0, 0.0)
 
     assert locate(cont).n_lcp == len(convs[n // 2])  # type: ignore[attr-defined]

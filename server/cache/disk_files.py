@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import slot_file
-from .saved import SavedState
+from .saved import Extras, OnDisk, SavedState
 
 MiB = 1024 * 1024
 
@@ -95,20 +95,34 @@ def encode_trailer(tenant: str, model: str, body_len: int) -> bytes:
     return t + m + TRAILER.pack(len(t), len(m), body_len, TRAILER_VERSION, TRAILER_MAGIC)
 
 
-@dataclass
-class DiskEntry:
-    """One file of the tier, as the index knows it (its state is not read)."""
+class DiskEntry(SavedState):
+    """One file of the tier as the index knows it: a saved state whose bytes are still in
+    the file (``OnDisk``; its checkpoints and draft state are in the file's appendices,
+    read with it). Made from the file's header and trailer: (name, tokens, tenant, file
+    size, end of its body, mtime)."""
 
-    name: str
-    tokens: list[int]
-    tenant: str
-    nbytes: int  # the file's size
-    body_len: int  # where the trailer starts: the slot file's body and appendices end here
-    mtime_ns: int
+    def __init__(
+        self, name: str, tokens: list[int], tenant: str, nbytes: int, body_len: int, mtime_ns: int
+    ) -> None:
+        at = OnDisk(name, nbytes, body_len, mtime_ns)
+        super().__init__(tokens, at, tenant=tenant, extras=Extras.AFTER_STATE)
+        self.at = at
+
+    @property
+    def name(self) -> str:
+        return self.at.name
+
+    @property
+    def body_len(self) -> int:
+        return self.at.body_len
+
+    @property
+    def mtime_ns(self) -> int:
+        return self.at.mtime_ns
 
     @property
     def key(self) -> tuple[int, str]:
-        return (self.mtime_ns, self.name)
+        return (self.at.mtime_ns, self.at.name)
 
 
 @dataclass

@@ -13,15 +13,18 @@ loads it into a slot: ``SlotStore.restore(slot, state, trusted)``.
     state at an offset, its appendices after it;
   - ``InSlot``: still in a slot's KV cache (a snapshot: read on demand), or already loaded
     into the slot restoring it (a slot file's appendices, parsed after its state);
-  - ``InFile``: written by llama.cpp to a file (a slot file's body, SaveSlot).
+  - ``InFile``: written by llama.cpp to a file (a slot file's body, SaveSlot);
+  - ``OnDisk``: a disk-tier file indexed from its header and trailer, not read yet (the
+    disk index's entries, ``disk_files.DiskEntry``: a SavedState of that shape).
 
 Where the state came from decides how far it is trusted (``restore``'s ``trusted``): one we
 made ourselves (RAM, a queued write) loads as it is; a file's (slot file, disk tier) has its
 cells proven before llama.cpp sees it. Files keep their on-disk formats (slot_file.py,
-disk_files.py): SavedState is what they are read into and written from. Two records stay
-beside it, neither a saved state: ``slot_file.Appendices``, what the appendix parser read
-(given to a SavedState with ``slot_file.give_appendices``), and ``disk_files.DiskEntry``,
-the disk index's record of a file not read yet (``DiskTier.read`` makes it a SavedState).
+disk_files.py): SavedState is what they are read into and written from; a file's
+appendices are read as a SavedState of its extras alone (``slot_file.parse_appendices``,
+given to the state they follow with ``slot_file.give_appendices``), and the disk index's
+record of a file not read yet is one whose state is ``OnDisk`` (``DiskTier.read`` reads it
+into a buffer, the state ``SlotStore.restore`` loads).
 """
 
 from __future__ import annotations
@@ -76,7 +79,23 @@ class InFile:
         return 0
 
 
-Where = StateBuf | InBuffer | InSlot | InFile
+@dataclass(frozen=True)
+class OnDisk:
+    """The state is in a disk-tier file not read yet (``disk_files.DiskEntry``): ``name``
+    in the tier's directory, ``nbytes`` long, its body (state and appendices) ending at
+    ``body_len`` (the trailer after it), last written at ``mtime_ns`` (a read checks the
+    file still is that one). ``DiskTier.read`` reads it into an ``InBuffer``."""
+
+    name: str
+    nbytes: int
+    body_len: int
+    mtime_ns: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+Where = StateBuf | InBuffer | InSlot | InFile | OnDisk
 
 
 class Extras(Enum):

@@ -31,12 +31,12 @@ import struct
 import tempfile
 import unicodedata
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..llama.ggml_types import cache_type_name
 from ..types import Checkpoint, StateBuf
-from .saved import Extras, SavedState
+from .saved import Extras, InSlot, SavedState
 
 log = logging.getLogger("server.slotfile")
 
@@ -104,14 +104,6 @@ class ParsedFile:
     def __post_init__(self) -> None:
         if self.end < 0:
             self.end = len(self.buf)
-
-
-@dataclass
-class Appendices:
-    checkpoints: list[Checkpoint] = field(default_factory=list)
-    draft: tuple[bytes, bytes] | None = None  # SDFT: the draft context's state, spec state
-    kv_types: tuple[int, int] | None = None  # SKVT: ggml types of K and V (None: not given)
-    warnings: list[str] = field(default_factory=list)
 
 
 def _unpack_tokens(raw: array) -> list[int]:
@@ -311,21 +303,25 @@ def parse_appendices(
     pos: int,
     n_tokens: int,
     max_checkpoints: int | None = None,
-) -> Appendices:
+) -> SavedState:
     """Appendices after the state, up to the end of ``buf`` (pass a slice to stop before a
-    footer or trailer). A bad magic means "none"; a bad version is skipped with a warning; a
-    truncated or oversized appendix is dropped. At most the last ``max_checkpoints`` (the
-    slot's limit; None: all) checkpoints are kept and copied. Never raises. Any thread: a
-    restore calls it before the engine loads the state (it costs time linear in the file's
-    checkpoint records)."""
-    out = Appendices()
+    footer or trailer), read as a saved state's extras: a SavedState of them alone (no
+    tokens; its state ``InSlot()``, wherever its caller loads it), to give to the state
+    they follow (``give_appendices``) — SCKP its checkpoints, SDFT's first buffer its draft
+    state (the second, the speculative state, is empty: draft-simple has none), SKVT its KV
+    types, and what was dropped reading them its ``warnings``. A bad magic means "none"; a
+    bad version is skipped with a warning; a truncated or oversized appendix is dropped.
+    At most the last ``max_checkpoints`` (the slot's limit; None: all) checkpoints are kept
+    and copied. Never raises. Any thread: a restore calls it before the engine loads the
+    state (it costs time linear in the file's checkpoint records)."""
+    out = SavedState([], InSlot())
     with memoryview(buf) as view:  # released here: the caller may close a mapping
         _parse_into(out, view, pos, n_tokens, max_checkpoints)
     return out
 
 
 def _parse_into(
-    out: Appendices, view: memoryview, pos: int, n_tokens: int, keep: int | None
+    out: SavedState, view: memoryview, pos: int, n_tokens: int, keep: int | None
 ) -> None:
     while pos + 8 <= len(view):
         magic, version = struct.unpack_from("<II", view, pos)
@@ -341,8 +337,8 @@ def _parse_into(
                 out.kv_types, p = _take(view, pos + 8, "<ii")
             else:
                 dft, p = _take_buffer(view, pos + 8)
-                spec, p = _take_buffer(view, p)
-                out.draft = (bytes(dft), bytes(spec))
+                _, p = _take_buffer(view, p)  # the speculative state: none to restore
+                out.data_dft = bytes(dft)
             pos = p
         except SlotFileError as e:
             out.warnings.append(f"appendix {magic:#x} dropped: {e}")
@@ -391,18 +387,18 @@ def appendix_parts(
     return checkpoint_parts(checkpoints) + draft_parts(draft) + kv_types_parts(kv_types)
 
 
-def give_appendices(state: SavedState, app: Appendices) -> SavedState:
-    """``state`` with a file's appendices as its extras: checkpoints, draft state (SDFT's
-    first buffer), KV types, and the warnings of reading them (the same list)."""
+def give_appendices(state: SavedState, app: SavedState) -> SavedState:
+    """``state`` with a file's appendices (``parse_appendices``) as its extras:
+    checkpoints, draft state, KV types, and the warnings of reading them (the same list)."""
     state.checkpoints = app.checkpoints
-    state.data_dft = app.draft[0] if app.draft else b""
+    state.data_dft = app.data_dft
     state.kv_types = app.kv_types
     state.warnings = app.warnings
     state.extras = Extras.GIVEN
     return state
 
 
-def kv_types_problem(app: Appendices | SavedState, want: tuple[int, int] | None) -> str | None:
+def kv_types_problem(app: SavedState, want: tuple[int, int] | None) -> str | None:
     """Why a file whose SKVT names other KV cache types than ``want`` cannot be restored;
     None when they match or either is unknown."""
     if app.kv_types is None or want is None or tuple(app.kv_types) == tuple(want):

@@ -26,7 +26,7 @@ from ..cache.prompt_cache import PromptCache
 from ..cli.config import Settings
 from ..service.state import KVEventsHandle
 from ..slots.engine import Engine
-from ..slots.kv_watch import SlotWatcher
+from ..slots.kv_watch import SlotWatcher, watch_slots
 
 log = logging.getLogger("server.http.kv_setup")
 
@@ -95,7 +95,7 @@ def attach(rt: KVEventsHandle | None, engine: Engine) -> None:
     """The engine reports its slots' sequences after each step."""
     if rt is None:
         return
-    rt.watcher = SlotWatcher(rt.events, len(engine.slots))
+    rt.watcher = watch_slots(rt.events, engine.store.blocks, engine.slots)
     engine.kv_watch = rt.watcher
 
 

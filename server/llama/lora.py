@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import TYPE_CHECKING
 
 import llama_cpp as L
 
-# llama_adapter_lora_init's result (see LoraSet.__init__)
-LoraHandle = ctypes._Pointer[ctypes.c_void_p]
+if TYPE_CHECKING:  # (ctypes' _Pointer is not subscriptable at run time)
+    # llama_adapter_lora_init's result (see LoraAdapters.__init__)
+    LoraHandle = ctypes._Pointer[ctypes.c_void_p]
 
 
 class LoraAdapters:

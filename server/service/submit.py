@@ -136,6 +136,17 @@ def _ping_interval(st: ServerState, body: SamplingFields) -> float:
     return st.settings.sse_ping_interval if given is None else given
 
 
+def _check_priority(st: ServerState, priority: int) -> None:
+    """A non-zero ``priority`` needs --scheduling-policy priority: vLLM refuses a priority
+    it would not honour too (400)."""
+    if priority and st.settings.scheduling_policy != "priority":
+        raise APIError(
+            400,
+            f"priority {priority} needs --scheduling-policy priority "
+            f"(this server schedules {st.settings.scheduling_policy})",
+        )
+
+
 async def submit(
     st: ServerState,
     body: SamplingFields,
@@ -153,13 +164,7 @@ async def submit(
     A streamed request's ``X-Conversation-Id`` is checked first (service.streams)."""
     if job.stream and request is not None:
         requested_name(st.streams, request)
-    if body.priority and st.settings.scheduling_policy != "priority":
-        # vLLM refuses a priority it would not honour too
-        raise APIError(
-            400,
-            f"priority {body.priority} needs --scheduling-policy priority "
-            f"(this server schedules {st.settings.scheduling_policy})",
-        )
+    _check_priority(st, body.priority)
     ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint, budget = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key

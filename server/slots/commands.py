@@ -216,7 +216,7 @@ class AttachAppendices:
 
     slot: int
     tokens: list[int]
-    appendices: slot_file.Appendices
+    appendices: SavedState  # the extras alone (slot_file.parse_appendices)
     caller: Caller
 
     def run(self, host: Host) -> SlotRestored | Failed:

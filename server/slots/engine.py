@@ -359,7 +359,7 @@ class Engine:
         rule = self.opts.priority
         if rule.on:
             self._preempt(now)
-        admission = self.scheduler.admit(self.waiting, self.slots)
+        admission = self.scheduler.admit(self.waiting, self.slots, self.sharing.locator)
         self.waiting = admission.deferred
         placed = self.runner.drive(self.placer.place(admission.placements))
         for p in admission.placements:

@@ -20,7 +20,7 @@ class RestorePlan:
 
     known: bool
     state_end: int
-    appendices: slot_file.Appendices | None
+    appendices: SavedState | None  # the state's extras alone (slot_file.parse_appendices)
 
 
 def plan_restore(
@@ -57,9 +57,9 @@ def plan_restore(
 
 def parse_after_state(
     parsed: slot_file.ParsedFile, pos: int, max_checkpoints: int | None
-) -> slot_file.Appendices:
-    """The appendices from ``pos`` (where the state ends) up to the STNT footer. Any
-    thread."""
+) -> SavedState:
+    """The appendices from ``pos`` (where the state ends) up to the STNT footer, as the
+    state's extras (``slot_file.parse_appendices``). Any thread."""
     with memoryview(parsed.buf) as whole, whole[: parsed.end] as body:
         return slot_file.parse_appendices(body, pos, len(parsed.tokens), max_checkpoints)
 

@@ -19,12 +19,12 @@ with an identity) within one key (the tenant; nothing across keys): a match neve
 inside an item. The rule is the prefix index's (``shared_prefix``), so slots and entries
 agree on what a prompt shares with a holder.
 
-Why slots are scanned and not registered in the index as entries are: there are only
-n_parallel of them; a busy slot's tokens grow every decode step and change in a dozen
-places (cut, checkpoint restore, prefix copy, context shift, clear, restores). Indexing
-them would put a tree update into every step to speed up a lookup a scan bounds by the
-slot count (an LCP at C speed per slot, once per admission, never per step), and never by
-the number of cached entries.
+Slots are indexed as the tiers are (server.cache.block_index): each slot's KV tokens and
+each in-flight prompt are a path of full blocks in one trie, kept up to date as the slot's
+tokens change (the slot store's ``Sequence`` tells it: an append costs the blocks it fills,
+a cut the blocks it drops). A match walks the prompt's blocks down that trie once; what a
+slot holds of it is then a bisection over the slot's blocks and one compare within a
+block, so a match costs neither the slots' lengths nor anything per cached entry.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..cache.block_index import BlockIndex, Path
 from ..cache.items import PromptItem, common_prefix
 from ..cache.prefix_index import Match as TierMatch
-from ..cache.prefix_index import PrefixIndex, shared_prefix
+from ..cache.prefix_index import PrefixIndex
 from .slot import Slot, SlotState
 
 
@@ -109,13 +110,27 @@ def held_len(tokens: Sequence[PromptItem], prompt: Sequence[PromptItem]) -> int:
     return common_prefix(tokens, prompt)
 
 
-class Locator:
-    """Matches prompts against ``slots`` (the engine's list, read live) and ``index``
-    (the RAM and disk tiers' prefix index; None: no cache)."""
+def _inflight_id(slot_id: int) -> tuple[str, int]:
+    return ("inflight", slot_id)
 
-    def __init__(self, slots: Sequence[Slot] = (), index: PrefixIndex | None = None) -> None:
+
+class Locator:
+    """Matches prompts against ``slots`` (the engine's list, read live; their KV tokens
+    indexed in ``blocks``, which their sequences keep up to date: slots/store.py) and
+    ``index`` (the RAM and disk tiers' prefix index; None: no cache)."""
+
+    def __init__(
+        self,
+        slots: Sequence[Slot] = (),
+        index: PrefixIndex | None = None,
+        blocks: BlockIndex | None = None,
+    ) -> None:
         self.slots = slots
         self.index = index
+        self.blocks = blocks
+        # slot id -> the task whose prompt is indexed as in flight there (its id: no
+        # reference kept to a finished task)
+        self._inflight: dict[int, int] = {}
 
     def match(
         self,
@@ -127,8 +142,47 @@ class Locator:
         """``prompt`` of ``key`` against every holder: the slots (``holders`` when given,
         else this locator's slots) and the index (``index`` when given, else this
         locator's)."""
-        hs = [holder_of(s) for s in self.slots] if holders is None else holders
-        return match_holders(key, prompt, hs, index if index is not None else self.index)
+        ix = index if index is not None else self.index
+        if holders is not None or self.blocks is None:
+            hs = [holder_of(s) for s in self.slots] if holders is None else holders
+            return match_holders(key, prompt, hs, ix)
+        return self._live(key, prompt, self.blocks, ix)
+
+    def match_slots(self, key: Hashable, prompt: Sequence[PromptItem]) -> Match:
+        """The match over the slots alone (no tiers): admission's slot choice."""
+        if self.blocks is None:
+            return match_holders(key, prompt, [holder_of(s) for s in self.slots])
+        return self._live(key, prompt, self.blocks, None)
+
+    def _live(
+        self,
+        key: Hashable,
+        prompt: Sequence[PromptItem],
+        blocks: BlockIndex,
+        ix: PrefixIndex | None,
+    ) -> Match:
+        """The match read from the slots' live block index."""
+        slots, path = self.slots, Path(blocks, prompt)
+
+        def held(i: int) -> int:
+            s = slots[i]
+            return blocks.shared(i, path.nodes(), prompt) if s.tenant == key else 0
+
+        def inflight(i: int) -> int:
+            s = slots[i]
+            task = s.task if s.state is SlotState.PREFILL else None
+            hid = _inflight_id(i)
+            if task is None:
+                if self._inflight.pop(i, None) is not None:
+                    blocks.drop(hid)
+                return 0
+            if self._inflight.get(i) != task.id:  # its prompt, indexed once per task
+                blocks.changed(hid, task.prompt, 0, quiet=True)
+                self._inflight[i] = task.id
+            return blocks.shared(hid, path.nodes(), prompt) if task.tenant == key else 0
+
+        n = len(slots)
+        return Match(key, prompt, PerSlot(n, held), PerSlot(n, inflight), ix)
 
 
 def match_holders(
@@ -137,15 +191,22 @@ def match_holders(
     holders: Sequence[Holder],
     index: PrefixIndex | None = None,
 ) -> Match:
-    """The match over ``holders`` (listed by slot id) and ``index``."""
+    """The match over ``holders`` (listed by slot id) and ``index``: the holders indexed
+    in a block index of their own (for pure callers and tests; the engine's locator keeps
+    its slots indexed)."""
+    blocks = BlockIndex()
+    for i, h in enumerate(holders):
+        if h.tenant == key and h.tokens:
+            blocks.changed(i, h.tokens, 0)
+        if h.inflight_tenant == key and h.inflight:
+            blocks.changed(_inflight_id(i), h.inflight, 0)
+    path = Path(blocks, prompt)
 
     def held(i: int) -> int:
-        h = holders[i]
-        return shared_prefix(h.tenant, h.tokens, key, prompt)
+        return blocks.shared(i, path.nodes(), prompt)
 
     def inflight(i: int) -> int:
-        h = holders[i]
-        return shared_prefix(h.inflight_tenant, h.inflight, key, prompt) if h.inflight else 0
+        return blocks.shared(_inflight_id(i), path.nodes(), prompt)
 
     n = len(holders)
     return Match(key, prompt, PerSlot(n, held), PerSlot(n, inflight), index)

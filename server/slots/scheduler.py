@@ -19,6 +19,7 @@ from . import images
 from .adapter_turns import AdapterTurns
 from .backend_api import Backend
 from .checkpoints import CheckpointPolicy
+from .locator import Locator
 from .options import EngineOptions
 from .plan import Admission, Placement, SlotWork, StepPlan
 from .policy import SlotView, choose_slot, match_views
@@ -66,18 +67,25 @@ class Scheduler:
             room = min(room, max(MIN_PROMPT_CHUNK, fit))
         return min(plan.budget, used + room)
 
-    def admit(self, waiting: collections.deque[Task], slots: list[Slot]) -> Admission:
+    def admit(
+        self, waiting: collections.deque[Task], slots: list[Slot], locator: Locator | None = None
+    ) -> Admission:
         """Which idle slot each waiting task takes, in queue order (FIFO, or the priority
         order slots/priority.py sorted the queue in; DESIGN §5). A task whose
         slot (``id_slot``) is busy waits and the next ones go on; a task that finds no idle
         slot at all stops admission (the rest keep their order). Pure: the slots a pass
-        places are only marked taken in its own views."""
+        places are only marked taken in its own views. What the slots hold of each prompt
+        is ``locator``'s match (the engine's, over ``slots``; one over the views when
+        None)."""
         out = Admission()
         views = [SlotView(s.id, s.idle, s.tokens, s.last_used, s.tenant) for s in slots]
         pending = iter(waiting)
         for task in pending:
             sim = self.opts.slot_prompt_similarity
-            match = match_views(views, task.prompt, task.tenant)  # the locator's, once
+            if locator is not None:  # the locator's, once
+                match = locator.match_slots(task.tenant, task.prompt)
+            else:
+                match = match_views(views, task.prompt, task.tenant)
             choice = choose_slot(views, task.prompt, task.id_slot, sim, task.tenant, match)
             if choice is None:
                 out.deferred.append(task)

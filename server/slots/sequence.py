@@ -17,6 +17,7 @@ record, never copies kept in step by hand.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -52,9 +53,10 @@ class Sequence:
         "n_emitted",
         "_arr",
         "_n_arr",
-        "n_stable",
         "n_reused",
         "n_reuse_chunks",
+        "watch",
+        "_tell_at",
     )
 
     def __init__(self) -> None:
@@ -69,12 +71,15 @@ class Sequence:
         # int32 mirror of tokens[:_n_arr] (the rest is copied in when array() is read)
         self._arr = np.empty(0, dtype=np.int32)
         self._n_arr = 0
-        # tokens[:n_stable] are unchanged since the KV-event watcher last looked (it sets it
-        # back to len(tokens); slots/kv_watch.py): a cut, shift or assign lowers it
-        self.n_stable = 0
         # --cache-reuse: cached tokens of this run moved into place (in n_cached), in chunks
         self.n_reused = 0
         self.n_reuse_chunks = 0
+        # told of every change of ``tokens`` (the tokens now, how many leading ones stayed;
+        # appends only when they reach the length it returned: one compare per token):
+        # the slots' block index (server.cache.block_index, wired by SlotStore), which tells
+        # its listeners (the KV events: slots/kv_watch.py); None: none
+        self.watch: Callable[[list[int], int], int] | None = None
+        self._tell_at = 0  # an append reaching this length is told (the watch returns it)
 
     # ---- a run -------------------------------------------------------------------
 
@@ -118,23 +123,35 @@ class Sequence:
     # ---- the KV's tokens (SlotStore only) ----------------------------------------
 
     def extend(self, toks: list[int]) -> None:
+        n = len(self.tokens)
         self.tokens.extend(toks)
+        if self.watch is not None and n + len(toks) >= self._tell_at:
+            self._tell_at = self.watch(self.tokens, n)
 
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
         self._n_arr = min(self._n_arr, n)
-        self.n_stable = min(self.n_stable, n)
+        if self.watch is not None:
+            self._tell_at = self.watch(self.tokens, n)
 
     def remove(self, start: int, end: int) -> None:
         """Drop tokens[start:end] (a context shift): those after them move down."""
         del self.tokens[start:end]
         self._n_arr = min(self._n_arr, start)
-        self.n_stable = min(self.n_stable, start)
+        if self.watch is not None:
+            self._tell_at = self.watch(self.tokens, start)
 
     def assign(self, tokens: list[int]) -> None:
         self.tokens = tokens
         self._n_arr = 0
-        self.n_stable = 0
+        if self.watch is not None:
+            self._tell_at = self.watch(tokens, 0)
+
+    def retell(self) -> None:
+        """Tell the watch the tokens as they are (a listener joined it: the appends it
+        skipped may matter to the newcomer)."""
+        if self.watch is not None:
+            self._tell_at = self.watch(self.tokens, len(self.tokens))
 
     def array(self) -> np.ndarray:
         """``tokens`` as an int32 array (a view, valid until the tokens change): only the

@@ -46,7 +46,8 @@ class PrefixSharing:
         self.min_wait = min_wait  # least gain worth waiting for (--prefix-share-min)
         self.speed = StepSpeed()  # tests may inject their own
         self._seen = 0  # stats.n_batches last observed
-        self.locator = Locator(store.slots)  # the slots' prefixes; placement adds the index
+        # the slots' prefixes (their block index); placement adds the tiers' index
+        self.locator = Locator(store.slots, blocks=store.blocks)
 
     def held_source(
         self,

@@ -13,12 +13,14 @@ Engine thread only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..cache import slot_file
-from ..cache.saved import Extras, InBuffer, InFile, InSlot, SavedState
+from ..cache.block_index import BlockIndex
+from ..cache.saved import Extras, InBuffer, InFile, InSlot, OnDisk, SavedState
 from ..types import Checkpoint, StateBuf, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
@@ -66,6 +68,11 @@ class SlotStore:
         self.b = backend
         self.ckpt = ckpt
         self.slots = [Slot(i, backend.n_ctx_slot) for i in range(backend.n_seq)]
+        # what every slot's KV holds, as blocks: the locator's index of the slots, kept by
+        # their sequences as their tokens change (server.cache.block_index)
+        self.blocks = BlockIndex()
+        for s in self.slots:
+            s.seq.watch = functools.partial(self.blocks.changed, s.id)
         # a draft model's sequences, which follow the slots' (slots/draft_kv.py)
         self.dft = DraftKV(draft, most_drafted + 1, backend.n_seq) if draft is not None else None
 
@@ -322,7 +329,7 @@ class SlotStore:
         ``trusted``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
         0 when refused (the slot is then empty)."""
         where, n = state.data, len(state.tokens)
-        if isinstance(where, (InSlot, InFile)):
+        if isinstance(where, (InSlot, InFile, OnDisk)):
             raise TypeError(f"a state {type(where).__name__} has no bytes to load")
         region, data, nbytes = None, where, None
         if isinstance(where, InBuffer):
@@ -448,4 +455,8 @@ class SlotStore:
             problems += kv_problems(caches, n_tokens, others)
         if self.dft is not None:
             problems += self.dft.problems()
+        problems += self.blocks.check_integrity()
+        for s in self.slots:
+            if not self.blocks.holds_items(s.id, s.tokens):
+                problems.append(f"slot {s.id}: its tokens are not the ones its blocks index")
         return problems

@@ -11,6 +11,7 @@ import pytest
 from server.cache import slot_file as sf
 from server.cache import tenancy
 from server.cache.disk import DiskTier
+from server.cache.saved import InSlot, SavedState
 from server.cli.config import Settings
 from server.routes import slots as slots_route
 from server.slots.commands import (
@@ -234,7 +235,7 @@ def test_failures_are_typed_results(alive, tmp_path, monkeypatch):
     assert do(e, RestoreSlot(1, parsed, plan, ANYONE)) == SlotRestored(100, [])
     # the file's KV types contradict the state's (proven ours): cleared, refused
     monkeypatch.setattr(b, "kv_type_ids", (1, 1), raising=False)
-    app = sf.Appendices(kv_types=(8, 8))
+    app = SavedState([], InSlot(), kv_types=(8, 8))  # a file's extras alone
     assert do(e, AttachAppendices(1, list(parsed.tokens), app, ANYONE)) == Failed(REFUSED_STATE)
     assert e.slots[1].tokens == []
 

@@ -5,6 +5,7 @@ drop counting."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 import threading
@@ -13,6 +14,7 @@ import time
 import msgpack
 import zmq
 
+from server.cache.block_index import BlockIndex
 from server.cache.kv_blocks import (
     FNV_OFFSET,
     BlockHasher,
@@ -175,16 +177,21 @@ def test_index_listener_maps_tiers_and_survives_a_discard_before_the_add():
     assert len(out) == n
 
 
-def _slot(toks: list[int]) -> Slot:
+def _slot(toks: list[int], w: SlotWatcher) -> Slot:
+    """A slot wired as SlotStore wires them: its sequence tells the block index, which
+    tells the watcher."""
     s = Slot(0, 100)
+    ix = BlockIndex()
+    ix.listeners.append(w)
+    s.seq.watch = functools.partial(ix.changed, s.id)
     s.seq.extend(toks)
     return s
 
 
 def test_slot_watcher_follows_extend_cut_shift_and_assign():
     ev, out = _ledger(2)
-    s = _slot([1, 2, 3])
     w = SlotWatcher(ev, 1)
+    s = _slot([1, 2, 3], w)
     w.sync([s])
     b = ev.hasher.hashes([1, 2, 3, 4, 5, 6])
     assert out[-1] == [["BlockStored", [b[0]], None, [1, 2], 2, None, "GPU"]]

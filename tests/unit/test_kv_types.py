@@ -39,7 +39,7 @@ def test_skvt_round_trips_after_the_other_appendices():
     c = Checkpoint(10, 0, 9, bytearray(b"tgt"), b"")
     app = _appendices((Q8, F16), draft=b"draft-state", ckpts=[c])
     assert app.kv_types == (Q8, F16)
-    assert app.draft == (b"draft-state", b"") and len(app.checkpoints) == 1
+    assert app.data_dft == b"draft-state" and len(app.checkpoints) == 1
     assert app.warnings == []
     assert _appendices(None).kv_types is None  # a file of before: nothing recorded
 

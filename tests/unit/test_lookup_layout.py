@@ -21,6 +21,7 @@ MATCHERS = {"lcp", "shared_prefix", "common_prefix"}
 ALLOWED = {
     "server/slots/locator.py": "the locator: every holder's match",
     "server/cache/prefix_index.py": "the index: walks its own tree (the entries' matcher)",
+    "server/cache/block_index.py": "the slots' index: walks its own trie (the locator's)",
     "server/cache/items.py": "defines the item matcher",
     "server/types.py": "defines lcp",
     # the tiers' own rule, for callers that bring no match (find(..., match=None)) and

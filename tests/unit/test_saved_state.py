@@ -13,13 +13,15 @@ import pytest
 
 from server.cache import slot_file
 from server.cache.disk import DiskTier
-from server.cache.disk_files import FileCheck
+from server.cache.disk_files import DiskEntry, FileCheck
 from server.cache.prompt_cache import PromptCache
-from server.cache.saved import InBuffer, InSlot, SavedState
+from server.cache.saved import InBuffer, InSlot, OnDisk, SavedState
 from server.slots import disk_glue
+from server.slots.checkpoints import CheckpointPolicy
 from server.slots.commands import AttachAppendices, RestoreSlot, SlotRestored, StateLoaded
 from server.slots.file_plan import parse_after_state, plan_restore
 from server.slots.store import SlotStore
+from tests.fake_backend import FakeBackend
 
 from .helpers import run, task
 from .test_commands import ANYONE, PROMPT, alive, do, engine_of, fill, read, save  # noqa: F401
@@ -161,3 +163,25 @@ def test_a_slot_file_is_handed_untrusted(handed, alive, tmp_path, known):  # noq
     want = [(SavedState, InBuffer, False)] + ([] if known else [(SavedState, InSlot, False)])
     assert kinds == want
     assert e.slots[1].checkpoints and e.slots[1].tokens == e.slots[0].tokens
+
+
+def test_appendices_and_disk_entries_are_saved_states(tmp_path):
+    """A slot file's appendices are read as a SavedState of its extras, and the disk
+    index's entries are SavedStates whose bytes are still in their file (OnDisk): no other
+    shape of saved state is left."""
+    classes = [
+        f"{name}: {node.name}"
+        for name, tree in _trees()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.name == "Appendices"
+    ]
+    assert classes == []
+    ck = slot_file.encode_checkpoints([])
+    app = slot_file.parse_appendices(bytearray(ck + b"ZZZZ"), 0, 10)
+    assert isinstance(app, SavedState) and app.tokens == [] and app.checkpoints == []
+    e = DiskEntry("f.lsc", [1, 2, 3], "t", 1000, 900, 7)
+    assert isinstance(e, SavedState) and e.data == OnDisk("f.lsc", 1000, 900, 7)
+    assert (e.nbytes, e.key, e.tenant, e.tokens) == (1000, (7, "f.lsc"), "t", [1, 2, 3])
+    store = SlotStore(FakeBackend(n_seq=1), CheckpointPolicy(False))
+    with pytest.raises(TypeError):  # not read yet: DiskTier.read makes it an InBuffer
+        store.restore(store.slots[0], e, trusted=False)
