@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.meta
+import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -126,6 +128,18 @@ class _ConcatUndefined(jinja2.Undefined):
         return other if isinstance(other, str) else super().__radd__(other)
 
 
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (Hugging Face's marker of the assistant
+    text for training masks; LFM2.5, Laguna use it): renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def _date_context() -> dict[str, str]:
     """Today's date in the variables llama.cpp gives every template (common_chat_extra_context):
     Llama 3.x prints ``date_string``, FireFunction ``datetime``."""
@@ -152,7 +166,7 @@ class ChatTemplate:
             trim_blocks=True,
             lstrip_blocks=True,
             autoescape=False,
-            extensions=["jinja2.ext.loopcontrols"],
+            extensions=["jinja2.ext.loopcontrols", _Generation],
         )
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(
             v, ensure_ascii=False, indent=indent

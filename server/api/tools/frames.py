@@ -1,0 +1,174 @@
+"""Forced calls in a family's own syntax, byte for byte what the template renders.
+
+The frame of a call is learnt from the template itself (as llama.cpp's chat-diff-analyzer
+does): a conversation whose assistant turn holds one call of a probe function with probe
+arguments is rendered, the generation prompt is cut off its front and the turn's end off its
+back; what is left is the call as the template writes it. The probe name and the probe
+arguments are then holes: the name becomes the forced tool's name, the arguments a JSON
+island (llguidance ``%json``) with the template's separators (``tojson``: ", " and ": ", no
+other whitespace), properties in schema order. XML-parameter families (arguments rendered
+one by one) get their per-parameter frame from two probe parameters, one string and one
+integer.
+
+The next turn's template renders the generated call again: the same bytes, so the prompt
+cache reuses the call (``tests/e2e/test_families_e2e.py`` checks it through ``prompt_n``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..chat import ChatTemplate, TemplateError
+from .spec import Tool
+
+FN = "probe_fn"
+_JSON_ARGS = {"probe_arg": 1}
+_XML_ARGS = {"probe_s": "PROBESTR", "probe_n": 7}
+# fixed separators as the templates' tojson writes them (no flexible whitespace)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Frame:
+    """``head`` NAME ``mid`` ARGS ``tail`` (JSON arguments), or with ``params``: ``head``
+    NAME ``mid`` then per parameter ``p_open`` KEY ``p_str``/``p_num`` VALUE ``p_close``,
+    then ``tail``."""
+
+    head: str
+    mid: str
+    tail: str
+    params: bool = False
+    p_open: str = ""
+    p_str: str = ""
+    p_num: str = ""
+    p_close: str = ""
+
+
+def _turn(tpl: ChatTemplate, args: dict[str, Any], kwargs: dict[str, Any]) -> str | None:
+    """The call text the template renders for one probe call (None when it cannot)."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": FN,
+                "description": "probe",
+                "parameters": {
+                    "type": "object",
+                    "properties": {k: {"type": "string"} for k in args},
+                },
+            },
+        }
+    ]
+    user = [{"role": "user", "content": "probe user"}]
+    call = {"id": "pr0be0001", "type": "function", "function": {"name": FN, "arguments": args}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    plain = {"role": "assistant", "content": "PROBEANSWER"}
+    try:
+        gen = tpl.render(user, True, tools=tools, **kwargs)
+        full = tpl.render([*user, turn], False, tools=tools, **kwargs)
+        ans = tpl.render([*user, plain], False, tools=tools, **kwargs)
+    except TemplateError:
+        return None
+    if not full.startswith(gen) or "PROBEANSWER" not in ans:
+        return None
+    text = full[len(gen) :]
+    end = ans[ans.index("PROBEANSWER") + len("PROBEANSWER") :]
+    # the turn's end (as a plain answer's): what the model ends with its end-of-turn token
+    for k in range(len(end), 0, -1):
+        if text.endswith(end[:k]):
+            return text[: len(text) - k]
+    return text
+
+
+def derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
+    """The call frame of ``tpl`` (see the module docstring); None when the probe's
+    rendering cannot be read."""
+    text = _turn(tpl, _JSON_ARGS, kwargs)
+    args = json.dumps(_JSON_ARGS, ensure_ascii=False)
+    if text and text.count(FN) == 1 and text.count(args) == 1:
+        a, i = text.index(args), text.index(FN)
+        if i < a:
+            return Frame(text[:i], text[i + len(FN) : a], text[a + len(args) :])
+    text = _turn(tpl, _XML_ARGS, kwargs)
+    if not text or text.count(FN) != 1:
+        return None
+    keys = ["probe_s", "PROBESTR", "probe_n", "7"]
+    at = [text.find(k, text.index(FN)) for k in keys]
+    if any(x < 0 for x in at) or at != sorted(at):
+        return None
+    i = text.index(FN)
+    segs = [text[i + len(FN) : at[0]]]
+    for (x, k), y in zip(zip(at, keys, strict=True), at[1:], strict=False):
+        segs.append(text[x + len(k) : y])
+    after = text[at[3] + 1 :]
+    s0, s1, s2, s3 = segs  # FN s0 probe_s s1 PROBESTR s2 probe_n s3 7 after
+    # s2 = close + open of the next parameter; s0 ends with the same open
+    n = 0
+    while n < min(len(s0), len(s2)) and s0[len(s0) - 1 - n] == s2[len(s2) - 1 - n]:
+        n += 1
+    p_open, p_close = s2[len(s2) - n :], s2[: len(s2) - n]
+    if not after.startswith(p_close):
+        return None
+    return Frame(
+        text[:i],
+        s0[: len(s0) - n],
+        after[len(p_close) :],
+        True,
+        p_open,
+        s1,
+        s3,
+        p_close,
+    )
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
+
+def _json_island(schema: dict[str, Any]) -> str:
+    s = {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
+    return "%json " + json.dumps(s, separators=(",", ":"), ensure_ascii=False)
+
+
+def _args_rule(f: Frame, tool: Tool) -> str:
+    if not f.params:
+        return _json_island(tool.parameters)
+    props = tool.parameters.get("properties") or {}
+    required = set(tool.parameters.get("required") or [])
+    parts = []
+    for key, sub in props.items():
+        sub = sub if isinstance(sub, dict) else {}
+        if sub.get("type") == "string":
+            value = f"{_lit(f.p_str)} /[^<]*/" if f.p_str else "/[^<]*/"
+        else:
+            value = f"{_lit(f.p_num)} {_json_island(sub)}" if f.p_num else _json_island(sub)
+        item = f"{_lit(f.p_open)} {_lit(key)} {value} {_lit(f.p_close)}"
+        parts.append(f"({item})" + ("" if key in required else "?"))
+    return " ".join(parts) or '""'
+
+
+def grammar(f: Frame, tools: list[Tool]) -> str:
+    """Lark (llguidance's dialect) for one call of one of ``tools`` in frame ``f`` (one: the
+    frame holds the family's section markers, which a second call would not repeat)."""
+    alts = [
+        f"{_lit(f.head)} {_lit(t.name)} {_lit(f.mid)} {_args_rule(f, t)} {_lit(f.tail)}"
+        for t in tools
+    ]
+    rule = "call: " + "\n    | ".join(a.strip() for a in alts)
+    return f"start: call\n{rule}\n"
+
+
+def text_of(f: Frame, name: str, args: dict[str, Any]) -> str:
+    """The text the grammar of ``f`` produces for this call (what the template renders for
+    it, when the frame is right: the tests compare the two)."""
+    if not f.params:
+        return f.head + name + f.mid + json.dumps(args, ensure_ascii=False) + f.tail
+    body = "".join(
+        f.p_open
+        + k
+        + (f.p_str + v if isinstance(v, str) else f.p_num + json.dumps(v, ensure_ascii=False))
+        + f.p_close
+        for k, v in args.items()
+    )
+    return f.head + name + f.mid + body + f.tail
