@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
 from .cancel import Cancelled, Watched
 
@@ -140,6 +141,27 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Immutable, but for ``list.append``: templates build lists with it (Kimi K2), as
+    llama.cpp's Jinja lets them. Templates are the operator's, never a client's; what they
+    append to lives for one rendering."""
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if isinstance(obj, list) and attr == "append":
+            return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
+        return super().is_safe_attribute(obj, attr, value)
+
+
+def _json_default(o: Any) -> Any:
+    """``tojson`` of what Jinja makes lazily (``map`` gives a generator: llama.cpp's Jinja a
+    list) and of undefined values (null)."""
+    if isinstance(o, jinja2.Undefined):
+        return None
+    if isinstance(o, Iterator):
+        return list(o)
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
 def _date_context() -> dict[str, str]:
     """Today's date in the variables llama.cpp gives every template (common_chat_extra_context):
     Llama 3.x prints ``date_string``, FireFunction ``datetime``."""
@@ -161,7 +183,7 @@ class ChatTemplate:
         self.eos_token = eos_token
         # loopcontrols ({% break %}, {% continue %}): Hugging Face renders with it, and
         # templates use it (Command R7B, Kimi K3, ...)
-        env = ImmutableSandboxedEnvironment(
+        env = _Sandbox(
             undefined=_ConcatUndefined,
             trim_blocks=True,
             lstrip_blocks=True,
@@ -169,7 +191,7 @@ class ChatTemplate:
             extensions=["jinja2.ext.loopcontrols", _Generation],
         )
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(
-            v, ensure_ascii=False, indent=indent
+            v, ensure_ascii=False, indent=indent, default=_json_default
         )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

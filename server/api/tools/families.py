@@ -68,7 +68,7 @@ _ATEM = _invoke("atem:")
 FAMILIES: tuple[Family, ...] = (
     Family(
         "gpt-oss",
-        _c(r"<\|channel\|>.*to=functions\.|to=functions\..*<\|channel\|>"),
+        _c(r"<\|channel\|>"),
         think=("<|channel|>analysis<|message|>", "<|end|>"),
     ),
     Family(
@@ -202,7 +202,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "lfm2",
-        _c(r"<\|tool_call_start\|>|List of tools: \["),
+        _c(r"<\|tool_call_start\|>|List of tools: (?:<\|tool_list_start\|>)?\["),
         ("<|tool_call_start|>",),
         ("<|tool_call_end|>",),
         _c(r"<\|tool_call_start\|>(?P<body>.*?)<\|tool_call_end\|>"),

@@ -16,6 +16,7 @@ cache reuses the call (``tests/e2e/test_families_e2e.py`` checks it through ``pr
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,11 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 @dataclass(frozen=True)
 class Frame:
-    """``head`` NAME ``mid`` ARGS ``tail`` (JSON arguments), or with ``params``: ``head``
-    NAME ``mid`` then per parameter ``p_open`` KEY ``p_str``/``p_num`` VALUE ``p_close``,
-    then ``tail``."""
+    """``head`` joined by NAME (a template may write the name more than once), then ARGS
+    (JSON arguments) or, with ``params``, per parameter ``p_open`` KEY ``p_str``/``p_num``
+    VALUE ``p_close``; then ``tail``."""
 
-    head: str
-    mid: str
+    head: tuple[str, ...]
     tail: str
     params: bool = False
     p_open: str = ""
@@ -70,9 +70,14 @@ def _turn(tpl: ChatTemplate, args: dict[str, Any], kwargs: dict[str, Any]) -> st
         ans = tpl.render([*user, plain], False, tools=tools, **kwargs)
     except TemplateError:
         return None
-    if not full.startswith(gen) or "PROBEANSWER" not in ans:
+    if "PROBEANSWER" not in ans:
         return None
-    text = full[len(gen) :]
+    # where the history renders the turn otherwise than the generation prompt opened it
+    # (an opened <think> dropped), the call follows what both share
+    n = len(os.path.commonprefix([gen, full]))
+    while n < len(gen) and n > 0 and gen[n - 1] not in ">\n":
+        n -= 1  # not inside a tag both begin alike (<think> and </think>)
+    text = full[n:]
     end = ans[ans.index("PROBEANSWER") + len("PROBEANSWER") :]
     # the turn's end (as a plain answer's): what the model ends with its end-of-turn token
     for k in range(len(end), 0, -1):
@@ -86,18 +91,17 @@ def derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
     rendering cannot be read."""
     text = _turn(tpl, _JSON_ARGS, kwargs)
     args = json.dumps(_JSON_ARGS, ensure_ascii=False)
-    if text and text.count(FN) == 1 and text.count(args) == 1:
-        a, i = text.index(args), text.index(FN)
-        if i < a:
-            return Frame(text[:i], text[i + len(FN) : a], text[a + len(args) :])
+    if text and text.count(args) == 1 and FN in text[: text.index(args)]:
+        a = text.index(args)
+        return Frame(tuple(text[:a].split(FN)), text[a + len(args) :])
     text = _turn(tpl, _XML_ARGS, kwargs)
-    if not text or text.count(FN) != 1:
+    if not text or FN not in text:
         return None
     keys = ["probe_s", "PROBESTR", "probe_n", "7"]
     at = [text.find(k, text.index(FN)) for k in keys]
     if any(x < 0 for x in at) or at != sorted(at):
         return None
-    i = text.index(FN)
+    i = text.rindex(FN, 0, at[0])
     segs = [text[i + len(FN) : at[0]]]
     for (x, k), y in zip(zip(at, keys, strict=True), at[1:], strict=False):
         segs.append(text[x + len(k) : y])
@@ -110,16 +114,8 @@ def derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
     p_open, p_close = s2[len(s2) - n :], s2[: len(s2) - n]
     if not after.startswith(p_close):
         return None
-    return Frame(
-        text[:i],
-        s0[: len(s0) - n],
-        after[len(p_close) :],
-        True,
-        p_open,
-        s1,
-        s3,
-        p_close,
-    )
+    head = (*text[:i].split(FN), s0[: len(s0) - n])
+    return Frame(head, after[len(p_close) :], True, p_open, s1, s3, p_close)
 
 
 def _lit(text: str) -> str:
@@ -152,7 +148,7 @@ def grammar(f: Frame, tools: list[Tool]) -> str:
     """Lark (llguidance's dialect) for one call of one of ``tools`` in frame ``f`` (one: the
     frame holds the family's section markers, which a second call would not repeat)."""
     alts = [
-        f"{_lit(f.head)} {_lit(t.name)} {_lit(f.mid)} {_args_rule(f, t)} {_lit(f.tail)}"
+        f" {_lit(t.name)} ".join(_lit(h) for h in f.head) + f" {_args_rule(f, t)} {_lit(f.tail)}"
         for t in tools
     ]
     rule = "call: " + "\n    | ".join(a.strip() for a in alts)
@@ -163,7 +159,7 @@ def text_of(f: Frame, name: str, args: dict[str, Any]) -> str:
     """The text the grammar of ``f`` produces for this call (what the template renders for
     it, when the frame is right: the tests compare the two)."""
     if not f.params:
-        return f.head + name + f.mid + json.dumps(args, ensure_ascii=False) + f.tail
+        return name.join(f.head) + json.dumps(args, ensure_ascii=False) + f.tail
     body = "".join(
         f.p_open
         + k
@@ -171,4 +167,4 @@ def text_of(f: Frame, name: str, args: dict[str, Any]) -> str:
         + f.p_close
         for k, v in args.items()
     )
-    return f.head + name + f.mid + body + f.tail
+    return name.join(f.head) + body + f.tail

@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Callable
 
-from .parse import CallDelta, Delta, partial_suffix, new_call_id
+from .parse import CallDelta, Delta, new_call_id, partial_suffix
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")

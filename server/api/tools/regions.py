@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from .families import Family
 from .jsonscan import WS
-from .parse import CallDelta, Delta, partial_suffix, new_call_id
+from .parse import CallDelta, Delta, new_call_id, partial_suffix
 
 MAX_REGION = 1 << 20  # a region longer than this is content: bounded work on any output
 
