@@ -127,6 +127,20 @@ def _json_island(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps(s, separators=(",", ":"), ensure_ascii=False)
 
 
+MAX_STRING = 256  # a raw string parameter without maxLength: bounded, as JSON numbers are
+
+
+def _string(schema: dict[str, Any]) -> str:
+    """A raw (unquoted) string parameter: its enum, else text without ``<`` (the frames'
+    markup starts with it) of at most maxLength characters."""
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return "(" + " | ".join(_lit(e) or '""' for e in enum) + ")"
+    n = schema.get("maxLength")
+    n = n if isinstance(n, int) and 0 <= n < MAX_STRING else MAX_STRING
+    return f"/[^<]{{0,{n}}}/"
+
+
 def _args_rule(f: Frame, tool: Tool) -> str:
     if not f.params:
         return _json_island(tool.parameters)
@@ -136,7 +150,7 @@ def _args_rule(f: Frame, tool: Tool) -> str:
     for key, sub in props.items():
         sub = sub if isinstance(sub, dict) else {}
         if sub.get("type") == "string":
-            value = f"{_lit(f.p_str)} /[^<]*/" if f.p_str else "/[^<]*/"
+            value = f"{_lit(f.p_str)} {_string(sub)}" if f.p_str else _string(sub)
         else:
             value = f"{_lit(f.p_num)} {_json_island(sub)}" if f.p_num else _json_island(sub)
         item = f"{_lit(f.p_open)} {_lit(key)} {value} {_lit(f.p_close)}"

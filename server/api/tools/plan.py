@@ -54,11 +54,18 @@ class ChatPlan:
         return OutputParser(
             self.fmt if self.spec.parse_calls and calls is None else None,
             reasoning=reasoning,
-            forced_open=self.forced_open,
+            forced_open=self._forced_open(),
             new_id=new_mistral_id if self.fmt is ToolFormat.MISTRAL else new_call_id,
             calls=calls,
             tags=self.tags,
         )
+
+    def _forced_open(self) -> bool:
+        """The output starts in the reasoning: the prompt opened it, and a forced call's
+        frame (the grammar) closes it first or there is none."""
+        if self.frame is None or not self.spec.forced:
+            return self.forced_open
+        return self.forced_open and self.tags[1] in self.frame.head[0]
 
     @property
     def plain(self) -> bool:
