@@ -44,15 +44,20 @@ NO_FRAME = {
 }
 
 
+# Hermes as the issue measured it (Qwen3's template), Llama 3 as llama.cpp's tests use it
+PREFER = {"hermes": "Qwen-Qwen3-0.6B", "llama3": "meta-llama-Llama-3.3-70B-Instruct"}
+FRAMED = (ToolFormat.FAMILY, ToolFormat.HERMES, ToolFormat.LLAMA3)
+
+
 def _family_templates() -> list[Path]:
-    """One template per family of the FAMILY format whose forced calls are learnt."""
-    seen: dict[str, Path] = {}
+    """One template per family whose forced calls follow the template's frame."""
+    seen: dict[str, Path] = {f: TEMPLATES / f"{n}.jinja" for f, n in PREFER.items()}
     for p in sorted(TEMPLATES.glob("*.jinja")):
         if p.stem in NO_FRAME:
             continue
         tpl = ChatTemplate(p.read_text(), "<s>", "</s>", name=p.stem)
         tt = template_tools(tpl)
-        if "tools" in tpl.variables and tt.fmt is ToolFormat.FAMILY:
+        if "tools" in tpl.variables and tt.fmt in FRAMED:
             seen.setdefault(tt.family, p)
     return list(seen.values())
 
@@ -104,7 +109,7 @@ def test_forced_call_then_next_turn_cached(client: openai.OpenAI) -> None:
         max_tokens=MAX, seed=1, temperature=0, logprobs=True,
     )  # fmt: skip
     ch = r1.choices[0]
-    raw = "".join(t.token for t in ch.logprobs.content)
+    raw = b"".join(bytes(t.bytes or []) for t in ch.logprobs.content).decode()
     assert ch.finish_reason == "tool_calls", (raw, ch)
     (call,) = ch.message.tool_calls
     _valid(call)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +80,29 @@ def _turn(tpl: ChatTemplate, args: dict[str, Any], kwargs: dict[str, Any]) -> st
         n -= 1  # not inside a tag both begin alike (<think> and </think>)
     text = full[n:]
     end = ans[ans.index("PROBEANSWER") + len("PROBEANSWER") :]
-    # the turn's end (as a plain answer's): what the model ends with its end-of-turn token
-    for k in range(len(end), 0, -1):
-        if text.endswith(end[:k]):
-            return text[: len(text) - k]
+    return _strip_end(text, end)
+
+
+END_TAGS = ("<|eom_id|>", "<|eot_id|>", "<|im_end|>", "</s>")  # end-of-turn tokens
+_END = re.compile(r"eos|eot|eom|end_of_(?:turn|text|sentence)")
+
+
+def _last_tag(text: str) -> str:
+    """The ``<...>`` the text ends with ("" when none)."""
+    i = text.rfind("<")
+    return text[i:] if text.endswith(">") and i >= 0 and "\n" not in text[i:] else ""
+
+
+def _strip_end(text: str, end: str) -> str:
+    """``text`` without the turn's end-of-turn tag: the last tag, where a plain answer's
+    turn ends with it too (or it is a known end-of-turn token). The model stops on its own
+    end-of-generation token there; whitespace before the tag stays (the model writes it)."""
+    body = text.rstrip()
+    if body.endswith("[e~["):  # MiniMax's end of turn
+        return body[: -len("[e~[")]
+    tag = _last_tag(body)
+    if tag and (tag == _last_tag(end.rstrip()) or tag in END_TAGS or _END.search(tag)):
+        return body[: len(body) - len(tag)]
     return text
 
 

@@ -77,7 +77,7 @@ class ChatPlan:
         schemas; ToolSpecError when a parameters schema cannot be compiled."""
         if not self.spec.forced:
             return None
-        if self.fmt is ToolFormat.FAMILY:
+        if self.fmt is ToolFormat.FAMILY or self.frame is not None:
             return self._family_constraint()
         c = forced_call(self.spec, self.fmt)
         try:
@@ -135,13 +135,22 @@ def plan_chat(
         raise ToolSpecError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
     kw = _kwargs(chat_template_kwargs, reasoning_effort)
     plan = ChatPlan(spec, fmt, rf != "none", kw, tags=reasoning_tags(template.source))
+    tt = template_tools(template)
     if spec.tools and fmt is ToolFormat.FAMILY:
-        plan.family = template_tools(template).family
+        plan.family = tt.family
         if spec.forced:
             plan.frame = _frame(template, kw)
-    elif template_tools(template).family == "gpt-oss":
+    elif tt.family == "gpt-oss":
         plan.family = "gpt-oss"
+    elif spec.forced and tt.native and fmt in _FRAMED and not spec.parallel:
+        # the template's own bytes (a frame) where it renders one call; else the JSON shape
+        plan.frame = _frame(template, kw)
     return plan
+
+
+# JSON formats whose one forced call follows the template's frame (Mistral's [TOOL_CALLS]
+# is a control token, which literal text in a grammar does not produce: its shape stays)
+_FRAMED = (ToolFormat.HERMES, ToolFormat.LLAMA3)
 
 
 _frames: dict[tuple[str, str], Frame | None] = {}
