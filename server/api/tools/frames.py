@@ -15,6 +15,7 @@ cache reuses the call (``tests/e2e/test_families_e2e.py`` checks it through ``pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -106,9 +107,42 @@ def _strip_end(text: str, end: str) -> str:
     return text
 
 
+def _history_head(tpl: ChatTemplate, kwargs: dict[str, Any]) -> str | None:
+    """What the template writes before the call's name once a tool result follows the call
+    (the next turn's prompt): some drop there what they write for a last turn (Qwen3's empty
+    ``<think>`` block). None when it cannot be read."""
+    user = [{"role": "user", "content": "probe user"}]
+    call = {
+        "id": "pr0be0001",
+        "type": "function",
+        "function": {"name": FN, "arguments": _JSON_ARGS},
+    }
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "pr0be0001", "name": FN, "content": "probe"}
+    tools = [{"type": "function", "function": {"name": FN, "parameters": {"type": "object"}}}]
+    try:
+        gen = tpl.render(user, True, tools=tools, **kwargs)
+        full = tpl.render([*user, turn, result], False, tools=tools, **kwargs)
+    except TemplateError:
+        return None
+    n = len(os.path.commonprefix([gen, full]))
+    while n < len(gen) and n > 0 and gen[n - 1] not in ">\n":
+        n -= 1
+    i = full.find(FN, n)
+    return full[n:i] if i >= 0 else None
+
+
 def derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
-    """The call frame of ``tpl`` (see the module docstring); None when the probe's
-    rendering cannot be read."""
+    """The call frame of ``tpl`` (see the module docstring), its head as the next turn
+    renders it; None when the probe's rendering cannot be read."""
+    f = _derive(tpl, kwargs)
+    head = _history_head(tpl, kwargs)
+    if f is None or head is None or head == f.head[0]:
+        return f
+    return dataclasses.replace(f, head=(head, *f.head[1:]))
+
+
+def _derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
     text = _turn(tpl, _JSON_ARGS, kwargs)
     args = json.dumps(_JSON_ARGS, ensure_ascii=False)
     if text and text.count(args) == 1 and FN in text[: text.index(args)]:
