@@ -141,13 +141,16 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
+_LIST_METHODS = frozenset({"append", "pop", "extend", "insert"})
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
-    """Immutable, but for ``list.append``: templates build lists with it (Kimi K2), as
+    """Immutable, but for lists' append/pop/extend/insert: templates build lists (Kimi K2), as
     llama.cpp's Jinja lets them. Templates are the operator's, never a client's; what they
     append to lives for one rendering."""
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        if isinstance(obj, list) and attr == "append":
+        if isinstance(obj, list) and attr in _LIST_METHODS:
             return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
         return super().is_safe_attribute(obj, attr, value)
 

@@ -236,3 +236,11 @@ def test_frame_renders_as_the_template(path: Path) -> None:
     m = _parse(p, [mine])
     assert _calls(m) == [("get_w", args)], mine
     lark_constraint(grammar(frame, [tool]))  # llguidance takes it
+
+
+def test_the_models_own_call_id_is_kept() -> None:
+    """Kimi K2 writes the call's id into the call ("functions.f:0"), and its template renders
+    it back from the id the client returns: the parser hands out the model's id."""
+    text = OUTPUTS[7][1]
+    m = _parse(RegionParser(BY_NAME["kimi-k2"]), [text])
+    assert [c.id for c in m.tool_calls] == ["functions.get_w:0", "functions.get_r:1"]

@@ -155,7 +155,7 @@ FAMILIES: tuple[Family, ...] = (
         ("<|tool_calls_section_begin|>",),
         ("<|tool_calls_section_end|>",),
         _c(
-            r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[\w.\-]+?)(?::\d+)?\s*"
+            r"<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[\w.\-]+?)(?::\d+)?)\s*"
             r"<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>"
         ),
     ),
@@ -179,7 +179,7 @@ FAMILIES: tuple[Family, ...] = (
         ("<|tool_calls|>", "<|tool_call:begin|>"),
         ("<|calls|>",),
         _c(
-            r"<\|tool_call:begin\|>[^<]*<\|tool_call:name\|>(?P<name>[^<]+)"
+            r"<\|tool_call:begin\|>(?P<id>[^<]*)<\|tool_call:name\|>(?P<name>[^<]+)"
             r"<\|tool_call:args\|>(?P<args>.*?)<\|tool_call:end\|>"
         ),
     ),

@@ -116,11 +116,12 @@ def _quote_keys(text: str) -> str:
     return "".join(out)
 
 
-def read_region(fam: Family, region: str) -> list[tuple[str, str]]:
-    """(name, arguments JSON text) of every call in ``region``; ValueError when none can be
+def read_region(fam: Family, region: str) -> list[tuple[str, str, str]]:
+    """(name, arguments JSON text, id) of every call in ``region`` (id: what the model wrote
+    as the call's id, where the family writes one, else ""); ValueError when none can be
     read (the region is then content)."""
     assert fam.call is not None
-    calls: list[tuple[str, str]] = []
+    calls: list[tuple[str, str, str]] = []
     for m in fam.call.finditer(region):
         g = m.groupdict()
         if fam.body == "json":
@@ -133,14 +134,14 @@ def read_region(fam: Family, region: str) -> list[tuple[str, str]]:
             args = g["args"].strip()
             if not isinstance(json.loads(args), dict):
                 raise ValueError("arguments are not an object")
-            calls.append((g["name"].strip(), args))
+            calls.append((g["name"].strip(), args, (g.get("id") or "").strip()))
             continue
         else:
             pairs = [(g["name"].strip(), _params(fam, g["body"]))]
         for name, args in pairs:
             if not isinstance(args, dict):
                 raise ValueError("arguments are not an object")
-            calls.append((name, json.dumps(args, ensure_ascii=False)))
+            calls.append((name, json.dumps(args, ensure_ascii=False), ""))
     if not calls:
         raise ValueError("no call")
     return calls
@@ -225,7 +226,9 @@ class RegionParser:
         except (ValueError, SyntaxError, RecursionError, MemoryError):
             out.content += region
             return
-        for name, args in calls:
-            out.calls.append(CallDelta(self.n_calls, self.new_id(), name, args))
+        for name, args, call_id in calls:
+            # the model's own id where the family writes one (Kimi's "functions.f:0"): the
+            # template renders it back from the id the client returns
+            out.calls.append(CallDelta(self.n_calls, call_id or self.new_id(), name, args))
             self.n_calls += 1
         self.skip_ws = True
