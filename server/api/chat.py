@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import jinja2.ext
 import jinja2.meta
+import jinja2.nodes
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
 from .cancel import Cancelled, Watched
 
@@ -126,6 +129,42 @@ class _ConcatUndefined(jinja2.Undefined):
         return other if isinstance(other, str) else super().__radd__(other)
 
 
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (Hugging Face's marker of the assistant
+    text for training masks; LFM2.5, Laguna use it): renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+_LIST_METHODS = frozenset({"append", "pop", "extend", "insert"})
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Immutable, but for lists' append/pop/extend/insert: templates build lists (Kimi K2), as
+    llama.cpp's Jinja lets them. Templates are the operator's, never a client's; what they
+    append to lives for one rendering."""
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if isinstance(obj, list) and attr in _LIST_METHODS:
+            return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
+        return super().is_safe_attribute(obj, attr, value)
+
+
+def _json_default(o: Any) -> Any:
+    """``tojson`` of what Jinja makes lazily (``map`` gives a generator: llama.cpp's Jinja a
+    list) and of undefined values (null)."""
+    if isinstance(o, jinja2.Undefined):
+        return None
+    if isinstance(o, Iterator):
+        return list(o)
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+
 def _date_context() -> dict[str, str]:
     """Today's date in the variables llama.cpp gives every template (common_chat_extra_context):
     Llama 3.x prints ``date_string``, FireFunction ``datetime``."""
@@ -147,15 +186,15 @@ class ChatTemplate:
         self.eos_token = eos_token
         # loopcontrols ({% break %}, {% continue %}): Hugging Face renders with it, and
         # templates use it (Command R7B, Kimi K3, ...)
-        env = ImmutableSandboxedEnvironment(
+        env = _Sandbox(
             undefined=_ConcatUndefined,
             trim_blocks=True,
             lstrip_blocks=True,
             autoescape=False,
-            extensions=["jinja2.ext.loopcontrols"],
+            extensions=["jinja2.ext.loopcontrols", _Generation],
         )
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(
-            v, ensure_ascii=False, indent=indent
+            v, ensure_ascii=False, indent=indent, default=_json_default
         )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

@@ -23,6 +23,7 @@ import enum
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .jsonscan import WS, CallReader
 
@@ -32,6 +33,7 @@ class ToolFormat(str, enum.Enum):
     LLAMA3 = "llama3"
     MISTRAL = "mistral"
     GENERIC = "generic"
+    FAMILY = "family"  # another family of ``families``: read by ``regions``/``harmony``
 
 
 @dataclass
@@ -147,7 +149,7 @@ def _match_tokens(buf: str, pos: int, tokens: tuple[str, ...]) -> tuple[str, int
     return "ok", pos
 
 
-def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
     best = 0
     for m in markers:
@@ -235,7 +237,7 @@ class ToolParser:
             i, m = min(found)
             self.at_start = False
             return self._open(out, buf, i, i + len(m))
-        keep = 0 if final else _partial_suffix(buf, self.spec.markers)
+        keep = 0 if final else partial_suffix(buf, self.spec.markers)
         text = buf[: len(buf) - keep]
         # whitespace before a call is no content: hold it until something else follows
         body = text.rstrip(WS)
@@ -372,7 +374,7 @@ class ToolParser:
         if self.reader is None:
             buf = self.buf
             cuts = [x for x in (buf.find("[ARGS]"), buf.find("{")) if x >= 0]
-            cut = min(cuts) if cuts else len(buf) - _partial_suffix(buf, ("[ARGS]",))
+            cut = min(cuts) if cuts else len(buf) - partial_suffix(buf, ("[ARGS]",))
             name = buf[:cut].strip(WS)
             if any(c in _NOT_NAME for c in name) or len(name) > 256 or (cuts and not name):
                 self._abandon(out)
@@ -406,9 +408,10 @@ class ReasoningSplitter:
     ``<think>`` (the template wrote it), so the output starts in the reasoning. Whitespace
     around the reasoning is dropped."""
 
-    OPEN, CLOSE = "<think>", "</think>"
-
-    def __init__(self, forced_open: bool = False) -> None:
+    def __init__(
+        self, forced_open: bool = False, tags: tuple[str, str] = ("<think>", "</think>")
+    ) -> None:
+        self.OPEN, self.CLOSE = tags  # the family's reasoning tags (families.reasoning_tags)
         self.mode = "think" if forced_open else "start"
         self.buf = ""
         self.skip_ws = True
@@ -444,7 +447,7 @@ class ReasoningSplitter:
                 continue
             # held back: a possible start of </think>, and trailing whitespace (dropped if
             # </think> follows, and at the end)
-            keep = 0 if final else _partial_suffix(self.buf, (self.CLOSE,))
+            keep = 0 if final else partial_suffix(self.buf, (self.CLOSE,))
             body = self.buf[: len(self.buf) - keep].rstrip(WS)
             reasoning += body
             self.buf = "" if final else self.buf[len(body) :]
@@ -454,9 +457,20 @@ class ReasoningSplitter:
         return self.feed("", final=True)
 
 
+class CallParser(Protocol):
+    """What reads calls out of the content: ``ToolParser``, ``regions.RegionParser``,
+    ``harmony.HarmonyParser``."""
+
+    n_calls: int
+
+    def feed(self, text: str) -> Delta: ...
+
+    def finish(self) -> Delta: ...
+
+
 class OutputParser:
     """The chat output pipeline: reasoning split (when enabled), then tool calls (when a
-    format is given), else plain content."""
+    format is given, or a ``calls`` parser), else plain content."""
 
     def __init__(
         self,
@@ -465,9 +479,13 @@ class OutputParser:
         reasoning: bool = False,
         forced_open: bool = False,
         new_id: Callable[[], str] = new_call_id,
+        calls: CallParser | None = None,
+        tags: tuple[str, str] = ("<think>", "</think>"),
     ) -> None:
-        self.splitter = ReasoningSplitter(forced_open) if reasoning else None
-        self.tools = ToolParser(tool_format, new_id) if tool_format is not None else None
+        self.splitter = ReasoningSplitter(forced_open, tags) if reasoning else None
+        self.tools: CallParser | None = calls
+        if calls is None and tool_format is not None:
+            self.tools = ToolParser(tool_format, new_id)
 
     def _route(self, reasoning: str, content: str, final: bool) -> Delta:
         if self.tools is None:
@@ -475,7 +493,7 @@ class OutputParser:
         d = self.tools.feed(content)
         if final:
             d.extend(self.tools.finish())
-        d.reasoning = reasoning
+        d.reasoning = reasoning + d.reasoning  # a calls parser may read reasoning too
         return d
 
     def feed(self, text: str) -> Delta:

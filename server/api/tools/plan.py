@@ -3,13 +3,26 @@ of its parsed output: ``message`` for a whole answer, ``delta`` chunks for a str
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...constrained import Constraint, ConstraintError, json_schema_constraint
+from ...constrained import Constraint, ConstraintError, json_schema_constraint, lark_constraint
 from ..chat import ChatTemplate
-from .parse import Delta, Message, OutputParser, ToolFormat, new_call_id, new_mistral_id
-from .prompt import template_tools
+from .families import BY_NAME, reasoning_tags
+from .frames import Frame, derive, grammar
+from .harmony import HarmonyParser
+from .parse import (
+    CallParser,
+    Delta,
+    Message,
+    OutputParser,
+    ToolFormat,
+    new_call_id,
+    new_mistral_id,
+)
+from .prompt import RESERVED, template_tools
+from .regions import RegionParser
 from .spec import ToolSpec, ToolSpecError, forced_call, tool_spec
 
 REASONING_FORMATS = ("none", "auto", "deepseek")
@@ -26,15 +39,33 @@ class ChatPlan:
     reasoning: bool
     kwargs: dict[str, Any] = field(default_factory=dict)
     forced_open: bool = False
+    family: str = ""  # families.Family.name (``fmt`` FAMILY: its parser reads the calls)
+    tags: tuple[str, str] = ("<think>", "</think>")  # the family's reasoning tags
+    frame: Frame | None = None  # a forced call's frame in the family's syntax
 
     def parser(self) -> OutputParser:
         """A fresh parser for one choice."""
+        calls: CallParser | None = None
+        reasoning = self.reasoning
+        if self.family == "gpt-oss":  # Harmony: channels carry the reasoning
+            calls, reasoning = HarmonyParser(self.reasoning), False
+        elif self.fmt is ToolFormat.FAMILY and self.spec.parse_calls:
+            calls = RegionParser(BY_NAME[self.family])
         return OutputParser(
-            self.fmt if self.spec.parse_calls else None,
-            reasoning=self.reasoning,
-            forced_open=self.forced_open,
+            self.fmt if self.spec.parse_calls and calls is None else None,
+            reasoning=reasoning,
+            forced_open=self._forced_open(),
             new_id=new_mistral_id if self.fmt is ToolFormat.MISTRAL else new_call_id,
+            calls=calls,
+            tags=self.tags,
         )
+
+    def _forced_open(self) -> bool:
+        """The output starts in the reasoning: the prompt opened it, and a forced call's
+        frame (the grammar) closes it first or there is none."""
+        if self.frame is None or not self.spec.forced:
+            return self.forced_open
+        return self.forced_open and self.tags[1] in self.frame.head[0]
 
     @property
     def plain(self) -> bool:
@@ -46,9 +77,27 @@ class ChatPlan:
         schemas; ToolSpecError when a parameters schema cannot be compiled."""
         if not self.spec.forced:
             return None
+        if self.fmt is ToolFormat.FAMILY or self.frame is not None:
+            return self._family_constraint()
         c = forced_call(self.spec, self.fmt)
         try:
             return json_schema_constraint(c.schema, prefix=c.prefix, suffix=c.suffix)
+        except ConstraintError as e:
+            raise ToolSpecError(f"cannot force a tool call: the tools' parameters: {e}") from None
+
+    def _family_constraint(self) -> Constraint:
+        if self.frame is None:
+            raise ToolSpecError(
+                f"cannot force a tool call: the template's {self.family} call syntax could "
+                "not be learnt from its rendering"
+            )
+        tools = [
+            t
+            for t in self.spec.tools
+            if self.spec.choice != "function" or t.name == self.spec.forced_name
+        ]
+        try:
+            return lark_constraint(grammar(self.frame, tools))
         except ConstraintError as e:
             raise ToolSpecError(f"cannot force a tool call: the tools' parameters: {e}") from None
 
@@ -84,7 +133,40 @@ def plan_chat(
     rf = reasoning_format or default_reasoning_format
     if rf not in REASONING_FORMATS:
         raise ToolSpecError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
-    return ChatPlan(spec, fmt, rf != "none", _kwargs(chat_template_kwargs, reasoning_effort))
+    kw = _kwargs(chat_template_kwargs, reasoning_effort)
+    plan = ChatPlan(spec, fmt, rf != "none", kw, tags=reasoning_tags(template.source))
+    tt = template_tools(template)
+    if spec.tools and fmt is ToolFormat.FAMILY:
+        plan.family = tt.family
+        if spec.forced:
+            plan.frame = _frame(template, kw)
+    elif tt.family == "gpt-oss":
+        plan.family = "gpt-oss"
+    elif spec.forced and tt.native and fmt in _FRAMED and not spec.parallel:
+        # the template's own bytes (a frame) where it renders one call; else the JSON shape
+        plan.frame = _frame(template, kw)
+    return plan
+
+
+# JSON formats whose one forced call follows the template's frame (Mistral's [TOOL_CALLS]
+# is a control token, which literal text in a grammar does not produce: its shape stays)
+_FRAMED = (ToolFormat.HERMES, ToolFormat.LLAMA3)
+
+
+_frames: dict[tuple[str, str], Frame | None] = {}
+
+
+def _frame(template: ChatTemplate, kw: dict[str, Any]) -> Frame | None:
+    """The template's call frame under the request's template variables (cached)."""
+    extra = {k: v for k, v in kw.items() if k not in RESERVED}
+    if "enable_thinking" in template.variables:
+        extra.setdefault("enable_thinking", True)
+    key = (template.source, json.dumps(extra, sort_keys=True, default=str))
+    if key not in _frames:
+        if len(_frames) > 64:
+            _frames.clear()
+        _frames[key] = derive(template, extra)
+    return _frames[key]
 
 
 # ---- response shapes --------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..cancel import checkpoint
 from ..chat import ChatTemplate, TemplateError
+from .families import detect_family
 from .parse import ToolFormat
 from .spec import ToolSpec
 
@@ -46,6 +47,7 @@ class TemplateTools:
 
     fmt: ToolFormat
     native: bool
+    family: str = ""  # families.Family.name, where the template's syntax is a known family
 
 
 _PROBE_ID = "pr0be0001"  # Mistral templates insist on 9 alphanumerics
@@ -93,12 +95,15 @@ def _detect(tpl: ChatTemplate) -> TemplateTools:
             text = tpl.render(_PROBE, add_generation_prompt=True, tools=[_PROBE_TOOL])
         except TemplateError:
             text = ""
+        fam = detect_family(tpl.source, text)
+        if fam is not None and not fam.fmt:
+            return TemplateTools(ToolFormat.FAMILY, True, fam.name)
         if _HERMES.search(text):
-            return TemplateTools(ToolFormat.HERMES, True)
+            return TemplateTools(ToolFormat.HERMES, True, "hermes")
         if "[TOOL_CALLS]" in text:
-            return TemplateTools(ToolFormat.MISTRAL, True)
+            return TemplateTools(ToolFormat.MISTRAL, True, "mistral")
         if _LLAMA3.search(text):
-            return TemplateTools(ToolFormat.LLAMA3, True)
+            return TemplateTools(ToolFormat.LLAMA3, True, "llama3")
     if tpl.name in BUILTIN_FORMATS:
         return TemplateTools(BUILTIN_FORMATS[tpl.name], False)
     return TemplateTools(ToolFormat.GENERIC, False)
