@@ -1,12 +1,13 @@
 """Which tags open and close a chat template's reasoning: the one lookup the reasoning
-budget (server.service.budget) forces the end tag from. ``reasoning_tags`` reads the
-template's source; a family with its own reasoning syntax (Harmony's channels, ``[THINK]``,
-``<seed:think>``) adds a row to ``FAMILIES`` (first match wins, so put the more specific
-markers first)."""
+budget (server.service.budget) forces the end tag from. The tags are the template's
+tool-call family's (``<think>``, ``[THINK]``, ``<seed:think>``, ...: server.api.tools.families
+holds the one table); this module gives them the budget's shape."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .tools import families
 
 
 @dataclass(frozen=True)
@@ -18,18 +19,9 @@ class ReasoningTags:
     end: str
 
 
-# (a marker found in the template's source, its tags), most specific first
-FAMILIES: tuple[tuple[str, ReasoningTags], ...] = (
-    ("<seed:think>", ReasoningTags("<seed:think>", "</seed:think>")),
-    ("[THINK]", ReasoningTags("[THINK]", "[/THINK]")),
-    ("<think>", ReasoningTags("<think>", "</think>")),
-)
-
-
 def reasoning_tags(template_source: str) -> ReasoningTags | None:
-    """The reasoning tags of the template whose Jinja source is ``template_source``; None
-    when it has no reasoning block this server knows."""
-    for marker, tags in FAMILIES:
-        if marker in template_source:
-            return tags
-    return None
+    """The reasoning tags of the template whose Jinja source is ``template_source``: its
+    tool-call family's (server.api.tools.families, the one table of families), None when
+    the template opens no reasoning block this server knows."""
+    start, end = families.reasoning_tags(template_source)
+    return ReasoningTags(start, end) if start in template_source else None

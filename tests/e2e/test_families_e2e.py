@@ -185,3 +185,25 @@ def test_streamed_named_call_assembled_by_the_sdk(client: openai.OpenAI) -> None
     (call,) = ch.message.tool_calls
     _valid(call)
     assert call.id
+
+
+def test_a_template_without_a_frame_still_forces_a_valid_call() -> None:
+    """Gemma 4 renders arguments in a shape no grammar can learn (``{k:<|"|>v<|"|>}``): a
+    forced call takes the generic JSON form and comes back parsed, not refused."""
+    s = ServerProc(
+        "-m", smollm2_path(), "-c", "4096", "-np", "1", "--jinja",
+        "--chat-template-file", str(TEMPLATES / "google-gemma-4-31B-it.jinja"),
+    )  # fmt: skip
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(
+            model="m", messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+            max_tokens=MAX, seed=1, temperature=0,
+        )  # fmt: skip
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        _valid(call)
+        c.close()
+    finally:
+        s.stop()

@@ -21,6 +21,7 @@ from server.api.tools.families import BY_NAME, FAMILIES, detect_family, reasonin
 from server.api.tools.frames import derive, grammar, text_of
 from server.api.tools.harmony import HarmonyParser
 from server.api.tools.parse import Message, OutputParser, ToolFormat
+from server.api.tools.plan import plan_chat
 from server.api.tools.prompt import template_tools
 from server.api.tools.regions import RegionParser
 from server.api.tools.spec import Tool
@@ -42,7 +43,8 @@ def corpus() -> list[Path]:
 
 
 CORPUS = corpus()
-# templates whose rendering of a call cannot be learnt as a frame: forced calls are a 400
+# templates whose rendering of a call cannot be learnt as a frame: forced calls take the
+# generic JSON form
 NO_FRAME = {
     "CohereForAI-c4ai-command-r-plus-tool_use",  # tojson(indent=4) arguments
     "LFM2.5-8B-A1B",  # pythonic arguments
@@ -244,3 +246,17 @@ def test_the_models_own_call_id_is_kept() -> None:
     text = OUTPUTS[7][1]
     m = _parse(RegionParser(BY_NAME["kimi-k2"]), [text])
     assert [c.id for c in m.tool_calls] == ["functions.get_w:0", "functions.get_r:1"]
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in FAMILY_TEMPLATES if p.stem in NO_FRAME], ids=lambda p: p.stem
+)
+def test_a_forced_call_without_a_frame_takes_the_generic_json_form(path: Path) -> None:
+    """Where no frame can be learnt, a forced call is not refused: it is constrained to the
+    generic JSON form and parsed as such (what these templates got before families)."""
+    tools = [Tool("get_w", "", {"type": "object", "properties": {}}).as_openai()]
+    plan = plan_chat(
+        _tpl(path), tools=tools, tool_choice="required", chat_template_kwargs=_kw(_tpl(path))
+    )
+    assert plan.frame is None and plan.fmt is ToolFormat.GENERIC
+    assert plan.constraint() is not None

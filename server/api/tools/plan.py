@@ -140,6 +140,11 @@ def plan_chat(
         plan.family = tt.family
         if spec.forced:
             plan.frame = _frame(template, kw)
+            if plan.frame is None:
+                # no frame could be learnt from the template (it does not render calls, or
+                # renders arguments in a shape a grammar cannot follow): the forced call
+                # takes the generic JSON form, constrained and parsed as such
+                plan.fmt = ToolFormat.GENERIC
     elif tt.family == "gpt-oss":
         plan.family = "gpt-oss"
     elif spec.forced and tt.native and fmt in _FRAMED and not spec.parallel:
