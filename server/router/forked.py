@@ -33,6 +33,12 @@ REAP_PERIOD_S = 2.0
 MAX_MESSAGE = 1 << 20  # a request to the template process: argv and environment
 
 
+def zygote_enabled() -> bool:
+    """Whether instances are forked from a template process (``LLAMA_ROUTER_ZYGOTE=0``:
+    each is spawned as a new interpreter)."""
+    return os.environ.get("LLAMA_ROUTER_ZYGOTE") != "0"
+
+
 def become_subreaper() -> bool:
     """Adopt orphaned descendants (Linux); False where that is not possible."""
     if not sys.platform.startswith("linux"):
@@ -45,7 +51,7 @@ class ForkedProcess:
     """A forked instance (a child of the router once the template's middle process is
     gone): its exit is seen through a pidfd on the event loop and reaped here."""
 
-    def __init__(self, pid: int, stdout: asyncio.StreamReader) -> None:
+    def __init__(self, pid: int, stdout: asyncio.StreamReader | None) -> None:
         self.pid = pid
         self.stdout: asyncio.StreamReader | None = stdout
         self.returncode: int | None = None
@@ -96,10 +102,16 @@ async def read_pipe(fd: int) -> asyncio.StreamReader:
 class Zygote:
     """The template process and its control socket (see the module doc)."""
 
-    def __init__(self, env: dict[str, str], preexec: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        preexec: Callable[[], None] | None,
+        early: tuple[int, int] | None = None,
+    ) -> None:
         self.env = env
         self.preexec = preexec
-        self.proc: asyncio.subprocess.Process | None = None
+        self.early = early  # (pid, socket fd) of a template forked from the router itself
+        self.proc: asyncio.subprocess.Process | ForkedProcess | None = None
         self.sock: socket.socket | None = None
         self.ready: asyncio.Future[bool] | None = None
         self.alive = False
@@ -124,6 +136,23 @@ class Zygote:
     async def _start(self) -> bool:
         if not hasattr(os, "pidfd_open") or not become_subreaper():
             raise OSError("needs Linux (pidfd, PR_SET_CHILD_SUBREAPER)")
+        self._reaper = asyncio.create_task(self._reap_orphans(), name="router-reaper")
+        if self.early is not None:
+            pid, fd = self.early
+            self.early = None
+            self.proc, mine = ForkedProcess(pid, None), socket.socket(fileno=fd)
+        else:
+            mine = await self._spawn()
+        mine.setblocking(False)
+        self.sock = mine
+        loop = asyncio.get_running_loop()
+        msg = json.loads(await asyncio.wait_for(loop.sock_recv(mine, 4096), READY_TIMEOUT_S))
+        self.last_threads = int(msg["threads"])
+        log.info("router: template process %d ready (%d thread)", msg["ready"], msg["threads"])
+        return True
+
+    async def _spawn(self) -> socket.socket:
+        """``python -m server.cli.zygote``; returns the router's end of its socket."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -136,14 +165,7 @@ class Zygote:
             )
         finally:
             theirs.close()
-        mine.setblocking(False)
-        self.sock = mine
-        loop = asyncio.get_running_loop()
-        msg = json.loads(await asyncio.wait_for(loop.sock_recv(mine, 4096), READY_TIMEOUT_S))
-        self.last_threads = int(msg["threads"])
-        self._reaper = asyncio.create_task(self._reap_orphans(), name="router-reaper")
-        log.info("router: template process %d ready (%d thread)", msg["ready"], msg["threads"])
-        return True
+        return mine
 
     async def fork(self, argv: list[str], env: dict[str, str], name: str) -> ForkedProcess | None:
         """A forked instance running ``argv`` under ``env``, or None where the template
@@ -163,6 +185,9 @@ class Zygote:
             body = json.dumps({"argv": argv, "env": env, "router": os.getpid(), "name": name})
             socket.send_fds(self.sock, [body.encode()], [w])
             reply = await loop.sock_recv(self.sock, MAX_MESSAGE)
+        except asyncio.CancelledError:  # its answer would be read by the next request
+            self._lost("a request was cancelled")
+            raise
         except OSError as e:
             reply = b""
             log.warning("router: template process unreachable: %s", e)

@@ -26,7 +26,7 @@ import httpx
 
 from ..api.errors import APIError
 from . import process
-from .forked import Zygote
+from .forked import Zygote, zygote_enabled
 from .instances import LOADED, LOADING, READY, SLEEPING, UNLOADED, Instance, has_room, pick_victim
 from .presets import FlagTable, ModelSpec, to_argv
 
@@ -84,7 +84,10 @@ class RouterConfig:
     # Sec-Fetch-* the router passes on by the same rule (never as a local request's)
     cors_origins: str = "*"
     # fork instances from a template process (server.router.forked); off: spawn each
-    zygote: bool = field(default_factory=lambda: os.environ.get("LLAMA_ROUTER_ZYGOTE") != "0")
+    zygote: bool = field(default_factory=zygote_enabled)
+    # (pid, socket fd) of the template forked from the router before it began (else the
+    # router starts one)
+    template: tuple[int, int] | None = None
 
 
 class Manager:
@@ -108,7 +111,7 @@ class Manager:
         self.env = process.child_env({**os.environ, **cfg.threads_env}, cfg.child_keys)
         # instances are forked from a template process that has imported the server
         preexec = process.die_with_parent if sys.platform.startswith("linux") else None
-        self.zygote = Zygote(self.env, preexec) if cfg.zygote else None
+        self.zygote = Zygote(self.env, preexec, cfg.template) if cfg.zygote else None
 
     # ---- life of the manager ----------------------------------------------------------
 
