@@ -16,6 +16,8 @@ from ..http.heap import settle_heap
 from ..http.listen import bind
 from ..router.app import UvicornOptions, router_mode
 from ..router.app import serve as serve_router
+from ..router.forked import zygote_enabled
+from ..router.template import fork_template
 from ..service.state import ServerState
 from .config import Settings, csv_list, parse_settings, warn_ignored
 
@@ -59,6 +61,11 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def load_llama() -> None:
+    """The router's template process: llama.cpp's library loaded (no backend initialised)."""
+    from ..llama import backend  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     problem = kv_setup.check(settings)
@@ -78,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         "ssl_certfile": settings.ssl_cert_file,
     }
     if router_mode(settings):  # no -m, a --models-dir or --models-preset: server.router
-        serve_router(settings, sys.argv[1:] if argv is None else argv, options)
+        # the template process that forks instances, forked now, before any thread
+        early = fork_template(load_llama, main) if zygote_enabled() else None
+        serve_router(settings, sys.argv[1:] if argv is None else argv, options, early)
         return
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, **options)

@@ -37,6 +37,9 @@ log = logging.getLogger("server.llama")
 
 _LOG_LOCK = threading.Lock()
 _BACKEND_READY = False
+# end-of-generation tokens per model file (path, size, mtime): a model woken from sleep
+# (loaded again in the same process) skips the vocabulary pass
+_EOG_BY_FILE: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
@@ -484,10 +487,21 @@ class LlamaBackend(SeqMemory):
 
     def eog_tokens(self) -> tuple[int, ...]:
         """Every end-of-generation token (``ignore_eos`` bans them all, as llama-server's
-        ``logit_bias_eog``); one pass over the vocabulary (~0.1 s), at the first call."""
+        ``logit_bias_eog``); one pass over the vocabulary (0.1-0.7 s on 262k tokens), at the
+        first call for a model file in this process."""
         if self._eog_all is None:
-            is_eog, v = L.llama_vocab_is_eog, self.vocab
-            self._eog_all = tuple(t for t in range(self.n_vocab) if is_eog(v, t))
+            try:
+                st = os.stat(self.opts.path)
+                key: tuple[str, int, int] | None = (self.opts.path, st.st_size, st.st_mtime_ns)
+            except (OSError, TypeError):
+                key = None
+            known = _EOG_BY_FILE.get(key) if key is not None else None
+            if known is None:
+                is_eog, v = L.llama_vocab_is_eog, self.vocab
+                known = tuple(t for t in range(self.n_vocab) if is_eog(v, t))
+                if key is not None:
+                    _EOG_BY_FILE[key] = known
+            self._eog_all = known
         return self._eog_all
 
     def is_eog(self, token: int) -> bool:

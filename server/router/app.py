@@ -55,15 +55,21 @@ def load_specs(s: Settings, argv: list[str], table: FlagTable) -> dict[str, Mode
     )
 
 
-def create_router_app(s: Settings, argv: list[str]) -> FastAPI:
-    """The router's app; raises PresetError or OSError when the sources cannot be read."""
+def create_router_app(
+    s: Settings, argv: list[str], template: tuple[int, int] | None = None
+) -> FastAPI:
+    """The router's app; raises PresetError or OSError when the sources cannot be read.
+    ``template``: the pid and socket of a template process forked already (its instances
+    are forked from it; see server.router.template)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health poll else
     table = flag_table()
     specs = load_specs(s, argv, table)
     keys = load_api_keys(s)
     internal = secrets.token_urlsafe(24)
     origins = effective_origins(s.cors_origins, s.compat)
-    cfg = RouterConfig(s.models_max, table, [*keys, internal], cors_origins=origins)
+    cfg = RouterConfig(
+        s.models_max, table, [*keys, internal], cors_origins=origins, template=template
+    )
     manager = Manager(specs, cfg)
     st = RouterState(
         manager=manager,
@@ -120,10 +126,15 @@ class UvicornOptions(TypedDict):
     ssl_certfile: str | None
 
 
-def serve(s: Settings, argv: list[str], uvicorn_options: UvicornOptions) -> None:
+def serve(
+    s: Settings,
+    argv: list[str],
+    uvicorn_options: UvicornOptions,
+    template: tuple[int, int] | None = None,
+) -> None:
     """Run the router until SIGTERM/SIGINT (then every instance is stopped)."""
     try:
-        app = create_router_app(s, argv)
+        app = create_router_app(s, argv, template)
     except (PresetError, OSError) as e:
         print(f"error: router mode: {e}", file=sys.stderr)
         sys.exit(2)

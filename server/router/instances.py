@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .presets import ModelSpec
+from .process import InstanceProcess
 
 UNLOADED = "unloaded"
 LOADING = "loading"
@@ -40,7 +41,7 @@ class Instance:
     failed: bool = False
     exit_code: int | None = None
     argv: list[str] = field(default_factory=list)
-    proc: asyncio.subprocess.Process | None = None  # while running
+    proc: InstanceProcess | None = None  # while running (spawned or forked)
     ready: asyncio.Future[bool] | None = None  # the current start's outcome
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 

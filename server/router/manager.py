@@ -25,6 +25,7 @@ import httpx
 
 from ..api.errors import APIError
 from . import process
+from .forked import Zygote, zygote_enabled
 from .instances import LOADED, LOADING, READY, SLEEPING, UNLOADED, Instance, has_room, pick_victim
 from .presets import FlagTable, ModelSpec, to_argv
 
@@ -81,6 +82,11 @@ class RouterConfig:
     # the router's effective --cors-origins: each instance judges the Origin, Referer and
     # Sec-Fetch-* the router passes on by the same rule (never as a local request's)
     cors_origins: str = "*"
+    # fork instances from a template process (server.router.forked); off: spawn each
+    zygote: bool = field(default_factory=zygote_enabled)
+    # (pid, socket fd) of the template forked from the router before it began (else the
+    # router starts one)
+    template: tuple[int, int] | None = None
 
 
 class Manager:
@@ -100,12 +106,19 @@ class Manager:
         self._kick = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
+        # every instance's environment (the same for all: the keys are the router's)
+        self.env = process.child_env({**os.environ, **cfg.threads_env}, cfg.child_keys)
+        # instances are forked from a template process that has imported the server
+        preexec = process.die_with_parent if sys.platform.startswith("linux") else None
+        self.zygote = Zygote(self.env, preexec, cfg.template) if cfg.zygote else None
 
     # ---- life of the manager ----------------------------------------------------------
 
     async def start(self) -> None:
         """Start the dispatcher, then the models marked ``load-on-startup``."""
         self._dispatcher = asyncio.create_task(self._dispatch(), name="router-dispatch")
+        if self.zygote is not None:
+            self._spawn_task(self.zygote.start(), "router-zygote")
         for inst in self.instances.values():
             if inst.spec.load_on_startup:
                 self.load(inst.name)
@@ -116,6 +129,8 @@ class Manager:
             self._dispatcher.cancel()
         running = [i for i in self.instances.values() if i.proc is not None]
         await asyncio.gather(*(self._stop(i) for i in running), return_exceptions=True)
+        if self.zygote is not None:
+            await self.zygote.close()
         await self.client.aclose()
         await self.client_for_proxy.aclose()
 
@@ -236,7 +251,7 @@ class Manager:
                     if victim is None:
                         break  # wait for a request to end or a process to exit
                     log.info("stopping model %s to make room for %s", victim.name, req.inst.name)
-                    await self._stop(victim)
+                    await self._stop(victim, at_once=not self._spills(victim))
                     continue
                 self.queue.popleft()
                 self._launch(req.inst)
@@ -271,8 +286,7 @@ class Manager:
         try:
             if not inst.spec.path:
                 raise RuntimeError("no model file (set 'model' in its preset section)")
-            env = process.child_env({**os.environ, **self.cfg.threads_env}, self.cfg.child_keys)
-            proc = inst.proc = await process.spawn(inst.argv, env)
+            proc = inst.proc = await self._start_process(inst)
             pump = asyncio.create_task(process.pump_output(proc, inst.name))
             ok = await process.wait_healthy(proc, inst.port, self.client)
             if ok and inst.status == LOADING:
@@ -290,6 +304,20 @@ class Manager:
             code = -1 if code is None else code
         finally:
             self._exited(inst, ok, code)
+
+    async def _start_process(self, inst: Instance) -> process.InstanceProcess:
+        """Fork the instance from the template process; spawn it the plain way where the
+        template is gone or cannot serve it."""
+        if self.zygote is not None:
+            forked = await self.zygote.fork(inst.argv, self.env, inst.name)
+            if forked is not None:
+                return forked
+        return await process.spawn(inst.argv, self.env)
+
+    def _spills(self, inst: Instance) -> bool:
+        """Whether ``inst``'s graceful shutdown writes something worth its time: with a disk
+        tier its idle slots and RAM cache go there (conversations resume from it)."""
+        return bool(inst.spec.args.get("cache_disk") or self.env.get("LLAMA_ARG_CACHE_DISK"))
 
     def _exited(self, inst: Instance, was_ready: bool, code: int | None) -> None:
         crashed = not inst.stopping
@@ -309,8 +337,10 @@ class Manager:
         self.events.publish(inst.name, "model_status", data)
         self.kick()
 
-    async def _stop(self, inst: Instance) -> None:
-        """Stop ``inst``'s process and wait until it has exited."""
+    async def _stop(self, inst: Instance, at_once: bool = False) -> None:
+        """Stop ``inst``'s process and wait until it has exited. ``at_once`` (an idle
+        instance stopped to make room, with nothing to spill): SIGKILL, no drain; else
+        SIGTERM, its running requests drain, then SIGKILL after its stop timeout."""
         proc = inst.proc
         if proc is None or inst.stopping:
             if inst.stopping:
@@ -318,7 +348,7 @@ class Manager:
             return
         inst.stopping = True
         inst.status = UNLOADED
-        await process.terminate(proc, inst.exited, inst.spec.stop_timeout)
+        await process.terminate(proc, inst.exited, inst.spec.stop_timeout, at_once)
 
     async def _watch_sleep(self, inst: Instance) -> None:
         """With ``--sleep-idle-seconds``, follow the instance's ``/props`` ``is_sleeping``

@@ -16,6 +16,7 @@ import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -48,6 +49,21 @@ HEALTH_POLL_S = 0.05
 PR_SET_PDEATHSIG = 1
 
 
+class InstanceProcess(Protocol):
+    """What the router uses of an instance's process: ``asyncio.subprocess.Process`` (a
+    plain spawn) and ``server.router.forked.ForkedProcess`` (forked by the template)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stdout(self) -> asyncio.StreamReader | None: ...
+    async def wait(self) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the child binds it a moment later)."""
     with socket.socket() as s:
@@ -65,7 +81,7 @@ def child_env(base: Mapping[str, str], keys: list[str]) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:  # runs in the child, before exec
+def die_with_parent() -> None:  # runs in the child, before exec
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -78,11 +94,11 @@ async def spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Proc
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         env=env,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
     )
 
 
-async def pump_output(proc: asyncio.subprocess.Process, name: str) -> None:
+async def pump_output(proc: InstanceProcess, name: str) -> None:
     """Copy the child's output to the router's stderr, each line prefixed with ``[name]``."""
     assert proc.stdout is not None
     while line := await proc.stdout.readline():
@@ -90,9 +106,7 @@ async def pump_output(proc: asyncio.subprocess.Process, name: str) -> None:
     sys.stderr.flush()
 
 
-async def wait_healthy(
-    proc: asyncio.subprocess.Process, port: int, client: httpx.AsyncClient
-) -> bool:
+async def wait_healthy(proc: InstanceProcess, port: int, client: httpx.AsyncClient) -> bool:
     """True once the child's ``/health`` answers 200; False if the process exits first."""
     url = f"http://127.0.0.1:{port}/health"
     while proc.returncode is None:
@@ -105,12 +119,12 @@ async def wait_healthy(
 
 
 async def terminate(
-    proc: asyncio.subprocess.Process, exited: asyncio.Event, timeout: float
+    proc: InstanceProcess, exited: asyncio.Event, timeout: float, at_once: bool = False
 ) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds; returns once
-    ``exited`` (set by whoever awaits the process) is set."""
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds (``at_once``:
+    SIGKILL now); returns once ``exited`` (set by whoever awaits the process) is set."""
     with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
+        proc.kill() if at_once else proc.terminate()
     try:
         await asyncio.wait_for(exited.wait(), timeout)
     except asyncio.TimeoutError:

@@ -65,17 +65,22 @@ def complete(r: ServerProc, model: str, n: int = 4, headers=None, **kw) -> httpx
 
 
 def instance_pid(status: dict) -> int:
-    """The pid of the instance whose command line ``status["args"]`` is."""
-    port = status["args"][status["args"].index("--port") + 1]
+    """The pid of the instance whose command line ``status["args"]`` is: the process that
+    listens on its port (a forked instance keeps its template's command line)."""
+    port = int(status["args"][status["args"].index("--port") + 1])
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[1] == f"0100007F:{port:04X}" and f[3] == "0A":  # 127.0.0.1:port, LISTEN
+            inodes.add(f"socket:[{f[9]}]")
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
+                return int(d.name)
         except OSError:
             continue
-        if b"server" in cmd and b"--port" in cmd and port.encode() in cmd:
-            return int(d.name)
     raise AssertionError(f"no process on port {port}")
 
 

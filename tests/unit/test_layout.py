@@ -45,8 +45,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # router mode: model instances as child processes, requests passed on to them; it
     # reuses the HTTP rules (middleware, CORS), never the app or the engine
     ("server.router",),
-    # the CLI's entry point, then ``python -m server`` and the package root
+    # the CLI's entry point, the router's template process (it runs the entry point in each
+    # instance it forks), then ``python -m server`` and the package root
     ("server.cli.main", "server.cli"),
+    ("server.cli.zygote",),
     ("server.__main__", "server"),
 )
 
