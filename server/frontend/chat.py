@@ -122,13 +122,20 @@ def template_of(st: ServerState) -> ChatTemplate:
     return st.template
 
 
-def media_input(st: ServerState) -> MediaInput | None:
-    """Where a request's images go while it renders (None: no projector, images refused)."""
+def media_limits(st: ServerState) -> MediaLimits | None:
+    """The bounds of a request's images (None: no projector with vision, images refused)."""
     p, s = st.projector, st.settings
     if p is None or not p.vision:
         return None
-    limits = MediaLimits(s.image_max_mib << 20, s.image_max_pixels, s.image_max_count, s.media_path)
-    return MediaInput(p.marker, limits)
+    return MediaLimits(s.image_max_mib << 20, s.image_max_pixels, s.image_max_count, s.media_path)
+
+
+def media_input(st: ServerState) -> MediaInput | None:
+    """Where a request's images go while it renders (None: no projector, images refused)."""
+    limits = media_limits(st)
+    if limits is None or st.projector is None:
+        return None
+    return MediaInput(st.projector.marker, limits)
 
 
 def render_prompt(
