@@ -228,3 +228,38 @@ def test_too_many_images_too_many_tokens_and_still_serving(srv):
     ok = chat(srv, [{"type": "text", "text": "And this one?"}, good, img("file://cat.png")], 8)
     assert ok["usage"]["prompt_tokens"] > 2 * N_IMAGE_TOKENS
     srv.assert_integrity()
+
+
+def test_router_pairs_a_folders_projector_with_its_model(tmp_path):
+    """Router mode: a models-dir subfolder's ``*mmproj*.gguf`` goes to its model's instance
+    as --mmproj (llama-server's rule), /models says the model reads images, and an image
+    chat through the router is answered by that instance; a plain model lists text only."""
+    from .conftest import gemma_path
+
+    vl = tmp_path / "gemma-vl"
+    vl.mkdir()
+    (vl / "gemma-3-270m.gguf").symlink_to(gemma_path())
+    write_gemma3_mmproj(vl / "gemma-3-270m-mmproj-f16.gguf")
+    (tmp_path / "plain.gguf").symlink_to(gemma_path())
+    r = ServerProc("--models-dir", str(tmp_path), "-c", "2048", "-np", "1")
+    try:
+        models = {m["id"]: m for m in r.client.get("/models").json()["data"]}
+        assert models["gemma-vl"]["architecture"]["input_modalities"] == ["text", "image"]
+        assert models["plain"]["architecture"]["input_modalities"] == ["text"]
+        body = {
+            "model": "gemma-vl",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": [img(data_url(png(pixels(51)))), {"type": "text", "text": "What?"}]}
+            ],
+        }  # fmt: skip
+        res = r.client.post("/v1/chat/completions", json=body, timeout=300)
+        assert res.status_code == 200, res.text
+        assert res.json()["usage"]["prompt_tokens"] > N_IMAGE_TOKENS
+        args = r.client.get("/models").json()["data"]
+        (vl_status,) = [m["status"] for m in args if m["id"] == "gemma-vl"]
+        assert str(vl / "gemma-3-270m-mmproj-f16.gguf") in vl_status["args"]
+        res = r.client.post("/v1/chat/completions", json={**body, "model": "plain"}, timeout=300)
+        assert res.status_code == 400 and "--mmproj" in res.json()["error"]["message"]
+    finally:
+        r.stop()
