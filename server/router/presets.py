@@ -49,6 +49,7 @@ PRESET_KEYS = ("load-on-startup", "stop-timeout", "dedup-cache-models")
 TRUE = frozenset({"1", "true", "yes", "on", "enabled"})
 FALSE = frozenset({"0", "false", "no", "off", "disabled"})
 STOP_TIMEOUT_S = 10.0
+NO_MMPROJ = "compat:--mmproj-auto"  # "false": --no-mmproj (llama-server loads no projector)
 
 
 class PresetError(ValueError):
@@ -268,6 +269,8 @@ def build_specs(
     for name in names:
         own, own_extra = _section(sections.get(name, {}), table, f"{preset_path} [{name}]")
         args = {**files.get(name, {}), **star, **own, **own_cli}
+        if args.get(NO_MMPROJ) == "false":  # --no-mmproj: no projector, paired or named
+            args.pop("mmproj", None)
         extra = {**star_extra, **own_extra}
         specs[name] = ModelSpec(
             name=name,

@@ -116,6 +116,8 @@ def test_models_dir_files_folders_and_projectors(tmp_path):
         "--mmproj", str(vl / "gemma-3-4b-it-mmproj-f16.gguf"),
         "--model", str(vl / "gemma-3-4b-it-Q4_K_M.gguf"),
     ]  # fmt: skip
+    no = build_specs(parse_argv(["--no-mmproj"], T), T, models_dir=str(tmp_path))
+    assert "mmproj" not in no["gemma-vl"].args  # llama-server's --no-mmproj
 
 
 def test_projector_caps_from_the_header(tmp_path):
