@@ -230,15 +230,17 @@ class MediaInput:
     marker: str
     limits: MediaLimits
     images: list[bytes] = field(default_factory=list)
+    wheres: list[str] = field(default_factory=list)  # each image's place in the body
 
-    def add(self, data: bytes) -> str:
+    def add(self, data: bytes, where: str = "") -> str:
         """Take an image (checked already); the marker to put in the text."""
         if len(self.images) >= self.limits.max_count:
             raise APIError(400, f"more than {self.limits.max_count} images in one request")
         self.images.append(data)
+        self.wheres.append(where)
         return self.marker
 
     def add_url(self, url: str, where: str) -> str:
         if len(self.images) >= self.limits.max_count:
             raise APIError(400, f"more than {self.limits.max_count} images in one request")
-        return self.add(image_bytes(url, self.limits, where))
+        return self.add(image_bytes(url, self.limits, where), where)

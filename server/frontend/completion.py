@@ -71,13 +71,14 @@ def _multimodal(st: ServerState, text: str, data: list[str], limits: MediaLimits
     """A prompt string with its images (llama-server's ``multimodal_data``: base64, one per
     media marker), each bounded as a chat image is; BOS added as the model wants."""
     where = f"prompt.{i}.multimodal_data" if i else "multimodal_data"
+    wheres = [f"{where}.{j}" for j in range(len(data))]
     images = [
-        check_image(decode_base64(d, limits, f"{where}.{j}"), limits, f"{where}.{j}")
-        for j, d in enumerate(data)
+        check_image(decode_base64(d, limits, at), limits, at)
+        for d, at in zip(data, wheres, strict=True)
     ]
     if not images:  # no image: an ordinary text prompt
         return Prompt(tokenize(st.require_backend(), text, True, True))
-    return image_prompt(st, text, images)
+    return image_prompt(st, text, images, wheres=wheres)
 
 
 def infill_prompts(st: ServerState, body: InfillRequest, extra: list[Any]) -> list[Prompt]:
