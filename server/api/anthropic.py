@@ -30,11 +30,6 @@ from .cancel import checkpoint
 from .schemas import SamplingFields
 from .tools.parse import Message
 
-NO_IMAGES = (
-    "image input is not supported: this server runs without a multimodal projector "
-    "(llama-server's --mmproj)"
-)
-
 # Claude Code stamps its system prompt with a per-request hash ("cch=ab12f;"), which would
 # end every cached prefix there; llama-server blanks it the same way (its PR 21793).
 _BILLING = re.compile(r"^(x-anthropic-billing-header:[^\n]*?cch=)[^;\n]{5};")
@@ -72,20 +67,30 @@ def _document(b: DocumentBlock, where: str) -> str:
     return "\n\n".join(t for t in (b.title, b.context, data) if t)
 
 
-def _result_text(b: ToolResultBlock, where: str) -> str:
-    """A tool result's content as text (an error marked as one)."""
+def _result_content(b: ToolResultBlock, where: str) -> str | list[dict[str, object]]:
+    """A tool result's content: text (an error marked as one), or with images the chat's
+    content parts (text parts and ``image_url`` parts, bounded there as a user's images)."""
     if b.content is None:
-        text = ""
+        pieces: list[str | ImageBlock] = [""]
     elif isinstance(b.content, str):
-        text = b.content
+        pieces = [b.content]
     else:
-        pieces = []
-        for j, c in enumerate(b.content):
-            if isinstance(c, ImageBlock):
-                raise AnthropicInputError(f"{where}.content.{j}: {NO_IMAGES}")
-            pieces.append(c.text if isinstance(c, TextBlock) else _document(c, where))
-        text = "\n".join(pieces)
-    return f"Error: {text}" if b.is_error else text
+        pieces = [
+            c if isinstance(c, ImageBlock) else c.text if isinstance(c, TextBlock)
+            else _document(c, where)
+            for c in b.content
+        ]  # fmt: skip
+    if not any(isinstance(p, ImageBlock) for p in pieces):
+        text = "\n".join(p for p in pieces if isinstance(p, str))
+        return f"Error: {text}" if b.is_error else text
+    parts: list[dict[str, object]] = [{"type": "text", "text": "Error:"}] if b.is_error else []
+    for j, p in enumerate(pieces):
+        parts.append(
+            _image(p, f"{where}.content.{j}")
+            if isinstance(p, ImageBlock)
+            else {"type": "text", "text": p}
+        )
+    return parts
 
 
 def _image(b: ImageBlock, where: str) -> dict[str, object]:
@@ -126,7 +131,7 @@ def _user(m: AnthropicMessage, where: str, calls: set[str]) -> list[dict[str, ob
                     f"{at}: tool_result for tool_use_id {b.tool_use_id!r}, which no tool_use "
                     "block of the previous assistant message has"
                 )
-            content = _result_text(b, at)
+            content = _result_content(b, at)
             tools.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
         else:
             raise AnthropicInputError(f"{at}: {b.type} blocks belong in assistant messages")

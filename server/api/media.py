@@ -84,6 +84,11 @@ def _jpeg(b: bytes) -> tuple[int, int] | None:
     return None
 
 
+def _is_svg(data: bytes) -> bool:
+    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    return head.startswith((b"<svg", b"<?xml")) and b"<svg" in head
+
+
 def image_size(data: bytes, where: str) -> tuple[str, int, int]:
     """(kind, width, height) from the header; APIError 400 for another kind of file or a
     header too short to say."""
@@ -97,6 +102,8 @@ def image_size(data: bytes, where: str) -> tuple[str, int, int]:
         kind, size = "BMP", _bmp(data)
     elif data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         raise APIError(400, f"{where}: WebP images are not supported (send {KINDS})")
+    elif _is_svg(data):
+        raise APIError(400, f"{where}: SVG images are not supported (send {KINDS})")
     else:
         raise APIError(400, f"{where}: not an image this server reads (send {KINDS})")
     if size is None:
@@ -204,6 +211,9 @@ def image_bytes(url: str, limits: MediaLimits, where: str) -> bytes:
         return check_image(_file(url, limits, where), limits, where)
     m = _DATA_URL.match(url[:512])
     if m is not None:
+        media = (m.group(1) or "").lower()
+        if media and not media.startswith("image/"):
+            raise APIError(400, f"{where}: a data URL of {media!r}, not an image")
         if not m.group(3):
             raise APIError(400, f"{where}: only base64 data URLs are supported")
         url = url[m.end() :]
@@ -220,15 +230,17 @@ class MediaInput:
     marker: str
     limits: MediaLimits
     images: list[bytes] = field(default_factory=list)
+    wheres: list[str] = field(default_factory=list)  # each image's place in the body
 
-    def add(self, data: bytes) -> str:
+    def add(self, data: bytes, where: str = "") -> str:
         """Take an image (checked already); the marker to put in the text."""
         if len(self.images) >= self.limits.max_count:
             raise APIError(400, f"more than {self.limits.max_count} images in one request")
         self.images.append(data)
+        self.wheres.append(where)
         return self.marker
 
     def add_url(self, url: str, where: str) -> str:
         if len(self.images) >= self.limits.max_count:
             raise APIError(400, f"more than {self.limits.max_count} images in one request")
-        return self.add(image_bytes(url, self.limits, where))
+        return self.add(image_bytes(url, self.limits, where), where)

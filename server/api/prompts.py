@@ -3,7 +3,9 @@
 A prompt is text, a list of token ids, a list mixing ids and text (``[12, "text", 34]``), or
 an object ``{"prompt_string": text-or-mixed}``. A list with no token id at its top level is a
 list of such prompts, each its own task: ``[[1, 2], "text", {"prompt_string": "x"}]``.
-``multimodal_data`` is refused: the server runs text models only.
+An object may carry ``multimodal_data``, a list of base64 images, one per media marker of
+its ``prompt_string`` (/props ``media_marker``): read by ``multimodal_prompt``, taken with
+``--mmproj`` only (server.frontend.completion).
 """
 
 from __future__ import annotations
@@ -56,6 +58,22 @@ def _mixed(p: str | list[object], tokenize: Tokenize) -> list[int]:
         else:
             raise APIError(400, _BAD_ELEMENT)
     return out
+
+
+def multimodal_prompt(p: object, max_count: int) -> tuple[str, list[str]] | None:
+    """``(prompt_string, base64 texts)`` of a prompt object with ``multimodal_data``, None
+    for any other prompt. APIError 400 for a malformed one (llama-server needs the prompt
+    string to be text there) or more than ``max_count`` images."""
+    if not (isinstance(p, dict) and PROMPT_STRING in p and MULTIMODAL in p):
+        return None
+    text, data = p[PROMPT_STRING], p[MULTIMODAL]
+    if not isinstance(text, str):
+        raise APIError(400, f'"{PROMPT_STRING}" must be a string with "{MULTIMODAL}"')
+    if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+        raise APIError(400, f'"{MULTIMODAL}" must be a list of base64 strings')
+    if len(data) > max_count:
+        raise APIError(400, f"more than {max_count} images in one request")
+    return text, data
 
 
 def prompt_tokens(p: object, tokenize: Tokenize) -> list[int]:

@@ -165,7 +165,8 @@ class SamplingFields(BaseBody, SamplerFields):
         return v
 
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+# the object form is llama-server's {"prompt_string": ..., "multimodal_data": [...]}
+Prompt = str | list[int] | list[str] | list[list[int]] | dict[str, object]
 
 
 class CompletionRequest(SamplingFields):

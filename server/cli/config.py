@@ -208,6 +208,7 @@ class Settings(BaseModel):
     mmproj_offload: bool = True
     image_min_tokens: int = Field(-1, ge=-1)
     image_max_tokens: int = Field(-1, ge=-1)
+    mtmd_batch_max_tokens: int = Field(1024, ge=1)
     media_path: str | None = None
     image_cache_mib: int = Field(256, ge=0)
     image_max_mib: int = Field(10, ge=1, le=1024)

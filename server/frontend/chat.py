@@ -9,6 +9,7 @@ stops a request whose client left between messages."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..api.cancel import checkpoint
@@ -122,13 +123,20 @@ def template_of(st: ServerState) -> ChatTemplate:
     return st.template
 
 
-def media_input(st: ServerState) -> MediaInput | None:
-    """Where a request's images go while it renders (None: no projector, images refused)."""
+def media_limits(st: ServerState) -> MediaLimits | None:
+    """The bounds of a request's images (None: no projector with vision, images refused)."""
     p, s = st.projector, st.settings
     if p is None or not p.vision:
         return None
-    limits = MediaLimits(s.image_max_mib << 20, s.image_max_pixels, s.image_max_count, s.media_path)
-    return MediaInput(p.marker, limits)
+    return MediaLimits(s.image_max_mib << 20, s.image_max_pixels, s.image_max_count, s.media_path)
+
+
+def media_input(st: ServerState) -> MediaInput | None:
+    """Where a request's images go while it renders (None: no projector, images refused)."""
+    limits = media_limits(st)
+    if limits is None or st.projector is None:
+        return None
+    return MediaInput(st.projector.marker, limits)
 
 
 def render_prompt(
@@ -169,7 +177,7 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     # service.tokenizer), where a piece starts there its first token is the answer
     mark = rendered.last_user_offset - (len(b.bos_text) if has_bos else 0)
     if media is not None and media.images:
-        return image_prompt(st, text, media.images, mark)
+        return image_prompt(st, text, media.images, mark, media.wheres)
     tokens, at = tokenize_at(b, text, True, True, [mark] if mark > 0 else [])
     user_start = at.get(mark, -1)
     if rendered.last_user_offset > 0 and mark not in at:
@@ -184,7 +192,19 @@ def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     return Prompt(tokens, user_start)
 
 
-def _flatten(st: ServerState, text: str, images: list[bytes]) -> Prompt:
+_IMAGE_AT = re.compile(r"^image (\d+): ")
+
+
+def _named(e: MediaError, wheres: list[str]) -> str:
+    """The projector's message with "image N" named by its place in the body."""
+    msg = str(e)
+    m = _IMAGE_AT.match(msg)
+    if m is None or int(m.group(1)) >= len(wheres) or not wheres[int(m.group(1))]:
+        return msg
+    return f"{wheres[int(m.group(1))]}: {msg[m.end() :]}"
+
+
+def _flatten(st: ServerState, text: str, images: list[bytes], wheres: list[str]) -> Prompt:
     """The projector's pieces of ``text`` as one token list, each image as its
     placeholders (server.types.image_placeholders) and a PromptImage. 400 for an image the
     projector refuses, or one larger than a ubatch when its tokens attend both ways
@@ -194,7 +214,7 @@ def _flatten(st: ServerState, text: str, images: list[bytes]) -> Prompt:
     try:
         pieces = st.projector.tokenize(text, images)
     except MediaError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, _named(e, wheres)) from None
     tokens: list[int] = []
     found: list[PromptImage] = []
     for piece in pieces:
@@ -213,18 +233,21 @@ def _flatten(st: ServerState, text: str, images: list[bytes]) -> Prompt:
     return Prompt(tokens, -1, tuple(found))
 
 
-def image_prompt(st: ServerState, text: str, images: list[bytes], mark: int = -1) -> Prompt:
+def image_prompt(
+    st: ServerState, text: str, images: list[bytes], mark: int = -1, wheres: list[str] | None = None
+) -> Prompt:
     """A rendered prompt with images (``_flatten``), and where its last user turn starts
     (``mark``: its offset in ``text``): the head before it tokenized alone (its images come
     from the embedding cache now), counted where the whole prompt starts with it. 400 for
     a prompt ending in an image (its last position must be text)."""
-    whole = _flatten(st, text, images)
+    wheres = wheres or []
+    whole = _flatten(st, text, images, wheres)
     if not whole.tokens or whole.tokens[-1] < 0:
         raise APIError(400, "the prompt must not end with an image")
     if mark <= 0 or st.projector is None:
         return whole
     head_text = text[:mark]
-    head = _flatten(st, head_text, images[: head_text.count(st.projector.marker)])
+    head = _flatten(st, head_text, images[: head_text.count(st.projector.marker)], wheres)
     n = len(head.tokens)
     user_start = n if 0 < n < len(whole.tokens) and whole.tokens[:n] == head.tokens else -1
     return Prompt(whole.tokens, user_start, whole.images)

@@ -10,16 +10,21 @@ from typing import Any
 from ..api.cancel import checkpoint
 from ..api.errors import APIError
 from ..api.infill import InfillLimits, infill_prompt
-from ..api.prompts import prompt_tokens
+from ..api.media import MediaLimits, check_image, decode_base64
+from ..api.prompts import multimodal_prompt, prompt_tokens
 from ..api.schemas import InfillRequest
 from ..service.state import ServerState
 from ..service.submit import Prompt
 from ..service.tokenizer import tokenize
+from .chat import image_prompt, media_limits
 
 
 def completion_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
-    """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each."""
+    """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each; an
+    object is llama-server's form (``{"prompt_string", "multimodal_data"}``: images)."""
     b = st.require_backend()
+    if isinstance(prompt, dict):
+        return native_prompts(st, [prompt])
     if isinstance(prompt, str):
         return [Prompt(tokenize(b, prompt, True, True))]
     if not prompt:
@@ -49,7 +54,31 @@ def native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
     def tok(text: str, add_special: bool) -> list[int]:
         return tokenize(b, text, add_special, True)
 
-    return [Prompt(prompt_tokens(p, tok)) for p in prompts]
+    limits = media_limits(st)
+    out = []
+    for i, p in enumerate(prompts):
+        checkpoint()
+        mm = multimodal_prompt(p, limits.max_count) if limits is not None else None
+        if mm is None:  # without a projector, prompt_tokens refuses multimodal_data
+            out.append(Prompt(prompt_tokens(p, tok)))
+        else:
+            assert limits is not None
+            out.append(_multimodal(st, mm[0], mm[1], limits, i))
+    return out
+
+
+def _multimodal(st: ServerState, text: str, data: list[str], limits: MediaLimits, i: int) -> Prompt:
+    """A prompt string with its images (llama-server's ``multimodal_data``: base64, one per
+    media marker), each bounded as a chat image is; BOS added as the model wants."""
+    where = f"prompt.{i}.multimodal_data" if i else "multimodal_data"
+    wheres = [f"{where}.{j}" for j in range(len(data))]
+    images = [
+        check_image(decode_base64(d, limits, at), limits, at)
+        for d, at in zip(data, wheres, strict=True)
+    ]
+    if not images:  # no image: an ordinary text prompt
+        return Prompt(tokenize(st.require_backend(), text, True, True))
+    return image_prompt(st, text, images, wheres=wheres)
 
 
 def infill_prompts(st: ServerState, body: InfillRequest, extra: list[Any]) -> list[Prompt]:

@@ -245,6 +245,7 @@ def projector_of(s: Settings, backend: LlamaBackend, drafting: bool) -> ImagePro
         use_gpu=s.mmproj_offload,
         image_min_tokens=s.image_min_tokens,
         image_max_tokens=s.image_max_tokens,
+        batch_max_tokens=s.mtmd_batch_max_tokens,
         cache_bytes=s.image_cache_mib << 20,
     )
     assert backend.model is not None  # loaded: the projector is checked against it

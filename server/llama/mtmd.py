@@ -24,6 +24,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -49,6 +51,17 @@ _NO_VIDEO = M.mtmd_helper_init_opt_default()
 _NO_VIDEO.video_params.ffmpeg_bin_dir = b"/nonexistent/llama-slot-server-no-video"
 
 
+def media_marker() -> str:
+    """The text that stands for an image in a prompt, as llama-server's: ``LLAMA_MEDIA_MARKER``
+    when set, else ``<__media_XXXX__>`` random per process (a client reads it from /props),
+    so text that happens to hold a fixed marker never becomes an image slot."""
+    env = os.environ.get("LLAMA_MEDIA_MARKER")
+    return env if env else f"<__media_{secrets.token_hex(8)}__>"
+
+
+_MARKER = media_marker()
+
+
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 def _mtmd_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # libmtmd prints every image's preprocessing: only warnings and errors (levels 3, 4)
@@ -66,6 +79,10 @@ class ProjectorOptions:
     image_min_tokens: int = -1  # -1: the projector's default
     image_max_tokens: int = -1
     cache_bytes: int = 256 << 20  # the embedding cache's RAM (0: none)
+    # most image tokens encoded in one pass (--mtmd-batch-max-tokens, llama-server's 1024):
+    # images of one prompt that miss the cache are encoded together up to it, where the
+    # projector batches at all (libmtmd's mtmd_batch; else one image a pass)
+    batch_max_tokens: int = 1024
 
 
 Piece = list[int] | EncodedImage
@@ -142,6 +159,9 @@ class Projector:
         cp.warmup = True
         cp.image_min_tokens = opts.image_min_tokens
         cp.image_max_tokens = opts.image_max_tokens
+        cp.batch_max_tokens = opts.batch_max_tokens
+        self._marker_c = _MARKER.encode()  # libmtmd copies it; kept alive anyway
+        cp.media_marker = self._marker_c
         ctx = M.mtmd_init_from_file(opts.path.encode(), model, cp)
         if not ctx:
             raise ValueError(f"could not load the projector {opts.path} for this model")
@@ -151,7 +171,7 @@ class Projector:
         self.vision = bool(M.mtmd_support_vision(ctx))
         self.audio = bool(M.mtmd_support_audio(ctx))
         self.mrope = bool(M.mtmd_decode_use_mrope(ctx))
-        self.marker = M.mtmd_default_marker().decode()
+        self.marker = _MARKER
         self.n_embd = int(L.llama_model_n_embd(model))
         limits = f"{opts.image_min_tokens}:{opts.image_max_tokens}".encode()
         self.key = hashlib.blake2b(_file_hash(opts.path) + limits, digest_size=16).digest()
@@ -222,7 +242,10 @@ class Projector:
         return chunks
 
     def _pieces(self, chunks: M.mtmd_input_chunks_p) -> list[Piece]:
+        """Text runs as token lists, images as EncodedImages: the embedding cache's where it
+        has them, the others encoded (``_encode_missing``: batched up to batch_max_tokens)."""
         out: list[Piece] = []
+        images: list[tuple[int, M.mtmd_input_chunk_p, bytes]] = []  # (index in out, ...)
         for i in range(M.mtmd_input_chunks_size(chunks)):
             c = M.mtmd_input_chunks_get(chunks, i)
             kind = M.mtmd_input_chunk_get_type(c)
@@ -231,34 +254,75 @@ class Projector:
                 toks = M.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
                 out.append([toks[j] for j in range(n.value)])
             elif kind == CHUNK_IMAGE:
-                out.append(self._image(c))
+                n_tokens = M.mtmd_input_chunk_get_n_tokens(c)
+                if M.mtmd_input_chunk_get_n_pos(c) != n_tokens:
+                    raise MediaError("this projector's image positions are not supported")
+                identity = bytes.fromhex((M.mtmd_input_chunk_get_id(c) or b"").decode())
+                images.append((len(out), c, identity))
+                out.append([])  # filled below
             else:
                 raise MediaError("audio input is not supported")
+        found: dict[bytes, EncodedImage] = {}
+        missing: list[tuple[M.mtmd_input_chunk_p, bytes]] = []
+        for _, c, identity in images:
+            if identity in found or any(identity == m[1] for m in missing):
+                continue
+            embd = self.cache.get(identity)
+            non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
+            if embd is not None and embd.shape[0] == M.mtmd_input_chunk_get_n_tokens(c):
+                found[identity] = EncodedImage(identity, embd, non_causal, encoded=False)
+            else:
+                missing.append((c, identity))
+        found.update(self._encode_missing(missing))
+        for at, _, identity in images:
+            out[at] = found[identity]
         return out
 
-    def _image(self, c: M.mtmd_input_chunk_p) -> EncodedImage:
+    def _encode_missing(
+        self, missing: list[tuple[M.mtmd_input_chunk_p, bytes]]
+    ) -> dict[bytes, EncodedImage]:
+        """Encode the images the cache lacks, in prompt order, as few passes as libmtmd's
+        batch takes (its batch_max_tokens; a projector that does not batch: one a pass)."""
+        done: dict[bytes, EncodedImage] = {}
+        i = 0
+        while i < len(missing):
+            batch = M.mtmd_batch_init(self.ctx)
+            if not batch:
+                raise MediaError("the image could not be encoded")
+            try:
+                j = i
+                while j < len(missing) and M.mtmd_batch_add_chunk(batch, missing[j][0]) == 0:
+                    j += 1
+                j = max(j, i + 1)  # the first always goes in (an empty batch is an error)
+                t0 = time.perf_counter()
+                if M.mtmd_batch_encode(batch) != 0:
+                    raise MediaError("the image could not be encoded")
+                ms = (time.perf_counter() - t0) * 1e3 / (j - i)
+                for c, identity in missing[i:j]:
+                    done[identity] = self._take(batch, c, identity, ms)
+            finally:
+                M.mtmd_batch_free(batch)
+            i = j
+        return done
+
+    def _take(
+        self, batch: M.mtmd_batch_p, c: M.mtmd_input_chunk_p, identity: bytes, ms: float
+    ) -> EncodedImage:
+        """One encoded image's embeddings, copied out of the batch and cached."""
         n_tokens = M.mtmd_input_chunk_get_n_tokens(c)
-        if M.mtmd_input_chunk_get_n_pos(c) != n_tokens:
-            raise MediaError("this projector's image positions are not supported")
-        identity = bytes.fromhex((M.mtmd_input_chunk_get_id(c) or b"").decode())
-        non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
-        cache = self.cache
-        embd = cache.get(identity)
-        if embd is not None and embd.shape[0] == n_tokens:
-            return EncodedImage(identity, embd, non_causal, encoded=False)
-        t0 = time.perf_counter()
-        if M.mtmd_encode_chunk(self.ctx, c) != 0:
+        out = M.mtmd_batch_get_output_embd(batch, c)
+        if not out:
             raise MediaError("the image could not be encoded")
         n_embd = self.n_embd
-        out = M.mtmd_get_output_embd(self.ctx)
         embd = np.ctypeslib.as_array(out, shape=(n_tokens * n_embd,)).reshape(n_tokens, n_embd)
         embd = embd.copy()
         embd.flags.writeable = False  # shared by every request of this image (the cache)
-        ms = (time.perf_counter() - t0) * 1e3
+        cache = self.cache
         cache.put(identity, embd)
         with cache.lock:
             cache.counters.encoded += 1
             cache.counters.encode_ms += ms
+        non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
         return EncodedImage(identity, embd, non_causal, encoded=True, encode_ms=ms)
 
 

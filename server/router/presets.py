@@ -49,6 +49,7 @@ PRESET_KEYS = ("load-on-startup", "stop-timeout", "dedup-cache-models")
 TRUE = frozenset({"1", "true", "yes", "on", "enabled"})
 FALSE = frozenset({"0", "false", "no", "off", "disabled"})
 STOP_TIMEOUT_S = 10.0
+NO_MMPROJ = "compat:--mmproj-auto"  # "false": --no-mmproj (llama-server loads no projector)
 
 
 class PresetError(ValueError):
@@ -210,20 +211,30 @@ class ModelSpec:
         return self.args.get("model", "")
 
 
+def is_projector(name: str) -> bool:
+    """A projector file, never a model (llama-server's rule: "mmproj" in the name)."""
+    return "mmproj" in name
+
+
 def scan_models_dir(path: str) -> dict[str, Args]:
     """``--models-dir``: each ``.gguf`` file by its stem; each subfolder holding ``.gguf``
-    files by its name (its first non-``mmproj`` file, in name order: the first shard).
-    ``mmproj*`` files are projectors, never models."""
+    files by its name (its first shard, else its first model file in name order), with the
+    subfolder's projector as ``--mmproj`` (the last ``*mmproj*.gguf`` in name order), as
+    llama-server pairs them. Projectors at the top level belong to no model."""
     out: dict[str, Args] = {}
     for entry in sorted(os.listdir(path)):
         full = os.path.join(path, entry)
-        if os.path.isfile(full) and entry.endswith(".gguf") and not entry.startswith("mmproj"):
+        if os.path.isfile(full) and entry.endswith(".gguf") and not is_projector(entry):
             out[entry[: -len(".gguf")]] = {"model": full}
         elif os.path.isdir(full):
             ggufs = sorted(f for f in os.listdir(full) if f.endswith(".gguf"))
-            main = [f for f in ggufs if not f.startswith("mmproj")]
+            main = [f for f in ggufs if not is_projector(f)]
+            shards = [f for f in main if "-00001-of-" in f]
+            mmproj = [f for f in ggufs if is_projector(f)]
             if main:
-                out[entry] = {"model": os.path.join(full, main[0])}
+                out[entry] = {"model": os.path.join(full, (shards or main)[0])}
+                if mmproj:
+                    out[entry]["mmproj"] = os.path.join(full, mmproj[-1])
     return out
 
 
@@ -258,6 +269,8 @@ def build_specs(
     for name in names:
         own, own_extra = _section(sections.get(name, {}), table, f"{preset_path} [{name}]")
         args = {**files.get(name, {}), **star, **own, **own_cli}
+        if args.get(NO_MMPROJ) == "false":  # --no-mmproj: no projector, paired or named
+            args.pop("mmproj", None)
         extra = {**star_extra, **own_extra}
         specs[name] = ModelSpec(
             name=name,

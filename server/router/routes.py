@@ -21,6 +21,7 @@ from ..api.json_body import parse_json_body
 from ..http.middleware import from_foreign_page
 from .instances import LOADING, READY, Instance
 from .manager import Manager
+from .mmproj import input_modalities
 from .presets import ModelSpec
 from .proxy import Upstream, forward, upstream_headers
 from .streams import ConvMap, note_request
@@ -119,7 +120,10 @@ def model_json(inst: Instance, created: int, private: bool) -> dict[str, object]
         "created": created,
         "path": inst.spec.path,
         "status": status,
-        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+        "architecture": {
+            "input_modalities": input_modalities(inst.spec.args.get("mmproj")),
+            "output_modalities": ["text"],
+        },
         "source": inst.spec.source,
         "can_remove": False,
     }

@@ -90,6 +90,9 @@ def props_of(st: ServerState) -> dict[str, object]:
             "vision": bool(st.projector and st.projector.vision),
             "audio": bool(st.projector and st.projector.audio),
         },
+        # what stands for an image in a /completion prompt_string (multimodal_data), random
+        # per process unless LLAMA_MEDIA_MARKER is set, as llama-server's (null: no projector)
+        "media_marker": st.projector.marker if st.projector else None,
         "model_path": st.model_path,
         "model_alias": st.model_name,
         "chat_template": st.template.source if st.template else "",

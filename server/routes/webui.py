@@ -8,7 +8,8 @@ every other file under ``/webui/``. These paths need no API key (``page_paths``;
 asks for one when the API answers 401), as llama-server's UI assets need none.
 
 Every answer carries a strict Content-Security-Policy: scripts, styles, images and
-connections from this origin only, no inline script or style, no framing. So even a model
+connections from this origin only (images also as data: URLs: the thumbnails of
+attached images), no inline script or style, no framing. So even a model
 answer that got past the page's sanitizer could not run a script or send data elsewhere.
 """
 
@@ -26,7 +27,7 @@ PREFIX = "/webui/"
 INDEX = "index.html"
 
 CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 _SECURITY_HEADERS = {

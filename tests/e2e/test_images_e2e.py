@@ -177,7 +177,8 @@ def test_responses_input_image_and_apply_template(srv):
     assert r.status in ("completed", "incomplete") and r.usage is not None
     assert r.usage.input_tokens > N_IMAGE_TOKENS
     t = srv.client.post("/apply-template", json={"messages": first_turn(png(pixels(6)))})
-    assert t.status_code == 200 and t.json()["prompt"].count("<__media__>") == 1
+    marker = srv.client.get("/props").json()["media_marker"]
+    assert t.status_code == 200 and t.json()["prompt"].count(marker) == 1
 
 
 def test_a_file_under_media_path_is_read(srv):

@@ -11,6 +11,8 @@ import pytest
 
 from server.api.errors import APIError
 from server.api.media import MediaInput, MediaLimits, check_image, image_bytes, image_size
+from server.api.prompts import multimodal_prompt
+from server.llama.mtmd import media_marker
 from tests.mmproj_gen import pixels, png, png_header_only
 
 LIMITS = MediaLimits(max_bytes=1 << 20, max_pixels=4096 * 4096, max_count=2)
@@ -106,3 +108,31 @@ def test_images_per_request_are_counted():
     with pytest.raises(APIError, match="more than 2 images"):
         m.add_url(url, "c")
     assert len(m.images) == 2
+
+
+def test_media_types_svg_and_the_multimodal_prompt_form(monkeypatch):
+    b64 = base64.b64encode(png(pixels(3, 8))).decode()
+    with pytest.raises(APIError, match="a data URL of 'application/pdf', not an image"):
+        image_bytes("data:application/pdf;base64," + b64, LIMITS, "x")
+    assert image_bytes("data:image/jpeg;base64," + b64, LIMITS, "x")  # kind from the bytes
+    svg = b'\xef\xbb\xbf<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>'
+    with pytest.raises(APIError, match="SVG images are not supported"):
+        image_size(svg, "x")
+    assert multimodal_prompt("text", 4) is None
+    assert multimodal_prompt({"prompt_string": "a"}, 4) is None
+    assert multimodal_prompt({"prompt_string": "a <m>", "multimodal_data": [b64]}, 4) == (
+        "a <m>",
+        [b64],
+    )
+    for bad, why in [
+        ({"prompt_string": [1, 2], "multimodal_data": []}, "must be a string"),
+        ({"prompt_string": "a", "multimodal_data": [1]}, "list of base64 strings"),
+        ({"prompt_string": "a", "multimodal_data": ["x"] * 5}, "more than 4 images"),
+    ]:
+        with pytest.raises(APIError, match=why):
+            multimodal_prompt(bad, 4)
+    monkeypatch.setenv("LLAMA_MEDIA_MARKER", "<img>")
+    assert media_marker() == "<img>"
+    monkeypatch.delenv("LLAMA_MEDIA_MARKER")
+    a, b = media_marker(), media_marker()
+    assert a != b and a.startswith("<__media_") and a.endswith("__>")

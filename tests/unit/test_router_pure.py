@@ -17,6 +17,7 @@ from server.router.instances import (
     has_room,
     pick_victim,
 )
+from server.router.mmproj import Caps, input_modalities, projector_caps
 from server.router.presets import (
     ModelSpec,
     PresetError,
@@ -28,6 +29,7 @@ from server.router.presets import (
     scan_models_dir,
     to_argv,
 )
+from tests.mmproj_gen import write_gemma3_mmproj
 
 T = flag_table()
 
@@ -92,11 +94,40 @@ def test_models_dir_files_folders_and_projectors(tmp_path):
     for f in ("big-00002-of-00002.gguf", "big-00001-of-00002.gguf", "mmproj-F16.gguf"):
         (multi / f).write_bytes(b"")
     (tmp_path / "empty").mkdir()
+    vl = tmp_path / "gemma-vl"  # llama-server's rule: "mmproj" anywhere in the name
+    vl.mkdir()
+    for f in ("gemma-3-4b-it-Q4_K_M.gguf", "gemma-3-4b-it-mmproj-f16.gguf"):
+        (vl / f).write_bytes(b"")
+    (tmp_path / "x-mmproj.gguf").write_bytes(b"")  # a projector alone: no model
     found = scan_models_dir(str(tmp_path))
     assert found == {
-        "big": {"model": str(multi / "big-00001-of-00002.gguf")},
+        "big": {
+            "model": str(multi / "big-00001-of-00002.gguf"),
+            "mmproj": str(multi / "mmproj-F16.gguf"),
+        },
+        "gemma-vl": {
+            "model": str(vl / "gemma-3-4b-it-Q4_K_M.gguf"),
+            "mmproj": str(vl / "gemma-3-4b-it-mmproj-f16.gguf"),
+        },
         "one": {"model": str(tmp_path / "one.gguf")},
     }
+    specs = build_specs({}, T, models_dir=str(tmp_path))
+    assert to_argv(specs["gemma-vl"].args, T) == [
+        "--mmproj", str(vl / "gemma-3-4b-it-mmproj-f16.gguf"),
+        "--model", str(vl / "gemma-3-4b-it-Q4_K_M.gguf"),
+    ]  # fmt: skip
+    no = build_specs(parse_argv(["--no-mmproj"], T), T, models_dir=str(tmp_path))
+    assert "mmproj" not in no["gemma-vl"].args  # llama-server's --no-mmproj
+
+
+def test_projector_caps_from_the_header(tmp_path):
+    mm = write_gemma3_mmproj(tmp_path / "mmproj.gguf")
+    assert projector_caps(str(mm)) == Caps(vision=True, audio=False)
+    assert input_modalities(str(mm)) == ["text", "image"]
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\0\0\0" + b"\xff" * 40)
+    assert projector_caps(str(tmp_path / "junk.gguf")) == Caps()
+    assert input_modalities(str(tmp_path / "none.gguf")) == ["text"]
+    assert input_modalities(None) == ["text"]
 
 
 def _inst(name: str, status: str, pins: int = 0, used: float = 0.0) -> Instance:

@@ -31,13 +31,17 @@ async function errorText(r) {
   }
 }
 
+// The server's paths relative to the page ('/props' -> './props'): behind --api-prefix the
+// page is at /prefix/ and so is every route.
+export const url = (path) => (path.startsWith('/') ? '.' + path : path);
+
 // fetch with the key; a 401 calls auth.onUnauthorized and throws, any other error status
 // throws an ApiError with the server's message.
 export async function api(path, opts = {}) {
   const headers = new Headers(opts.headers || {});
   if (auth.key) headers.set('Authorization', 'Bearer ' + auth.key);
   if (opts.body !== undefined) headers.set('Content-Type', 'application/json');
-  const r = await fetch(path, { ...opts, headers, credentials: 'same-origin' });
+  const r = await fetch(url(path), { ...opts, headers, credentials: 'same-origin' });
   if (r.status === 401) {
     auth.onUnauthorized();
     throw new ApiError(401, await errorText(r));

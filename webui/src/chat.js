@@ -58,12 +58,20 @@ export function extraFields(text) {
   return v;
 }
 
+// A user message with images: its images as image_url parts (data: URLs), then its text.
+function userContent(m) {
+  if (m.role !== 'user' || !m.images || !m.images.length) return m.content;
+  const parts = m.images.map((u) => ({ type: 'image_url', image_url: { url: u } }));
+  if (m.content) parts.push({ type: 'text', text: m.content });
+  return parts;
+}
+
 function historyMessages(history) {
   const out = [];
   if (state.settings.system.trim()) out.push({ role: 'system', content: state.settings.system });
   for (const m of history) {
     if (m.role === 'assistant' && m.state === 'error' && !m.content) continue;
-    const msg = { role: m.role, content: m.content };
+    const msg = { role: m.role, content: userContent(m) };
     if (m.tool_calls && m.tool_calls.length) {
       msg.tool_calls = m.tool_calls;
       if (!m.content) msg.content = null;
@@ -225,11 +233,14 @@ export async function resumeAnswer() {
   }
 }
 
-export function send(text) {
-  if (busy() || !text.trim() || !state.conv) return false;
+// ``images``: data: URLs sent with the text (images.js); a message may be images alone.
+export function send(text, images = []) {
+  if (busy() || (!text.trim() && !images.length) || !state.conv) return false;
   const conv = state.conv;
-  if (!conv.messages.some((m) => m.role === 'user')) conv.title = text.trim().replace(/\s+/g, ' ').slice(0, 48);
-  conv.messages.push({ role: 'user', content: text });
+  if (!conv.messages.some((m) => m.role === 'user')) conv.title = (text.trim().replace(/\s+/g, ' ') || 'Image').slice(0, 48);
+  const msg = { role: 'user', content: text };
+  if (images.length) msg.images = images;
+  conv.messages.push(msg);
   save(); // the question is kept even if the page goes before the answer ends
   runTurn();
   return true;
@@ -253,7 +264,8 @@ export function regenerate() {
 export function resend(index, text) {
   if (busy() || !text.trim()) return;
   const conv = state.conv;
+  const images = conv.messages[index] && conv.messages[index].images; // kept with the edit
   conv.messages = conv.messages.slice(0, index);
-  conv.messages.push({ role: 'user', content: text });
+  conv.messages.push(images ? { role: 'user', content: text, images } : { role: 'user', content: text });
   runTurn();
 }

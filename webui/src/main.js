@@ -4,6 +4,7 @@
 import { auth, getJSON, setKey } from './api.js';
 import { busy, extraFields, renderMessages, resumeAnswer, send, state, stop } from './chat.js';
 import { $, el } from './dom.js';
+import { hasPending, setupAttachments, setVision, takePending } from './images.js';
 import { renderTurns, startLive } from './panel.js';
 import { newChat, renderList, select, setupSidebar } from './sidebar.js';
 import * as store from './store.js';
@@ -54,7 +55,8 @@ function setupComposer() {
   const prompt = $('prompt');
   $('composer').addEventListener('submit', (e) => {
     e.preventDefault();
-    if (send(prompt.value)) prompt.value = '';
+    if (busy() || (!prompt.value.trim() && !hasPending())) return;
+    if (send(prompt.value, takePending())) prompt.value = '';
   });
   prompt.addEventListener('keydown', (e) => {
     if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
@@ -136,6 +138,9 @@ async function refreshModels() {
     options.forEach((o, i) => { picker.options[i].textContent = o.textContent; picker.options[i].dataset.status = o.dataset.status; });
   } else picker.replaceChildren(...options);
   picker.value = state.model;
+  const picked = models.find((m) => m.id === state.model);
+  const inputs = (picked && picked.architecture && picked.architecture.input_modalities) || [];
+  setVision(inputs.includes('image'));
   await routerNotice(models);
 }
 
@@ -152,6 +157,7 @@ async function loadModel() {
     } else {
       $('model-name').textContent = props.model_alias || (props.model_path || '').split('/').pop() || '';
       showTemplateNotice(props);
+      setVision(props.modalities && props.modalities.vision);
     }
   } catch (e) {
     $('model-name').textContent = e.status === 401 ? '' : `(${e.message})`;
@@ -167,6 +173,7 @@ function setupModelPicker() {
     store.saveSettings(state.settings);
     if (state.conv) state.conv.model = state.model;
     refreshLive();
+    refreshModels().catch(() => {}); // the picked model's input modalities (images)
   });
 }
 
@@ -178,6 +185,7 @@ function boot() {
   setupAuth();
   setupSettings();
   setupComposer();
+  setupAttachments();
   setupModelPicker();
   setupSidebar((conv) => {
     renderTurns(conv);

@@ -17,9 +17,12 @@ export function statsText(s) {
 
 function userView(msg, index, on) {
   const body = el('div', { class: 'content plain', text: msg.content });
+  const images = (msg.images || []).map((u, i) =>
+    el('img', { class: 'thumb', src: u, alt: `Image ${i + 1}`, 'data-testid': 'message-image' }));
   const edit = el('button', { type: 'button', class: 'small', 'data-testid': 'edit', text: 'Edit', 'aria-label': `Edit message ${index + 1}` });
   const art = el('article', { class: 'msg user', 'data-testid': 'message-user', 'data-index': index },
-    el('h3', { class: 'who', text: 'You' }), body, el('div', { class: 'actions' }, edit));
+    el('h3', { class: 'who', text: 'You' }), images.length ? el('div', { class: 'images' }, ...images) : null,
+    body, el('div', { class: 'actions' }, edit));
   edit.addEventListener('click', () => startEdit(art, body, msg, index, on));
   return art;
 }

@@ -30,8 +30,15 @@ export function loadConversations() {
   return Array.isArray(list) ? list.map(cleanConversation).filter(Boolean) : [];
 }
 
+// Over the browser's storage quota (images are large), the conversations are kept without
+// their images: the text survives a reload, the images stay on screen until then.
 export function saveConversations(list) {
-  localStorage.setItem(CONVERSATIONS, JSON.stringify(list));
+  try {
+    localStorage.setItem(CONVERSATIONS, JSON.stringify(list));
+  } catch {
+    const bare = list.map((c) => ({ ...c, messages: c.messages.map(({ images, ...m }) => m) }));
+    localStorage.setItem(CONVERSATIONS, JSON.stringify(bare));
+  }
 }
 
 export function currentId() {
@@ -81,6 +88,14 @@ function cleanToolCalls(calls) {
   }));
 }
 
+// A message's images: data: URLs of the kinds the page attaches, nothing else (an imported
+// file cannot point an image at another host).
+const IMAGE_URL = /^data:image\/(png|jpeg|gif|bmp);base64,[A-Za-z0-9+/=]+$/;
+
+function cleanImages(list) {
+  return Array.isArray(list) ? list.filter((u) => typeof u === 'string' && IMAGE_URL.test(u)).slice(0, 16) : [];
+}
+
 function cleanMessage(m) {
   if (!m || typeof m !== 'object' || !ROLES.has(m.role)) return null;
   const out = { role: m.role, content: str(m.content) };
@@ -88,6 +103,8 @@ function cleanMessage(m) {
   const calls = cleanToolCalls(m.tool_calls);
   if (calls && calls.length) out.tool_calls = calls;
   if (m.tool_call_id) out.tool_call_id = str(m.tool_call_id);
+  const images = cleanImages(m.images);
+  if (m.role === 'user' && images.length) out.images = images;
   if (['done', 'stopped', 'error', 'streaming'].includes(m.state)) out.state = m.state;
   const stats = cleanStats(m.stats);
   if (stats) out.stats = stats;
