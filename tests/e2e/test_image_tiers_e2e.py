@@ -62,6 +62,10 @@ def test_the_disk_tier_keeps_an_image_conversation_over_a_restart(
     assert metric(b, "llamaslot_images_decoded") == 0  # its KV came from the file
     assert metric(b, "llamaslot_image_tokens_cached") == N_IMAGE_TOKENS
     assert b.client.get("/cache").json()["disk"]["counters"]["hits"] == 1
+    # SWA (window 512): a turn that takes another answer than the one generated cuts back
+    # to the end of turn 2's prompt, past the image: a checkpoint resumes it there
+    r3 = chat(b, turn_two(turn_two(msgs_b, r1), r2, "Something else entirely."))
+    assert r3["timings"]["cache_n"] >= held(r2) - 1, (r3["timings"], held(r2))
     b.assert_integrity()
 
 
