@@ -124,9 +124,13 @@ def image_keys(tokens: Sequence[int], bs: int, start: int, end: int) -> list[tup
     """Per full block ``start..end-1`` of ``tokens``: the identities (hex) of the images it
     holds positions of, vLLM's multimodal ``extra_keys`` (empty for a text block)."""
     out: list[tuple[str, ...]] = [() for _ in range(start, end)]
-    for sp in IMAGE_NAMES.spans(tokens[: end * bs]):
-        name = sp.identity.hex() if sp.identity else f"image:{-tokens[sp.start]:x}"
-        for b in range(max(start, sp.start // bs), min(end, (sp.end - 1) // bs + 1)):
+    begin = start * bs  # back to the start of the run of placeholders the range starts in
+    while begin > 0 and tokens[begin - 1] < 0:
+        begin -= 1
+    for sp in IMAGE_NAMES.spans(tokens[begin : end * bs]):
+        a, z = begin + sp.start, begin + sp.end
+        name = sp.identity.hex() if sp.identity else f"image:{-tokens[a]:x}"
+        for b in range(max(start, a // bs), min(end, (z - 1) // bs + 1)):
             out[b - start] += (name,)
     return out
 
@@ -188,7 +192,8 @@ class BlockHasher:
         h = self.root if parent is None else parent
         ten = tenant_extra(tenant)
         base: tuple[str, ...] = () if ten is None else (ten,)
-        imgs = image_keys(tokens, bs, start, n) if n > start and min(tokens) < 0 else None
+        some = n > start and min(tokens[start * bs : n * bs]) < 0  # one block, usually
+        imgs = image_keys(tokens, bs, start, n) if some else None
         memo, out = self._memo, []
         for i in range(start, n):
             blk = tuple(tokens[i * bs : (i + 1) * bs])
