@@ -369,7 +369,12 @@ class DiskTier:
         t0 = time.perf_counter()
         try:
             name, size, mtime = write_entry(
-                self.dir, entry, self.check.version, self.check.model, self.write_delay_s
+                self.dir,
+                entry,
+                self.check.version,
+                self.check.model,
+                self.write_delay_s,
+                self.check.projector,
             )
         except (OSError, ValueError) as err:
             self.counters.write_failures += 1

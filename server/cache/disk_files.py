@@ -3,8 +3,9 @@ and trailer without its state, writing an entry whole, and cleaning abandoned wr
 
 One entry is one file, ``<time_ns:016x>-<host>-<pid>-<uuid12>.lsc`` (unique across replicas
 sharing the directory), in the slot-file format (server.cache.slot_file: the ggsq body, the
-SCKP checkpoint appendix, SDFT with a draft state) followed by a trailer, which slot-file
-readers stop at (an unknown magic ends the appendices):
+SCKP checkpoint appendix, SDFT with a draft state, the SIMG block when it holds images:
+server.cache.image_file) followed by a trailer, which slot-file readers stop at (an
+unknown magic ends the appendices):
 
     tenant (utf-8) | model id (utf-8) | u32 len(tenant) | u32 len(model) | u64 body_len |
     u32 version 1 | u32 magic 'SDSK'
@@ -37,7 +38,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import slot_file
+from . import image_file, slot_file
 from .saved import Extras, OnDisk, SavedState
 
 MiB = 1024 * 1024
@@ -133,6 +134,7 @@ class FileCheck:
     n_ctx: int  # most tokens a slot holds
     n_vocab: int
     model: str  # model id written in the trailer; files with another are foreign
+    projector: bytes | None = None  # --mmproj's key: the images a file holds must name it
 
 
 def _read_exact(fd: int, n: int, what: str) -> bytes:
@@ -154,9 +156,28 @@ def _header_tokens(fd: int, size: int, check: FileCheck) -> list[int]:
         raise BadFile(f"{n_tokens} tokens do not fit in {size} bytes")
     raw = array("i")
     raw.frombytes(_read_exact(fd, 4 * n_tokens, "tokens"))
-    if min(raw) < 0 or max(raw) >= check.n_vocab:
+    if max(raw) >= check.n_vocab:
         raise BadFile("a token outside this model's vocabulary")
-    return raw.tolist()
+    return raw.tolist()  # negative entries: images' placeholders, proven by _images
+
+
+def _images(fd: int, tokens: list[int], body_len: int, check: FileCheck) -> None:
+    """Prove the placeholders among ``tokens`` are the images the file's SIMG block (at
+    the end of its body) names, made by this server's projector (image_file.check)."""
+    if not image_file.has_images(tokens):
+        return
+    body = 12 + 4 * len(tokens) + 8
+    most = image_file.HEAD.size + image_file.MAX_IMAGES * image_file.REC.size
+    start = max(body, body_len - most - image_file.TAIL.size)
+    os.lseek(fd, start, os.SEEK_SET)
+    tail = _read_exact(fd, body_len - start, "image block")
+    try:
+        block = image_file.find(tail, len(tail), 0)
+        if block is not None and block.start + start < body:
+            raise image_file.ImageFileError("its image block overlaps the state")
+        image_file.check(tokens, block, check.projector)
+    except image_file.ImageFileError as e:
+        raise BadFile(f"images: {e}", e.foreign) from None
 
 
 def _trailer(fd: int, size: int, min_body: int) -> tuple[str, str, int]:
@@ -198,6 +219,8 @@ def read_header(directory: Path, name: str, check: FileCheck) -> DiskEntry:
             raise BadFile("truncated (shorter than a header)")
         tokens = _header_tokens(fd, size, check)
         tenant, model, body_len = _trailer(fd, size, 12 + 4 * len(tokens) + 8)
+        if model == check.model:
+            _images(fd, tokens, body_len, check)
     except OSError as e:
         raise BadFile(f"unreadable: {e.strerror or e}") from None
     finally:
@@ -265,9 +288,13 @@ def _patch_body(buf: bytearray, e: DiskEntry, check: FileCheck, seq: int) -> int
     return body - 8
 
 
-def entry_parts(entry: SavedState, version: int, model: str) -> list[bytes | memoryview]:
+def entry_parts(
+    entry: SavedState, version: int, model: str, projector: bytes | None = None
+) -> list[bytes | memoryview]:
     """An entry's file, as pieces to write (the state buffers are not copied). The entry's
-    bytes are in memory (a RAM entry, a slot's state read for a spill)."""
+    bytes are in memory (a RAM entry, a slot's state read for a spill). Its images are
+    named by the SIMG block ending its body (``projector``: the loaded one's key); one
+    whose images are not known any more raises ValueError (image_file.ImageFileError)."""
     if not isinstance(entry.data, (bytearray, ctypes.Array)):
         raise ValueError("a disk entry is written from a state in memory")
     mv = memoryview(entry.data).cast("B")
@@ -278,6 +305,7 @@ def entry_parts(entry: SavedState, version: int, model: str) -> list[bytes | mem
         array("i", entry.tokens).tobytes(),
         mv[8:],
         *slot_file.appendix_parts(entry.checkpoints, entry.data_dft),
+        image_file.encode(entry.tokens, projector),
     ]
     body_len = sum(len(p) for p in parts)
     parts.append(encode_trailer(entry.tenant, model, body_len))
@@ -285,14 +313,19 @@ def entry_parts(entry: SavedState, version: int, model: str) -> list[bytes | mem
 
 
 def write_entry(
-    directory: Path, entry: SavedState, version: int, model: str, delay_s: float = 0.0
+    directory: Path,
+    entry: SavedState,
+    version: int,
+    model: str,
+    delay_s: float = 0.0,
+    projector: bytes | None = None,
 ) -> tuple[str, int, int]:
     """Write ``entry`` to a temporary file, make it durable, rename it to a new unique name.
     Returns (name, size, mtime_ns). On any failure the temporary file is removed and no
     entry appears."""
     host, pid = host_label(), os.getpid()
     tmp = directory / tmp_name(host, pid)
-    parts = entry_parts(entry, version, model)
+    parts = entry_parts(entry, version, model, projector)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -20,6 +20,10 @@ Event tuples (vLLM's msgspec ``array_like`` encoding, which llm-d's vLLM adapter
 position): ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium]`` (+ ``lora_name, extra_keys`` when extra keys are set),
 ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
+Images (issue 42): a block holding positions of an image has the image's identity (hex)
+among its extra keys (vLLM's multimodal ``extra_keys``, after the tenant's), hashed into its
+key as ``[{"Hash": tenant}, {"Hash": image}, ...]``; its image positions are token id
+IMAGE_TOKEN_ID (0) in the hash and in ``token_ids``. Text-only blocks are unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import hashlib
 import struct
 import threading
 from collections.abc import Sequence
+
+from ..types import IMAGE_NAMES
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -40,7 +46,7 @@ MEDIUM_DISK = "DISK"  # the disk tier (--cache-disk), files and entries queued f
 
 # an event tuple's fields (see the module docstring): its tag, a medium, block hashes or
 # token ids, a parent hash or block size, null, extra keys (one list per block)
-EventField = str | int | None | list[int] | list[list[str]]
+EventField = str | int | None | list[int] | list[list[str]] | list[list[str] | None]
 Event = list[EventField]
 
 
@@ -95,16 +101,45 @@ def _text(s: str) -> bytes:
     return _head(3, len(b)) + b
 
 
-def extra_cbor(extra: str | None) -> bytes:
-    """A block's extra features as llm-d encodes them: null, or ``[{"Hash": extra}]``."""
-    if extra is None:
+def extra_cbor(extra: str | None | tuple[str, ...]) -> bytes:
+    """A block's extra features as llm-d encodes them: null, or ``[{"Hash": extra}, ...]``
+    (one map per key: the tenant's, then each image's the block holds)."""
+    keys = (extra,) if isinstance(extra, str) else extra or ()
+    if not keys:
         return _NULL
-    return b"\x81\xa1" + _text("Hash") + _text(extra)
+    return _head(4, len(keys)) + b"".join(b"\xa1" + _text("Hash") + _text(k) for k in keys)
+
+
+# An image's positions in a block's published token ids (the placeholders are negative,
+# never token ids): what a block holds of an image is named by its extra keys instead.
+IMAGE_TOKEN_ID = 0
+
+
+def public_tokens(tokens: Sequence[int]) -> list[int]:
+    """``tokens`` as published and hashed: each image position as IMAGE_TOKEN_ID."""
+    return [t if t >= 0 else IMAGE_TOKEN_ID for t in tokens]
+
+
+def image_keys(tokens: Sequence[int], bs: int, start: int, end: int) -> list[tuple[str, ...]]:
+    """Per full block ``start..end-1`` of ``tokens``: the identities (hex) of the images it
+    holds positions of, vLLM's multimodal ``extra_keys`` (empty for a text block)."""
+    out: list[tuple[str, ...]] = [() for _ in range(start, end)]
+    begin = start * bs  # back to the start of the run of placeholders the range starts in
+    while begin > 0 and tokens[begin - 1] < 0:
+        begin -= 1
+    for sp in IMAGE_NAMES.spans(tokens[begin : end * bs]):
+        a, z = begin + sp.start, begin + sp.end
+        name = sp.identity.hex() if sp.identity else f"image:{-tokens[a]:x}"
+        for b in range(max(start, a // bs), min(end, (z - 1) // bs + 1)):
+            out[b - start] += (name,)
+    return out
 
 
 def block_hash(parent: int, tokens: Sequence[int], extra: bytes = _NULL) -> int:
     """The hash of one block: FNV-1a 64 of CBOR ``[parent, tokens, extra]`` (``extra``
-    already encoded, ``extra_cbor``)."""
+    already encoded, ``extra_cbor``; an image's positions hashed as IMAGE_TOKEN_ID)."""
+    if tokens and min(tokens) < 0:
+        tokens = public_tokens(tokens)
     return fnv1a64(b"\x83" + _head(0, parent) + _uints(tokens) + extra)
 
 
@@ -136,8 +171,8 @@ class BlockHasher:
             raise ValueError("the block size must be positive")
         self.block_size = block_size
         self.root = root_hash(model, seed)
-        self._memo: dict[tuple[int, tuple[int, ...], str | None], int] = {}
-        self._extra: dict[str | None, bytes] = {}
+        self._memo: dict[tuple[int, tuple[int, ...], tuple[str, ...]], int] = {}
+        self._extra: dict[tuple[str, ...], bytes] = {}
 
     def hashes(
         self,
@@ -146,27 +181,38 @@ class BlockHasher:
         start: int = 0,
         end: int | None = None,
         parent: int | None = None,
+        keys: list[tuple[str, ...]] | None = None,
     ) -> list[int]:
         """Hashes of blocks ``start`` up to ``end`` (default: every full block) of
-        ``tokens``; ``parent`` is block ``start - 1``'s hash (the root when start is 0)."""
+        ``tokens``; ``parent`` is block ``start - 1``'s hash (the root when start is 0).
+        A block's extra keys are the tenant's (--cache-isolation) and the identities of the
+        images it holds (``image_keys``); with a ``keys`` list, each block's are appended."""
         bs = self.block_size
         n = len(tokens) // bs if end is None else min(end, len(tokens) // bs)
         h = self.root if parent is None else parent
-        extra = tenant_extra(tenant)
-        enc = self._extra.get(extra)
-        if enc is None:
-            enc = self._extra[extra] = extra_cbor(extra)
+        ten = tenant_extra(tenant)
+        base: tuple[str, ...] = () if ten is None else (ten,)
+        some = n > start and min(tokens[start * bs : n * bs]) < 0  # one block, usually
+        imgs = image_keys(tokens, bs, start, n) if some else None
         memo, out = self._memo, []
         for i in range(start, n):
             blk = tuple(tokens[i * bs : (i + 1) * bs])
+            extra = base + imgs[i - start] if imgs is not None else base
             key = (h, blk, extra)
             got = memo.get(key)
             if got is None:
                 if len(memo) >= self.MEMO_MAX:
                     memo.clear()
+                enc = self._extra.get(extra)
+                if enc is None:
+                    if len(self._extra) >= self.MEMO_MAX:
+                        self._extra.clear()
+                    enc = self._extra[extra] = extra_cbor(extra)
                 got = memo[key] = block_hash(h, blk, enc)
             h = got
             out.append(h)
+            if keys is not None:
+                keys.append(extra)
         return out
 
 
@@ -176,13 +222,18 @@ def stored_event(
     tokens: list[int],
     block_size: int,
     medium: str,
-    extra: str | None = None,
+    extra: str | None | list[tuple[str, ...]] = None,
 ) -> Event:
-    """vLLM's BlockStored: positional, lora_id null; with ``extra`` also lora_name (null) and
-    extra_keys (one list per block)."""
+    """vLLM's BlockStored: positional, lora_id null; with extra keys (``extra``: one for
+    every block, or each block's own) also lora_name (null) and extra_keys (one list per
+    block, null for a block without any). Image positions are published as IMAGE_TOKEN_ID."""
+    if tokens and min(tokens) < 0:
+        tokens = public_tokens(tokens)
     ev: Event = ["BlockStored", hashes, parent, tokens, block_size, None, medium]
-    if extra is not None:
+    if isinstance(extra, str):
         ev += [None, [[extra] for _ in hashes]]
+    elif extra and any(extra):
+        ev += [None, [list(k) if k else None for k in extra]]
     return ev
 
 

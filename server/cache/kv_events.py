@@ -56,6 +56,9 @@ class Chain:
     tokens: Sequence[int]
     parent: int | None = None
     tenant: str = ""
+    # each block's extra keys (the tenant's, then its images': BlockHasher.hashes); None:
+    # the tenant's alone, for every block (a text-only chain)
+    keys: list[tuple[str, ...]] | None = None
 
 
 class KVEvents:
@@ -115,6 +118,8 @@ class KVEvents:
         bs = self.block_size
         parent = c.parent if a == 0 else c.hashes[a - 1]
         toks = list(c.tokens[a * bs : b * bs]) if self._shows(c.tenant) else []
+        if c.keys is not None and any(c.keys[a:b]):
+            return stored_event(c.hashes[a:b], parent, toks, bs, medium, c.keys[a:b])
         return stored_event(c.hashes[a:b], parent, toks, bs, medium, tenant_extra(c.tenant))
 
     def _shows(self, tenant: str) -> bool:
@@ -158,13 +163,14 @@ class KVEvents:
         if medium is None:
             return
         tenant = h.key if isinstance(h.key, str) else ""
-        hashes = self.hasher.hashes(tokens, tenant)  # outside the lock: the memo is shared
+        keys: list[tuple[str, ...]] = []
+        hashes = self.hasher.hashes(tokens, tenant, keys=keys)  # outside the lock: memo shared
         with self._lock:
             if h in self._gone:  # its discard ran first (another thread)
                 self._gone.discard(h)
                 return
             self._held[h] = (medium, hashes)
-            self._change(medium, [Chain(hashes, tokens, None, tenant)], [])
+            self._change(medium, [Chain(hashes, tokens, None, tenant, keys)], [])
 
     def discarded(self, h: Held) -> None:
         if getattr(h, "TIER", "") not in TIER_MEDIUM:

@@ -15,6 +15,9 @@ Layout, little-endian:
             request's tenant (utf-8), u32 its length, u32 version 1, u32 magic. Ours, written
             on every save; llama-server never reads that far. A file without it (llama-server's,
             or older) has no known tenant.
+  SIMG      only when the state holds images: their projector, identities and spans, at
+            the end of the body before STNT (server.cache.image_file); the token list
+            holds the images' placeholders as they are.
 
 Reading never trusts the file: every length is checked against the bytes that are left
 before anything is allocated, and the llama.cpp restore is done from memory with
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from ..llama.ggml_types import cache_type_name
 from ..types import Checkpoint, StateBuf
+from . import image_file
 from .saved import Extras, InSlot, SavedState
 
 log = logging.getLogger("server.slotfile")
@@ -137,7 +141,9 @@ def pread_into(fd: int, buf: bytearray) -> int:
     return pos
 
 
-def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> ParsedFile:
+def read_file(
+    path: Path, n_ctx: int, n_vocab: int, seq: int, version: int, projector: bytes | None = None
+) -> ParsedFile:
     """Read and bound-check the body header and tokens (not the state: llama.cpp checks it)."""
     try:
         size = path.stat().st_size
@@ -165,24 +171,31 @@ def read_file(path: Path, n_ctx: int, n_vocab: int, seq: int, version: int) -> P
         )
     raw = array("i")
     raw.frombytes(buf[12 : 12 + 4 * n_tokens])
-    tokens = _unpack_tokens(raw)
+    body = 12 + 4 * n_tokens
+    if size - body < 8:
+        raise SlotFileError("slot file has no sequence state")
+    tenant, end = read_tenant(buf, body)
+    try:  # the images it holds (SIMG, before the footer): its placeholders stay as they are
+        block = image_file.find(buf, end, body + 8)
+        tokens = raw.tolist() if block is not None else _unpack_tokens(raw)
+        image_file.check(tokens, block, projector)
+    except image_file.ImageFileError as e:
+        raise SlotFileError(f"slot file images cannot be restored: {e}") from None
     if len(tokens) > n_ctx:
         raise SlotFileError(
             f"slot file holds {len(tokens)} tokens, more than the slot's context ({n_ctx})"
         )
-    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    bad = next((t for t in tokens if t >= n_vocab), None)
     if bad is not None:
         raise SlotFileError(
             f"slot file token {bad} is outside this model's vocabulary (another model?)"
         )
-    body = 12 + 4 * n_tokens
-    if size - body < 8:
-        raise SlotFileError("slot file has no sequence state")
     # Rebuild llama_state_seq_get_data's 8-byte header in place of the last token bytes
     # (already parsed) so the state is restored from this buffer without a copy.
     state_off = body - 8
     struct.pack_into("<Ii", buf, state_off, STATE_HEADER_MAGIC, seq)
-    tenant, end = read_tenant(buf, body)
+    if block is not None:
+        end = block.start  # the state and its appendices end where the image block starts
     return ParsedFile(tokens, buf, state_off, n_read, end, tenant)
 
 
@@ -415,6 +428,15 @@ def encode_checkpoints(checkpoints: list[Checkpoint]) -> bytes:
     return b"".join(bytes(p) for p in checkpoint_parts(checkpoints))
 
 
+def image_block(tokens: list[int], projector: bytes | None) -> bytes:
+    """The SIMG block naming the images among ``tokens`` (b"" for a text-only state); a
+    state whose images are not known by their identities cannot be saved (a 500)."""
+    try:
+        return image_file.encode(tokens, projector)
+    except image_file.ImageFileError as e:
+        raise SlotFileError(f"the slot cannot be saved: {e}", 500) from None
+
+
 def temp_for(path: Path) -> Path:
     """A new temporary file beside ``path`` (same directory, so the final rename is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".slot", dir=path.parent)
@@ -430,15 +452,20 @@ def finish_file(
     draft: bytes | bytearray = b"",
     kv_types: tuple[int, int] | None = None,
     tenant: str | None = None,
+    images: bytes = b"",
 ) -> int:
-    """Append the appendices (SCKP, SDFT with a ``draft`` state, SKVT with ``kv_types``) and
-    the STNT footer (with a ``tenant``) to the body in ``tmp``, make it durable (fdatasync),
+    """Append the appendices (SCKP, SDFT with a ``draft`` state, SKVT with ``kv_types``), the
+    SIMG block naming the state's ``images`` (server.cache.image_file.encode) and the STNT
+    footer (with a ``tenant``) to the body in ``tmp``, make it durable (fdatasync),
     rename it to ``path``, fsync the directory. A crash or a full disk never leaves a
     partial file under ``path``; the temporary file is removed on failure. Returns the
     file's size."""
     try:
         with open(tmp, "ab") as f:
-            for part in appendix_parts(checkpoints, draft, kv_types) + tenant_parts(tenant):
+            for part in appendix_parts(checkpoints, draft, kv_types):
+                f.write(part)
+            f.write(images)
+            for part in tenant_parts(tenant):
                 f.write(part)
             f.flush()
             os.fdatasync(f.fileno())
@@ -464,6 +491,7 @@ def write_file(
     draft: bytes | bytearray = b"",
     kv_types: tuple[int, int] | None = None,
     tenant: str | None = None,
+    images: bytes = b"",
 ) -> int:
     """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header + state
     bytes), byte for byte what llama_state_seq_save_file writes, then the appendices and,
@@ -480,4 +508,4 @@ def write_file(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return finish_file(tmp, path, checkpoints, draft, kv_types, tenant)
+    return finish_file(tmp, path, checkpoints, draft, kv_types, tenant, images)

@@ -134,7 +134,11 @@ def kv_label(s: Settings) -> str:
 
 
 def disk_tier(
-    s: Settings, cache: PromptCache | None, backend: ModelBackend, model: str
+    s: Settings,
+    cache: PromptCache | None,
+    backend: ModelBackend,
+    model: str,
+    projector: bytes | None = None,
 ) -> DiskTier | None:
     """The disk tier under the RAM cache (--cache-disk DIR, --cache-disk-mib N), started:
     its index rebuilt from DIR's file headers. None when off."""
@@ -150,6 +154,7 @@ def disk_tier(
         # states are only valid for the same weights: name and size tell models apart
         # (replicas mount the same file), the vocabulary size is checked as well
         model=f"{os.path.basename(model)}:{os.path.getsize(model)}:{backend.n_vocab}" + kv_label(s),
+        projector=projector,
     )
     # one prefix index for both tiers: one walk of a prompt serves the RAM and disk lookups
     disk = DiskTier(s.cache_disk, s.cache_disk_mib * MiB, check, index=cache.index)
@@ -331,9 +336,10 @@ def load(st: ServerState) -> None:
             backend.warmup()
         cache, st.kept_cache = st.kept_cache or prompt_cache(s, backend.n_ctx), None
         st.kv_events = kv_setup.start(s, st.model_name, cache)  # before the disk tier scans
-        disk = disk_tier(s, cache, backend, path)
         st.draft = draft_context(s, backend)
         st.projector = projector_of(s, backend, st.draft is not None)
+        key = st.projector.key if st.projector is not None else None
+        disk = disk_tier(s, cache, backend, path, key)  # its images name the projector
         engine = Engine(
             backend, engine_options(s, cache is not None), cache=cache, disk=disk, draft=st.draft
         )

@@ -172,7 +172,7 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         name = _filename(await request.body())
         path = slot_file.resolve(st.settings.slot_save_path, name)
         if action == "save":
-            return await _save(engine, sid, path, name, who)
+            return await _save(engine, sid, path, name, who, projector_key(st))
         return await _restore(st, engine, sid, path, name, who)
     except slot_file.SlotFileError as e:
         _record(engine, failures=1)
@@ -185,16 +185,26 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         raise APIError(500, f"slot file I/O failed: {e.strerror or e}") from None
 
 
-async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) -> dict[str, object]:
+async def _save(
+    engine: Engine, sid: int, path: Path, name: str, who: Caller, key: bytes | None
+) -> dict[str, object]:
     """The engine writes the body (SaveSlot); the appendices, fsync and rename happen off
     the engine thread."""
     t0 = time.perf_counter()
     tmp = slot_file.temp_for(path)
     try:
         saved = _unwrap(engine, await _run(engine, SaveSlot(sid, str(tmp), who)))
-        s = saved.state  # its extras go into the appendices
+        s = saved.state  # its extras go into the appendices, its images into SIMG
+        images = await asyncio.to_thread(slot_file.image_block, s.tokens, key)
         written = await asyncio.to_thread(
-            slot_file.finish_file, tmp, path, s.checkpoints, s.data_dft, s.kv_types, saved.owner
+            slot_file.finish_file,
+            tmp,
+            path,
+            s.checkpoints,
+            s.data_dft,
+            s.kv_types,
+            saved.owner,
+            images,
         )
     finally:
         tmp.unlink(missing_ok=True)
@@ -208,6 +218,11 @@ async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) ->
     }
 
 
+def projector_key(st: ServerState) -> bytes | None:
+    """The loaded projector's key (--mmproj), which a slot file's images must name."""
+    return st.projector.key if st.projector is not None else None
+
+
 async def _restore(
     st: ServerState, engine: Engine, sid: int, path: Path, name: str, who: Caller
 ) -> dict[str, object]:
@@ -217,7 +232,13 @@ async def _restore(
     t0 = time.perf_counter()
     b = st.require_backend()
     parsed = await asyncio.to_thread(
-        slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
+        slot_file.read_file,
+        path,
+        engine.slots[sid].n_ctx,
+        b.n_vocab,
+        sid,
+        b.state_file_version,
+        projector_key(st),
     )
     refusal = who.file_refusal(parsed, name)
     if refusal is not None:

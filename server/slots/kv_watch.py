@@ -78,7 +78,8 @@ class SlotWatcher:
         if pub.tenant != s.tenant:
             keep = 0
         parent = pub.hashes[keep - 1] if keep else None
-        new = self.events.hasher.hashes(tokens, s.tenant, keep, n_full, parent)
+        keys: list[tuple[str, ...]] = []
+        new = self.events.hasher.hashes(tokens, s.tenant, keep, n_full, parent, keys)
         j = 0
         old = pub.hashes
         while j < len(new) and keep + j < len(old) and new[j] == old[keep + j]:
@@ -87,7 +88,8 @@ class SlotWatcher:
         if j < len(new):
             first = keep + j
             p = old[first - 1] if first else None
-            stored.append(Chain(new[j:], tokens[first * bs : n_full * bs], p, s.tenant))
+            chain = Chain(new[j:], tokens[first * bs : n_full * bs], p, s.tenant, keys[j:])
+            stored.append(chain)
         pub.hashes = old[: keep + j] + new[j:]
         pub.tenant = s.tenant
 
