@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ import jinja2.meta
 import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+from typing_extensions import Required, TypedDict
 
 from .cancel import Cancelled, Watched
 
@@ -91,6 +92,18 @@ class TemplateError(ValueError):
         self.client = client
 
 
+class ChatMessage(TypedDict, total=False):
+    """A message as the chat template takes it (``frontend.chat.chat_messages`` builds them
+    from a checked request; ``api.tools.prompt`` rewrites tool history)."""
+
+    role: Required[str]
+    content: str
+    name: str
+    tool_calls: Sequence[Mapping[str, object]]  # api.tools.prompt.TemplateCall once rewritten
+    tool_call_id: str
+    reasoning_content: str
+
+
 @dataclass
 class Rendered:
     prompt: str
@@ -149,13 +162,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     llama.cpp's Jinja lets them. Templates are the operator's, never a client's; what they
     append to lives for one rendering."""
 
-    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+    def is_safe_attribute(self, obj: object, attr: str, value: object) -> bool:
         if isinstance(obj, list) and attr in _LIST_METHODS:
             return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
         return super().is_safe_attribute(obj, attr, value)
 
 
-def _json_default(o: Any) -> Any:
+def _json_default(o: object) -> object:
     """``tojson`` of what Jinja makes lazily (``map`` gives a generator: llama.cpp's Jinja a
     list) and of undefined values (null)."""
     if isinstance(o, jinja2.Undefined):
@@ -206,7 +219,10 @@ class ChatTemplate:
             raise TemplateError(f"chat template does not parse: {e}") from e
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: Sequence[Mapping[str, object]],
+        add_generation_prompt: bool = True,
+        **extra: object,
     ) -> str:
         try:
             return self._tpl.render(
@@ -226,10 +242,10 @@ class ChatTemplate:
 
     def render_chat(
         self,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Mapping[str, object]],
         add_generation_prompt: bool = True,
         continuation: Continuation | None = None,
-        **extra: Any,
+        **extra: object,
     ) -> Rendered:
         """Render, also locating where the last user turn begins (a checkpoint position):
         the rendered prefix before it is the rendering of the messages before it. With a
