@@ -12,6 +12,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+import jinja2.parser
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 from typing_extensions import Required, TypedDict
@@ -135,7 +136,7 @@ class _ConcatUndefined(jinja2.Undefined):
     """An undefined variable joined to a string is the empty string, as in llama.cpp's Jinja
     (FireFunction v2 adds ``functions``, which only some callers define)."""
 
-    def __add__(self, other: Any) -> Any:
+    def __add__(self, other: Any) -> Any:  # jinja2.Undefined.__add__: (*args: Any) -> Never
         return other if isinstance(other, str) else super().__add__(other)
 
     def __radd__(self, other: Any) -> Any:
@@ -148,7 +149,7 @@ class _Generation(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: Any) -> Any:
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
