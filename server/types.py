@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -76,6 +76,18 @@ class CacheCells:
         return [p for p, ss in zip(self.pos, self.seqs, strict=True) if seq in ss]
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """A checked constraint, independent of any vocabulary (server.constrained makes them).
+    ``kind`` is ``json_schema``, ``json_object``, ``gbnf`` or ``lark``; ``key`` is the
+    canonical text (equal keys, equal constraints: the compile caches key on it);
+    ``grammar`` is llguidance's grammar text."""
+
+    kind: str
+    key: str
+    grammar: str
+
+
 class TokenMatcher(Protocol):
     """One task's position in its constraint (server.constrained.Matcher): the engine
     thread asks and advances it token by token."""
@@ -99,7 +111,7 @@ class VocabCompiler(Protocol):
     ``LlamaBackend.constraint_compiler`` hands one out, built on first use by the factory the
     app passes it: llama/ does not import server.constrained."""
 
-    def compile(self, c: Any) -> TokenConstraint: ...
+    def compile(self, c: Constraint) -> TokenConstraint: ...
 
 
 # (the backend's vocabulary handle, end-of-generation token ids) -> that vocabulary's

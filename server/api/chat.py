@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +12,10 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+import jinja2.parser
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+from typing_extensions import Required, TypedDict
 
 from .cancel import Cancelled, Watched
 
@@ -91,6 +93,18 @@ class TemplateError(ValueError):
         self.client = client
 
 
+class ChatMessage(TypedDict, total=False):
+    """A message as the chat template takes it (``frontend.chat.chat_messages`` builds them
+    from a checked request; ``api.tools.prompt`` rewrites tool history)."""
+
+    role: Required[str]
+    content: str
+    name: str
+    tool_calls: Sequence[Mapping[str, object]]  # api.tools.prompt.TemplateCall once rewritten
+    tool_call_id: str
+    reasoning_content: str
+
+
 @dataclass
 class Rendered:
     prompt: str
@@ -122,7 +136,7 @@ class _ConcatUndefined(jinja2.Undefined):
     """An undefined variable joined to a string is the empty string, as in llama.cpp's Jinja
     (FireFunction v2 adds ``functions``, which only some callers define)."""
 
-    def __add__(self, other: Any) -> Any:
+    def __add__(self, other: Any) -> Any:  # jinja2.Undefined.__add__: (*args: Any) -> Never
         return other if isinstance(other, str) else super().__add__(other)
 
     def __radd__(self, other: Any) -> Any:
@@ -135,7 +149,7 @@ class _Generation(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: Any) -> Any:
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
@@ -149,13 +163,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     llama.cpp's Jinja lets them. Templates are the operator's, never a client's; what they
     append to lives for one rendering."""
 
-    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+    def is_safe_attribute(self, obj: object, attr: str, value: object) -> bool:
         if isinstance(obj, list) and attr in _LIST_METHODS:
             return SandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
         return super().is_safe_attribute(obj, attr, value)
 
 
-def _json_default(o: Any) -> Any:
+def _json_default(o: object) -> object:
     """``tojson`` of what Jinja makes lazily (``map`` gives a generator: llama.cpp's Jinja a
     list) and of undefined values (null)."""
     if isinstance(o, jinja2.Undefined):
@@ -206,7 +220,10 @@ class ChatTemplate:
             raise TemplateError(f"chat template does not parse: {e}") from e
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: Sequence[Mapping[str, object]],
+        add_generation_prompt: bool = True,
+        **extra: object,
     ) -> str:
         try:
             return self._tpl.render(
@@ -226,10 +243,10 @@ class ChatTemplate:
 
     def render_chat(
         self,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Mapping[str, object]],
         add_generation_prompt: bool = True,
         continuation: Continuation | None = None,
-        **extra: Any,
+        **extra: object,
     ) -> Rendered:
         """Render, also locating where the last user turn begins (a checkpoint position):
         the rendered prefix before it is the rendering of the messages before it. With a

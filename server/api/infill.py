@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ..types import TOKEN_NULL, FimTokens
 
@@ -36,7 +37,7 @@ def check_infill_body(body: dict[str, object]) -> list[dict[str, str]]:
     if "input_suffix" not in body:
         raise InfillInputError('"input_suffix" is required')
     for name in ("input_prefix", "input_suffix"):
-        if not _is_mixed(body[name]):
+        if not is_mixed(body[name]):
             raise InfillInputError(f'"{name}" must be a string or an array of strings and tokens')
     extra = body.get("input_extra", [])
     if not isinstance(extra, list):
@@ -53,7 +54,10 @@ def check_infill_body(body: dict[str, object]) -> list[dict[str, str]]:
     return extra
 
 
-def _is_mixed(v: object) -> bool:
+Mixed = str | list[str | int]  # llama-server's "mixed" prompt
+
+
+def is_mixed(v: object) -> TypeGuard[Mixed]:
     """A string, or a list of strings and token ids (llama-server's "mixed" prompt)."""
     if isinstance(v, str):
         return True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -348,10 +348,10 @@ class InfillRequest(SamplingFields, LlamaRefusedFields):
     """llama-server's /infill. The FIM fields are checked by ``server.api.infill`` (in llama-server's
     order and words, after the model's FIM tokens), so they are untyped here."""
 
-    input_prefix: Any = None
-    input_suffix: Any = None
-    input_extra: Any = None
-    prompt: Any = None
+    input_prefix: object = None
+    input_suffix: object = None
+    input_extra: object = None
+    prompt: object = None
     model: str | None = None  # as /completion's
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None

@@ -15,10 +15,10 @@ import collections
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from llguidance import LLMatcher, grammar_from
 
+from ..types import Constraint
 from .limits import ShapeError, check_grammar_shape, check_schema_shape
 from .worker import CompileRequest, limits, pool
 
@@ -47,17 +47,6 @@ class ConstraintError(ValueError):
         super().__init__(f"{where}: {reason}")
         self.where = where
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """A checked constraint, independent of any vocabulary. ``kind`` is ``json_schema``,
-    ``json_object``, ``gbnf`` or ``lark``; ``key`` is the canonical text (equal keys, equal
-    constraints: the compile caches key on it); ``grammar`` is llguidance's grammar text."""
-
-    kind: str
-    key: str
-    grammar: str
 
 
 def _check(grammar: str, where: str) -> None:

@@ -10,11 +10,11 @@ stops a request whose client left between messages."""
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from ..api.cancel import checkpoint
 from ..api.chat import (
     ROLES,
+    ChatMessage,
     ChatTemplate,
     Continuation,
     Rendered,
@@ -57,7 +57,7 @@ def _parts(parts: list[ContentPart], media: MediaInput | None, where: str) -> st
     return "\n".join(texts)
 
 
-def chat_messages(req: ChatRequest, media: MediaInput | None = None) -> list[dict[str, Any]]:
+def chat_messages(req: ChatRequest, media: MediaInput | None = None) -> list[ChatMessage]:
     """The messages as the chat template takes them: text parts joined, developer as
     system, images as media markers (``_parts``)."""
     out = []
@@ -70,7 +70,7 @@ def chat_messages(req: ChatRequest, media: MediaInput | None = None) -> list[dic
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": content}
+        msg: ChatMessage = {"role": role, "content": content}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:
@@ -84,7 +84,7 @@ def chat_messages(req: ChatRequest, media: MediaInput | None = None) -> list[dic
 
 
 def _continuation(
-    st: ServerState, req: ChatRequest, messages: list[dict[str, Any]]
+    st: ServerState, req: ChatRequest, messages: list[ChatMessage]
 ) -> tuple[Continuation | None, bool]:
     """Whether the final message is continued (and then taken off ``messages``), and whether
     the template opens the assistant turn, as llama-server decides: ``continue_final_message``

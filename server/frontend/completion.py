@@ -5,11 +5,9 @@ threads only (``service.pools``): tokenizing a long prompt takes a while."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..api.cancel import checkpoint
 from ..api.errors import APIError
-from ..api.infill import InfillLimits, infill_prompt
+from ..api.infill import InfillLimits, infill_prompt, is_mixed
 from ..api.media import MediaLimits, check_image, decode_base64
 from ..api.prompts import multimodal_prompt, prompt_tokens
 from ..api.schemas import InfillRequest
@@ -19,7 +17,7 @@ from ..service.tokenizer import tokenize
 from .chat import image_prompt, media_limits
 
 
-def completion_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
+def completion_prompts(st: ServerState, prompt: object) -> list[Prompt]:
     """A completions ``prompt`` (text, tokens, or a list of either) as one Prompt each; an
     object is llama-server's form (``{"prompt_string", "multimodal_data"}``: images)."""
     b = st.require_backend()
@@ -29,6 +27,8 @@ def completion_prompts(st: ServerState, prompt: Any) -> list[Prompt]:
         return [Prompt(tokenize(b, prompt, True, True))]
     if not prompt:
         raise APIError(400, "the prompt is empty")
+    if not isinstance(prompt, list):  # the request's model refused it already
+        raise APIError(400, "prompt must be a string or an array")
     if all(isinstance(x, int) for x in prompt):
         return [Prompt(list(prompt))]
     out = []
@@ -46,7 +46,7 @@ def max_tokens_of(*values: int | None) -> int:
     return -1
 
 
-def native_prompts(st: ServerState, prompts: list[Any]) -> list[Prompt]:
+def native_prompts(st: ServerState, prompts: list[object]) -> list[Prompt]:
     """Each of llama-server's prompt forms (server.api.prompts) as tokens: text is tokenized with
     special tokens parsed, BOS where it opens the prompt; token ids are taken as they are."""
     b = st.require_backend()
@@ -81,7 +81,9 @@ def _multimodal(st: ServerState, text: str, data: list[str], limits: MediaLimits
     return image_prompt(st, text, images, wheres=wheres)
 
 
-def infill_prompts(st: ServerState, body: InfillRequest, extra: list[Any]) -> list[Prompt]:
+def infill_prompts(
+    st: ServerState, body: InfillRequest, extra: list[dict[str, str]]
+) -> list[Prompt]:
     """The FIM prompt: ``prompt`` (special tokens parsed, no BOS) goes after the prefix."""
     b = st.require_backend()
     lim = InfillLimits(
@@ -95,9 +97,8 @@ def infill_prompts(st: ServerState, body: InfillRequest, extra: list[Any]) -> li
     def tok(text: str, add_special: bool, parse_special: bool) -> list[int]:
         return tokenize(b, text, add_special, parse_special)
 
-    tokens = tok(body.prompt or "", False, True)
-    return [
-        Prompt(
-            infill_prompt(tok, b.fim, bos, body.input_prefix, body.input_suffix, extra, tokens, lim)
-        )
-    ]
+    prefix, suffix = body.input_prefix, body.input_suffix
+    if not (is_mixed(prefix) and is_mixed(suffix)):  # check_infill_body refused it already
+        raise APIError(400, '"input_prefix" and "input_suffix" must be strings or token arrays')
+    tokens = tok(body.prompt if isinstance(body.prompt, str) else "", False, True)
+    return [Prompt(infill_prompt(tok, b.fim, bos, prefix, suffix, extra, tokens, lim))]

@@ -5,7 +5,6 @@ request's state and body, so ``service.submit`` never calls back into a route.""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..api.errors import APIError
 from ..api.schemas import ChatRequest, CompletionRequest, InfillRequest, NativeCompletionRequest
@@ -64,7 +63,7 @@ class NativeSource:
 
     st: ServerState
     body: NativeCompletionRequest
-    raw: list[Any]
+    raw: list[object]
 
     def prompts(self) -> list[Prompt]:
         return native_prompts(self.st, self.raw)
@@ -83,7 +82,7 @@ class InfillSource:
 
     st: ServerState
     body: InfillRequest
-    extra: list[Any]
+    extra: list[dict[str, str]]
 
     def prompts(self) -> list[Prompt]:
         return infill_prompts(self.st, self.body, self.extra)

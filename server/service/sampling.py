@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..api.errors import APIError
 from ..api.schemas import SamplingFields
 from ..cli.config import Settings
@@ -82,14 +80,16 @@ def sampling_from(
     return p
 
 
-def _logit_bias(raw: dict[str, Any] | list[list[Any]], backend: Tokenizer) -> dict[int, float]:
+def _logit_bias(
+    raw: dict[str, object] | list[list[object]], backend: Tokenizer
+) -> dict[int, float]:
     """llama-server's logit_bias forms as token -> bias: ``[[tok, bias], ...]`` or
     ``{"tok": bias}``, where ``tok`` is a token id or a text whose every token (tokenized
     without BOS) gets the bias, and ``false`` as the bias bans the token. Unlike there, an
     entry that is not a pair, a bias that is neither a number nor false, an id outside the
     vocabulary or a bias outside [-100, 100] is a 400, never silently skipped."""
     if isinstance(raw, dict):
-        items: list[tuple[Any, Any]] = list(raw.items())
+        items: list[tuple[object, object]] = list(raw.items())
     else:
         if not all(isinstance(x, list) and len(x) == 2 for x in raw):
             raise APIError(400, "logit_bias entries must be [token, bias] pairs")
@@ -115,7 +115,7 @@ def _bias_value(v: object) -> float | None:
     return float(v)
 
 
-def _bias_tokens(key: Any, backend: Tokenizer, from_dict: bool) -> list[int]:
+def _bias_tokens(key: object, backend: Tokenizer, from_dict: bool) -> list[int]:
     """The tokens one logit_bias key names: an id (a whole decimal string in the object
     form), or the tokens of a text. APIError 400 for an id outside the vocabulary."""
     tok: int | None = None

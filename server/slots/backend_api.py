@@ -17,6 +17,14 @@ import numpy as np
 from ..types import CacheCells, SamplingParams, StateBuf, TokenLogprob, TokenMatcher
 
 
+class SamplerHandle(Protocol):
+    """A task's sampler as the engine holds it (``Backend.new_sampler`` makes it, the
+    backend's own type: server.llama.backend.Sampler, the fake's FakeSampler); the engine
+    hands it back to the backend's sampling calls and frees it when the task ends."""
+
+    def free(self) -> None: ...
+
+
 class Batch(Protocol):
     """The decode batch the engine fills (server.llama.backend.LlamaBatch)."""
 
@@ -102,7 +110,7 @@ class Backend(SeqMemory, Protocol):
         llama.cpp applies them to every sequence of a decode (server.llama.lora)."""
         ...
 
-    def new_sampler(self, p: SamplingParams, history: list[int]) -> Any: ...
+    def new_sampler(self, p: SamplingParams, history: list[int]) -> SamplerHandle: ...
     def sample(self, sampler: Any, idx: int) -> int: ...
     def attach_sampler(self, sampler: Any, seq: int) -> bool: ...
     def sample_many(self, items: list[tuple[Any, int]], pool: Executor | None) -> list[int]: ...

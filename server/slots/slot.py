@@ -6,9 +6,9 @@ import collections
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..types import Checkpoint, Task, TokenLogprob, TokenMatcher
+from .backend_api import SamplerHandle
 from .budget import BudgetTracker
 from .reuse import ReuseChunk
 from .sequence import Sequence
@@ -32,7 +32,7 @@ class SlotRun:
 
     task: Task
     seq: Sequence
-    sampler: Any = None
+    sampler: SamplerHandle | None = None
     matcher: TokenMatcher | None = None  # the task's constraint, when it has one
     backend_sampled: bool = False  # -bs: the chain runs in the decode graph (slots/sampling.py)
     budget: BudgetTracker | None = None  # the task's reasoning budget (slots/budget.py)

@@ -1,10 +1,10 @@
 """``Any`` in server/ may only shrink (issue 41): the lines that use it in code (imports,
 comments and strings not counted) stay at or under ``BUDGET``. Lower it as it drops.
 
-What is left (issue 41's report): the engine's opaque sampler handle (Backend.new_sampler and
-what takes it back, Slot.sampler), the tool-call and chat-template JSON (api/tools/*,
-api/chat.py, frontend/), /infill's hand-checked fields, and VocabCompiler.compile's
-constraint (server.constrained's type, above the leaf types module)."""
+What is left (issue 41's report): the Backend methods that take the sampler back (each
+backend's own type; a parameter cannot narrow the protocol's ``SamplerHandle``), the prefix
+index's holders (a tier's own Held subclass, chosen by its TIER string), and jinja2's
+Undefined.__add__/__radd__ (the base's signature is ``(*args: Any) -> Never``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tokenize
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "server"
-BUDGET = 67  # lines (403 before issue 41)
+BUDGET = 11  # lines (403 before issue 41)
 
 
 def _any_lines(path: Path) -> list[int]:

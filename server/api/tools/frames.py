@@ -19,8 +19,8 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..chat import ChatTemplate, TemplateError
 from .spec import Tool
@@ -47,7 +47,7 @@ class Frame:
     p_close: str = ""
 
 
-def _turn(tpl: ChatTemplate, args: dict[str, Any], kwargs: dict[str, Any]) -> str | None:
+def _turn(tpl: ChatTemplate, args: Mapping[str, object], kwargs: dict[str, object]) -> str | None:
     """The call text the template renders for one probe call (None when it cannot)."""
     tools = [
         {
@@ -107,7 +107,7 @@ def _strip_end(text: str, end: str) -> str:
     return text
 
 
-def _history_head(tpl: ChatTemplate, kwargs: dict[str, Any]) -> str | None:
+def _history_head(tpl: ChatTemplate, kwargs: dict[str, object]) -> str | None:
     """What the template writes before the call's name once a tool result follows the call
     (the next turn's prompt): some drop there what they write for a last turn (Qwen3's empty
     ``<think>`` block). None when it cannot be read."""
@@ -132,7 +132,7 @@ def _history_head(tpl: ChatTemplate, kwargs: dict[str, Any]) -> str | None:
     return full[n:i] if i >= 0 else None
 
 
-def derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
+def derive(tpl: ChatTemplate, kwargs: dict[str, object]) -> Frame | None:
     """The call frame of ``tpl`` (see the module docstring), its head as the next turn
     renders it; None when the probe's rendering cannot be read."""
     f = _derive(tpl, kwargs)
@@ -142,7 +142,7 @@ def derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
     return dataclasses.replace(f, head=(head, *f.head[1:]))
 
 
-def _derive(tpl: ChatTemplate, kwargs: dict[str, Any]) -> Frame | None:
+def _derive(tpl: ChatTemplate, kwargs: dict[str, object]) -> Frame | None:
     text = _turn(tpl, _JSON_ARGS, kwargs)
     args = json.dumps(_JSON_ARGS, ensure_ascii=False)
     if text and text.count(args) == 1 and FN in text[: text.index(args)]:
@@ -176,15 +176,17 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False) if text else ""
 
 
-def _json_island(schema: dict[str, Any]) -> str:
-    s = {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
+def _json_island(schema: dict[str, object]) -> str:
+    given = schema.get("x-guidance") or {}
+    # not an object: left as it is, for llguidance to refuse (a 400, as outside a frame)
+    s = {**schema, "x-guidance": {**JSON_OPTIONS, **given} if isinstance(given, dict) else given}
     return "%json " + json.dumps(s, separators=(",", ":"), ensure_ascii=False)
 
 
 MAX_STRING = 256  # a raw string parameter without maxLength: bounded, as JSON numbers are
 
 
-def _string(schema: dict[str, Any]) -> str:
+def _string(schema: dict[str, object]) -> str:
     """A raw (unquoted) string parameter: its enum, else text without ``<`` (the frames'
     markup starts with it) of at most maxLength characters."""
     enum = schema.get("enum")
@@ -199,7 +201,9 @@ def _args_rule(f: Frame, tool: Tool) -> str:
     if not f.params:
         return _json_island(tool.parameters)
     props = tool.parameters.get("properties") or {}
-    required = set(tool.parameters.get("required") or [])
+    props = props if isinstance(props, dict) else {}  # not an object: no parameters
+    listed = tool.parameters.get("required") or []
+    required = set(listed) if isinstance(listed, list) else set()
     parts = []
     for key, sub in props.items():
         sub = sub if isinstance(sub, dict) else {}
@@ -223,7 +227,7 @@ def grammar(f: Frame, tools: list[Tool]) -> str:
     return f"start: call\n{rule}\n"
 
 
-def text_of(f: Frame, name: str, args: dict[str, Any]) -> str:
+def text_of(f: Frame, name: str, args: dict[str, object]) -> str:
     """The text the grammar of ``f`` produces for this call (what the template renders for
     it, when the frame is right: the tests compare the two)."""
     if not f.params:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from ...constrained import Constraint, ConstraintError, json_schema_constraint, lark_constraint
 from ..chat import ChatTemplate
@@ -37,7 +36,7 @@ class ChatPlan:
     spec: ToolSpec
     fmt: ToolFormat
     reasoning: bool
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, object] = field(default_factory=dict)
     forced_open: bool = False
     family: str = ""  # families.Family.name (``fmt`` FAMILY: its parser reads the calls)
     tags: tuple[str, str] = ("<think>", "</think>")  # the family's reasoning tags
@@ -102,7 +101,9 @@ class ChatPlan:
             raise ToolSpecError(f"cannot force a tool call: the tools' parameters: {e}") from None
 
 
-def _kwargs(chat_template_kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+def _kwargs(
+    chat_template_kwargs: dict[str, object] | None, effort: str | None
+) -> dict[str, object]:
     """llama-server's rules: ``enable_thinking`` must be a boolean; ``reasoning_effort``
     "none" turns thinking off, any other value is handed to the template."""
     kw = dict(chat_template_kwargs or {})
@@ -119,12 +120,12 @@ def _kwargs(chat_template_kwargs: dict[str, Any] | None, effort: str | None) -> 
 def plan_chat(
     template: ChatTemplate,
     *,
-    tools: Any = None,
-    tool_choice: Any = None,
+    tools: object = None,
+    tool_choice: object = None,
     parallel_tool_calls: bool | None = None,
     reasoning_format: str | None = None,
     default_reasoning_format: str = "auto",
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: dict[str, object] | None = None,
     reasoning_effort: str | None = None,
 ) -> ChatPlan:
     """The plan of a chat request; ToolSpecError (a 400) for malformed fields."""
@@ -161,7 +162,7 @@ _FRAMED = (ToolFormat.HERMES, ToolFormat.LLAMA3)
 _frames: dict[tuple[str, str], Frame | None] = {}
 
 
-def _frame(template: ChatTemplate, kw: dict[str, Any]) -> Frame | None:
+def _frame(template: ChatTemplate, kw: dict[str, object]) -> Frame | None:
     """The template's call frame under the request's template variables (cached)."""
     extra = {k: v for k, v in kw.items() if k not in RESERVED}
     if "enable_thinking" in template.variables:
@@ -177,9 +178,9 @@ def _frame(template: ChatTemplate, kw: dict[str, Any]) -> Frame | None:
 # ---- response shapes --------------------------------------------------------------------
 
 
-def message_of(m: Message) -> dict[str, Any]:
+def message_of(m: Message) -> dict[str, object]:
     """The OpenAI ``message``: content null when the answer is only tool calls."""
-    out: dict[str, Any] = {"role": "assistant", "content": m.content}
+    out: dict[str, object] = {"role": "assistant", "content": m.content}
     if m.tool_calls and not m.content:
         out["content"] = None
     if m.reasoning:
@@ -189,11 +190,11 @@ def message_of(m: Message) -> dict[str, Any]:
     return out
 
 
-def deltas_of(d: Delta) -> list[dict[str, Any]]:
+def deltas_of(d: Delta) -> list[dict[str, object]]:
     """A parser delta as OpenAI ``delta`` objects: reasoning and content first, then one per
     call piece (index, id, type and name first; argument fragments after)."""
-    out: list[dict[str, Any]] = []
-    text: dict[str, Any] = {}
+    out: list[dict[str, object]] = []
+    text: dict[str, object] = {}
     if d.reasoning:
         text["reasoning_content"] = d.reasoning
     if d.content:
@@ -201,7 +202,7 @@ def deltas_of(d: Delta) -> list[dict[str, Any]]:
     if text:
         out.append(text)
     for c in d.calls:
-        piece: dict[str, Any] = {"index": c.index}
+        piece: dict[str, object] = {"index": c.index}
         if c.id is not None:
             piece.update(id=c.id, type="function")
             piece["function"] = {"name": c.name, "arguments": c.arguments}

@@ -22,11 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from ..cancel import checkpoint
-from ..chat import ChatTemplate, TemplateError
+from ..chat import ChatMessage, ChatTemplate, TemplateError
 from .families import detect_family
 from .parse import ToolFormat
 from .spec import ToolSpec
@@ -59,7 +60,7 @@ _PROBE_TOOL = {
         "parameters": {"type": "object", "properties": {"probe_arg": {"type": "integer"}}},
     },
 }
-_PROBE: list[dict[str, Any]] = [
+_PROBE: list[ChatMessage] = [
     {"role": "system", "content": "probe system"},
     {"role": "user", "content": "probe user"},
     {
@@ -112,7 +113,25 @@ def _detect(tpl: ChatTemplate) -> TemplateTools:
 # ---- messages ---------------------------------------------------------------------------
 
 
-def _arguments(raw: Any) -> Any:
+class CallFunction(TypedDict):
+    name: str
+    arguments: object  # a JSON value, as the template's ``tojson`` takes it
+
+
+class TemplateCall(TypedDict):
+    """An assistant message's call as templates take it (Hugging Face convention)."""
+
+    id: str
+    type: str
+    function: CallFunction
+
+
+def _text(v: object) -> str:
+    """A string field of a checked message (``ChatRequest``): itself, else ""."""
+    return v if isinstance(v, str) else ""
+
+
+def _arguments(raw: object) -> object:
     """A call's arguments as templates take them: the JSON object OpenAI sends as a string
     (templates ``tojson`` it), or the string itself when it is not JSON."""
     if isinstance(raw, str):
@@ -123,18 +142,20 @@ def _arguments(raw: Any) -> Any:
     return raw
 
 
-def _calls(msg: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": c.get("id") or "",
-            "type": "function",
-            "function": {
-                "name": c.get("function", {}).get("name", ""),
-                "arguments": _arguments(c.get("function", {}).get("arguments", "{}")),
-            },
-        }
-        for c in msg.get("tool_calls") or []
-    ]
+def _calls(msg: ChatMessage) -> list[TemplateCall]:
+    out: list[TemplateCall] = []
+    for c in msg.get("tool_calls") or []:
+        fn = c.get("function")
+        fn = fn if isinstance(fn, Mapping) else {}
+        name, args = _text(fn.get("name")), _arguments(fn.get("arguments", "{}"))
+        out.append(
+            {
+                "id": _text(c.get("id")),
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+        )
+    return out
 
 
 def _mistral_id(call_id: str) -> str:
@@ -147,7 +168,7 @@ def _mistral_id(call_id: str) -> str:
     return "".join(alphabet[(digest >> (6 * i)) % 62] for i in range(9))
 
 
-def _native(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, Any]]:
+def _native(messages: list[ChatMessage], fmt: ToolFormat) -> list[ChatMessage]:
     """Hugging Face convention: assistant ``tool_calls`` with object arguments and string
     content (some templates fail on null), tool messages with ``tool_call_id`` and
     ``name`` (looked up from the call when the client left it out)."""
@@ -156,12 +177,13 @@ def _native(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, A
     out = []
     for m in messages:
         checkpoint()  # the client may have left: stop between messages
-        m = dict(m)
+        m = m.copy()
         if m.get("tool_calls"):
-            m["tool_calls"] = _calls(m)
-            for c in m["tool_calls"]:
+            calls = _calls(m)
+            for c in calls:
                 names[c["id"]] = c["function"]["name"]
                 c["id"] = fix(c["id"])
+            m["tool_calls"] = calls
             m["content"] = m.get("content") or ""
         elif m["role"] == "tool":
             call_id = m.get("tool_call_id") or ""
@@ -172,7 +194,7 @@ def _native(messages: list[dict[str, Any]], fmt: ToolFormat) -> list[dict[str, A
     return out
 
 
-def _call_text(fmt: ToolFormat, calls: list[dict[str, Any]]) -> str:
+def _call_text(fmt: ToolFormat, calls: list[TemplateCall]) -> str:
     """Calls as the model of format ``fmt`` writes them."""
     fns = [(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in calls]
     if fmt is ToolFormat.HERMES:
@@ -188,7 +210,7 @@ def _call_text(fmt: ToolFormat, calls: list[dict[str, Any]]) -> str:
     return json.dumps({"tool_calls": [{"name": n, "arguments": a} for n, a, _ in fns]})
 
 
-def _result(fmt: ToolFormat, m: dict[str, Any], name: str) -> dict[str, Any]:
+def _result(fmt: ToolFormat, m: ChatMessage, name: str) -> ChatMessage:
     """A tool message as the template of format ``fmt`` takes it."""
     content = m.get("content") or ""
     if fmt is ToolFormat.HERMES:
@@ -202,12 +224,12 @@ def _result(fmt: ToolFormat, m: dict[str, Any], name: str) -> dict[str, Any]:
     return {"role": "user", "content": f"{head}:\n{content}"}
 
 
-def _rewritten(fmt: ToolFormat, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _rewritten(fmt: ToolFormat, messages: list[ChatMessage]) -> list[ChatMessage]:
     """The history for a template without tool support: calls as text in the assistant
     turns, tool results as the family's tool turns (user turns for Hermes and generic,
     consecutive ones joined into one so that roles keep alternating)."""
     names: dict[str, str] = {}
-    out: list[dict[str, Any]] = []
+    out: list[ChatMessage] = []
     # the texts that make out[-1]'s content while tool results join into it, joined once
     # when the run ends (joining one by one copies the growing text each time: quadratic)
     run: list[str] = []
@@ -287,7 +309,7 @@ def system_text(fmt: ToolFormat, spec: ToolSpec) -> str:
     )
 
 
-def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+def _with_system(messages: list[ChatMessage], text: str) -> list[ChatMessage]:
     """``text`` appended to the system message (one is added first when there is none)."""
     if messages and messages[0]["role"] == "system":
         first = messages[0]
@@ -300,16 +322,16 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
 class Prepared:
     """What the template renders: messages and extra template variables."""
 
-    messages: list[dict[str, Any]]
-    extra: dict[str, Any]
+    messages: list[ChatMessage]
+    extra: dict[str, object]
     fmt: ToolFormat
 
 
 def prepare(
     tpl: ChatTemplate,
-    messages: list[dict[str, Any]],
+    messages: list[ChatMessage],
     spec: ToolSpec,
-    kwargs: dict[str, Any] | None = None,
+    kwargs: Mapping[str, object] | None = None,
 ) -> Prepared:
     """Messages and variables for ``tpl``: tools and tool history in the template's own way
     (native) or written into the messages (see the module docstring). ``kwargs`` are the

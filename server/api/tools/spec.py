@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from ...constrained.limits import ShapeError, check_schema_shape
 from ...constrained.worker import limits
 from .parse import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+EMPTY_PARAMETERS: dict[str, object] = {"type": "object", "properties": {}}
 
 
 class ToolSpecError(ValueError):
@@ -23,11 +22,11 @@ class ToolSpecError(ValueError):
 class Tool:
     name: str
     description: str
-    parameters: dict[str, Any]
+    parameters: dict[str, object]
 
-    def as_openai(self) -> dict[str, Any]:
+    def as_openai(self) -> dict[str, object]:
         """The Hugging Face / OpenAI form templates take: ``{"type": "function", ...}``."""
-        fn: dict[str, Any] = {"name": self.name}
+        fn: dict[str, object] = {"name": self.name}
         if self.description:
             fn["description"] = self.description
         fn["parameters"] = self.parameters
@@ -54,7 +53,7 @@ class ToolSpec:
         return bool(self.tools) and self.choice in ("required", "function")
 
 
-def _tool(raw: Any, i: int) -> Tool:
+def _tool(raw: object, i: int) -> Tool:
     where = f"tools[{i}]"
     if not isinstance(raw, dict):
         raise ToolSpecError(f"{where} must be an object")
@@ -79,7 +78,7 @@ def _tool(raw: Any, i: int) -> Tool:
     return Tool(name, desc, params)
 
 
-def _choice(raw: Any, names: set[str]) -> tuple[str, str]:
+def _choice(raw: object, names: set[str]) -> tuple[str, str]:
     if raw is None:
         return "auto", ""
     if isinstance(raw, str):
@@ -99,7 +98,7 @@ def _choice(raw: Any, names: set[str]) -> tuple[str, str]:
     return "function", name
 
 
-def tool_spec(tools: Any, tool_choice: Any, parallel: Any) -> ToolSpec:
+def tool_spec(tools: object, tool_choice: object, parallel: object) -> ToolSpec:
     """The checked tool fields; ToolSpecError names the offending field."""
     if tools is None:
         tools = []
@@ -129,7 +128,7 @@ def tool_spec(tools: Any, tool_choice: Any, parallel: Any) -> ToolSpec:
 # ---- forcing a call -------------------------------------------------------------------
 
 
-def _call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
+def _call_schema(tool: Tool, args_key: str) -> dict[str, object]:
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, args_key: tool.parameters},
@@ -138,7 +137,7 @@ def _call_schema(tool: Tool, args_key: str) -> dict[str, Any]:
     }
 
 
-def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+def _one_of(schemas: list[dict[str, object]]) -> dict[str, object]:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
@@ -146,7 +145,7 @@ def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
 class CallConstraint:
     """A JSON schema with the literal text around it: what decoding is held to."""
 
-    schema: dict[str, Any]
+    schema: dict[str, object]
     prefix: str = ""
     suffix: str = ""
 
@@ -160,7 +159,7 @@ def forced_call(spec: ToolSpec, fmt: ToolFormat) -> CallConstraint:
     tools = [t for t in spec.tools if spec.choice != "function" or t.name == spec.forced_name]
     args_key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
     call = _one_of([_call_schema(t, args_key) for t in tools])
-    array: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    array: dict[str, object] = {"type": "array", "items": call, "minItems": 1}
     if not spec.parallel:
         array["maxItems"] = 1
     if fmt is ToolFormat.GENERIC:
