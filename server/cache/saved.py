@@ -29,12 +29,17 @@ into a buffer, the state ``SlotStore.restore`` loads).
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from ..types import Checkpoint, StateBuf
+
+# A file's bytes read into memory of ours: a bytearray, or anonymous memory in huge pages
+# (slot_file.file_buffer), never the file itself mapped.
+FileBuf = bytearray | mmap.mmap
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class InBuffer:
     llama_state_seq_set_data's header from ``state_off``, ending exactly at ``end`` when
     ``exact``, else where llama.cpp stops reading, the appendices after it up to ``end``."""
 
-    buf: bytearray
+    buf: FileBuf
     state_off: int
     end: int
     exact: bool

@@ -190,11 +190,21 @@ async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) ->
     the engine thread."""
     t0 = time.perf_counter()
     tmp = slot_file.temp_for(path)
+    parts: dict[str, float] = {"temp": (time.perf_counter() - t0) * 1e3}
     try:
+        t = time.perf_counter()
         saved = _unwrap(engine, await _run(engine, SaveSlot(sid, str(tmp), who)))
+        parts["state"] = (time.perf_counter() - t) * 1e3
         s = saved.state  # its extras go into the appendices
         written = await asyncio.to_thread(
-            slot_file.finish_file, tmp, path, s.checkpoints, s.data_dft, s.kv_types, saved.owner
+            slot_file.finish_file,
+            tmp,
+            path,
+            s.checkpoints,
+            s.data_dft,
+            s.kv_types,
+            saved.owner,
+            parts,
         )
     finally:
         tmp.unlink(missing_ok=True)
@@ -204,7 +214,7 @@ async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) ->
         "filename": name,
         "n_saved": saved.n_saved,
         "n_written": written,
-        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3, "save_parts_ms": parts},
     }
 
 
@@ -219,16 +229,23 @@ async def _restore(
     parsed = await asyncio.to_thread(
         slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
     )
+    parts = {"read": (time.perf_counter() - t0) * 1e3}
     refusal = who.file_refusal(parsed, name)
     if refusal is not None:
         raise APIError(refusal.status, refusal.message)
     keep = engine.checkpoints_per_slot
+    t = time.perf_counter()
     plan = await asyncio.to_thread(plan_restore, b, parsed, keep)
+    parts["proof"] = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
     loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
+    parts["load"] = (time.perf_counter() - t) * 1e3
     if isinstance(loaded, StateLoaded):  # the state alone: its appendices start where it ended
+        t = time.perf_counter()
         pos = parsed.state_off + loaded.consumed
         app = await asyncio.to_thread(parse_after_state, parsed, pos, keep)
         loaded = await _run(engine, AttachAppendices(sid, list(parsed.tokens), app, who))
+        parts["appendices"] = (time.perf_counter() - t) * 1e3
     got = _unwrap(engine, loaded)
     for w in got.warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)
@@ -238,7 +255,7 @@ async def _restore(
         "filename": name,
         "n_restored": got.n_restored,
         "n_read": parsed.n_read,
-        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3, "restore_parts_ms": parts},
     }
     if got.warnings:
         out["warnings"] = got.warnings

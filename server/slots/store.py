@@ -24,7 +24,7 @@ from ..cache.saved import Extras, InBuffer, InFile, InSlot, OnDisk, SavedState
 from ..types import Checkpoint, StateBuf, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
-from .checkpoints import CheckpointPolicy
+from .checkpoints import CheckpointPolicy, file_checkpoints
 from .draft_kv import DraftKV, DraftMemory
 from .policy import window_intact
 from .reuse import ReuseChunk
@@ -275,16 +275,20 @@ class SlotStore:
 
     def save_file(self, slot: Slot, path: str) -> SavedState | None:
         """llama.cpp writes the slot's state file body straight from the KV cache to
-        ``path``; returns the saved state (``InFile``) with what its appendices hold, or
-        None when llama.cpp could not write."""
+        ``path``; returns the saved state (``InFile``) with what its appendices hold (of the
+        checkpoints, those a file carries: ``file_checkpoints``), or None when llama.cpp
+        could not write."""
         if self.b.state_save_file(path, slot.id, slot.tokens) == 0:
             return None
         draft = self.dft.state(slot) if self.dft is not None else b""
+        ckpts = file_checkpoints(
+            slot.checkpoints, len(slot.tokens), self.b.n_swa, self.b.is_recurrent
+        )
         return SavedState(
             list(slot.tokens),
             InFile(path),
             draft,
-            list(slot.checkpoints),
+            ckpts,
             tenant=slot.tenant,
             kv_types=self.kv_types,
         )
