@@ -29,7 +29,8 @@ from ..slots.commands import (
     StateLoaded,
 )
 from ..slots.engine import Engine, EngineDead
-from ..slots.file_plan import parse_after_state, plan_restore
+from ..slots.file_plan import RestorePlan, parse_after_state, plan_restore
+from ..slots.model_api import ModelBackend
 from ..slots.slot import Slot
 from .common import generation_settings, state_of
 
@@ -194,7 +195,9 @@ async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) ->
     try:
         t = time.perf_counter()
         saved = _unwrap(engine, await _run(engine, SaveSlot(sid, str(tmp), who)))
-        parts["state"] = (time.perf_counter() - t) * 1e3
+        # llama.cpp's copy of the state and write of the body, and the wait for the engine
+        parts["state"] = saved.state_ms
+        parts["engine_wait"] = (time.perf_counter() - t) * 1e3 - saved.state_ms
         s = saved.state  # its extras go into the appendices
         written = await asyncio.to_thread(
             slot_file.finish_file,
@@ -218,6 +221,30 @@ async def _save(engine: Engine, sid: int, path: Path, name: str, who: Caller) ->
     }
 
 
+def _read_and_plan(
+    b: ModelBackend,
+    path: Path,
+    n_ctx: int,
+    sid: int,
+    who: Caller,
+    name: str,
+    keep: int,
+    parts: dict[str, float],
+) -> tuple[slot_file.ParsedFile, RestorePlan]:
+    """Read the file, check its tenant, prove its state and parse its appendices, in one
+    trip to a worker thread; ``parts`` gets the read's and the proof's milliseconds."""
+    t0 = time.perf_counter()
+    parsed = slot_file.read_file(path, n_ctx, b.n_vocab, sid, b.state_file_version)
+    t1 = time.perf_counter()
+    parts["read"] = (t1 - t0) * 1e3
+    refusal = who.file_refusal(parsed, name)
+    if refusal is not None:
+        raise APIError(refusal.status, refusal.message)
+    plan = plan_restore(b, parsed, keep)
+    parts["proof"] = (time.perf_counter() - t1) * 1e3
+    return parsed, plan
+
+
 async def _restore(
     st: ServerState, engine: Engine, sid: int, path: Path, name: str, who: Caller
 ) -> dict[str, object]:
@@ -226,17 +253,11 @@ async def _restore(
     AttachAppendices when the state's end was known only once loaded)."""
     t0 = time.perf_counter()
     b = st.require_backend()
-    parsed = await asyncio.to_thread(
-        slot_file.read_file, path, engine.slots[sid].n_ctx, b.n_vocab, sid, b.state_file_version
-    )
-    parts = {"read": (time.perf_counter() - t0) * 1e3}
-    refusal = who.file_refusal(parsed, name)
-    if refusal is not None:
-        raise APIError(refusal.status, refusal.message)
     keep = engine.checkpoints_per_slot
-    t = time.perf_counter()
-    plan = await asyncio.to_thread(plan_restore, b, parsed, keep)
-    parts["proof"] = (time.perf_counter() - t) * 1e3
+    parts: dict[str, float] = {}
+    parsed, plan = await asyncio.to_thread(
+        _read_and_plan, b, path, engine.slots[sid].n_ctx, sid, who, name, keep, parts
+    )
     t = time.perf_counter()
     loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
     parts["load"] = (time.perf_counter() - t) * 1e3
