@@ -46,12 +46,16 @@ FileBuf = bytearray | mmap.mmap
 class InBuffer:
     """A file's bytes read into ``buf`` (ours, private): the state with
     llama_state_seq_set_data's header from ``state_off``, ending exactly at ``end`` when
-    ``exact``, else where llama.cpp stops reading, the appendices after it up to ``end``."""
+    ``exact``, else where llama.cpp stops reading, the appendices after it up to ``end``;
+    ``proven``: see below."""
 
     buf: FileBuf
     state_off: int
     end: int
     exact: bool
+    # its cells were proven already, in this buffer (file_plan.plan_restore, off the engine
+    # thread): the buffer is ours, so SlotStore.restore does not prove them again
+    proven: bool = False
 
     def __len__(self) -> int:
         return self.end - self.state_off

@@ -195,9 +195,9 @@ class RestoreSlot:
         refusal = self.caller.slot_refusal(s, "restore into")
         if refusal is not None:
             return refusal
-        # the plan proved these bytes off this thread; the store proves them again here,
-        # where they are loaded: the buffer is private, but the file was another's to change
-        # the restoring request's tenant (under isolation: the file's)
+        # the plan proved these bytes off this thread, in the private buffer the store loads
+        # (InBuffer.proven: not proven twice); the restoring request's tenant (under
+        # isolation: the file's)
         state = saved_state(self.parsed, self.plan, self.caller.tenant)
         got = host.store.restore(s, state, trusted=False)
         if not got.ok:

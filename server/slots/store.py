@@ -329,8 +329,8 @@ class SlotStore:
         return Restored(self._extras(slot, state, trusted), consumed)
 
     def _load(self, slot: Slot, state: SavedState, trusted: bool) -> int:
-        """Clear the slot and load the target state alone (proven first unless
-        ``trusted``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
+        """Clear the slot and load the target state alone (proven first unless ``trusted``
+        or proven already in its buffer: ``InBuffer.proven``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
         0 when refused (the slot is then empty)."""
         where, n = state.data, len(state.tokens)
         if isinstance(where, (InSlot, InFile, OnDisk)):
@@ -338,6 +338,7 @@ class SlotStore:
         region, data, nbytes = None, where, None
         if isinstance(where, InBuffer):
             size, whole = where.end - where.state_off, where.exact
+            trusted = trusted or where.proven  # proven in this private buffer already
             region = (ctypes.c_uint8 * size).from_buffer(where.buf, where.state_off)
             data, nbytes = region, size
         else:

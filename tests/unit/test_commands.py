@@ -4,6 +4,7 @@ busy slot wait for it, tenancy refusals and failures are values, never exception
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -232,10 +233,18 @@ def test_failures_are_typed_results(alive, tmp_path, monkeypatch):
     plan = plan_restore(b, parsed)
     good = bytes(parsed.buf)
     parsed.buf[parsed.state_off + 9 : parsed.state_off + 13] = b"\xff\xff\x00\x00"  # n cells
-    assert do(e, RestoreSlot(1, parsed, plan, ANYONE)) == Failed(REFUSED_STATE)
+    with pytest.raises(sf.SlotFileError):  # proven off the engine thread: refused there
+        plan_restore(b, parsed)
+    # a plan that proved nothing (a layout it cannot read) leaves the proof to the store
+    unproven = dataclasses.replace(plan, known=False, appendices=None)
+    assert do(e, RestoreSlot(1, parsed, unproven, ANYONE)) == Failed(REFUSED_STATE)
     assert e.slots[1].tokens == [] and b.kv[1] == {}  # a refused state leaves the slot empty
     parsed.buf[:] = good
+    proofs = []
+    real = e.store._state_problem
+    monkeypatch.setattr(e.store, "_state_problem", lambda *a: proofs.append(1) or real(*a))
     assert do(e, RestoreSlot(1, parsed, plan, ANYONE)) == SlotRestored(100, [])
+    assert proofs == []  # proven once, by the plan, in the buffer the store loads
     # the file's KV types contradict the state's (proven ours): cleared, refused
     monkeypatch.setattr(b, "kv_type_ids", (1, 1), raising=False)
     app = SavedState([], InSlot(), kv_types=(8, 8))  # a file's extras alone
