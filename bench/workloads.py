@@ -446,9 +446,33 @@ async def w5_slot_save_restore(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample
             "save_ms_server": (save.get("timings") or {}).get("save_ms"),
             "restore_ms_server": (restore.get("timings") or {}).get("restore_ms"),
             "file_mib": size_mb,
+            **_parts("save", save),
+            **_parts("restore", restore),
         },
         info={"n_saved": save.get("n_saved"), "n_restored": restore.get("n_restored")},
     )
+
+
+# the parts of a save and a restore that ours reports (timings.save_parts_ms /
+# restore_parts_ms); llama-server reports none (n/a)
+_W5_PARTS = {
+    "save": {
+        "state": "llama.cpp copies the state, writes the body",
+        "appendices": "checkpoint appendix written",
+        "sync": "fdatasync",
+        "rename": "rename + directory fsync",
+    },
+    "restore": {
+        "read": "file read",
+        "proof": "cells proven, appendices parsed",
+        "load": "engine loads the state",
+    },
+}
+
+
+def _parts(action: str, body: Any) -> dict[str, float | None]:
+    got = (body.get("timings") or {}).get(f"{action}_parts_ms") or {}
+    return {f"{action}_{k}_ms": got.get(k) for k in _W5_PARTS[action]}
 
 
 W5 = Workload(
@@ -463,6 +487,11 @@ W5 = Workload(
             "restore_ms_server", "restore (server timings.restore_ms)", "ms", False, chart=False
         ),
         Metric("file_mib", "file size", "MiB", False, chart=False),
+        *(
+            Metric(f"{a}_{k}_ms", f"{a}: {label}", "ms", False, chart=False)
+            for a, parts in _W5_PARTS.items()
+            for k, label in parts.items()
+        ),
     ),
     w5_slot_save_restore,
 )

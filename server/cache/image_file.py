@@ -20,6 +20,7 @@ like any other (same identity, same placeholders).
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def encode(tokens: Sequence[int], key: bytes | None) -> bytes:
     return body + TAIL.pack(len(body) + TAIL.size, SIMG_MAGIC)
 
 
-def find(buf: bytes | bytearray | memoryview, end: int, body: int) -> ImageBlock | None:
+def find(buf: bytes | bytearray | memoryview | mmap.mmap, end: int, body: int) -> ImageBlock | None:
     """The SIMG block ending at ``end`` in ``buf`` (None when there is none); nothing
     before ``body`` (the header, tokens and the state's 8-byte header) may be part of it.
     Raises ImageFileError for a block that does not hold together."""

@@ -29,6 +29,7 @@ into a buffer, the state ``SlotStore.restore`` loads).
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,17 +37,25 @@ from enum import Enum
 
 from ..types import Checkpoint, StateBuf
 
+# A file's bytes read into memory of ours: a bytearray, or anonymous memory in huge pages
+# (slot_file.file_buffer), never the file itself mapped.
+FileBuf = bytearray | mmap.mmap
+
 
 @dataclass(frozen=True)
 class InBuffer:
     """A file's bytes read into ``buf`` (ours, private): the state with
     llama_state_seq_set_data's header from ``state_off``, ending exactly at ``end`` when
-    ``exact``, else where llama.cpp stops reading, the appendices after it up to ``end``."""
+    ``exact``, else where llama.cpp stops reading, the appendices after it up to ``end``;
+    ``proven``: see below."""
 
-    buf: bytearray
+    buf: FileBuf
     state_off: int
     end: int
     exact: bool
+    # its cells were proven already, in this buffer (file_plan.plan_restore, off the engine
+    # thread): the buffer is ours, so SlotStore.restore does not prove them again
+    proven: bool = False
 
     def __len__(self) -> int:
         return self.end - self.state_off

@@ -5,6 +5,7 @@ thread only, except ``state_cells``."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import llama_cpp as L
 
@@ -86,7 +87,7 @@ class SeqMemory:
         return int(L.llama_state_seq_set_data_ext(self.ctx, ptr, size, seq, flags))
 
     def state_cells(
-        self, data: StateBuf | bytes, nbytes: int, start: int = 0
+        self, data: StateBuf | bytes | mmap.mmap, nbytes: int, start: int = 0
     ) -> tuple[list[CacheCells], int] | None:
         """The cells a one-sequence state's bytes (from ``start``) describe, read without
         loading them, and the offset where the state ends; None when this memory's format is

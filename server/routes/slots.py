@@ -26,10 +26,12 @@ from ..slots.commands import (
     Refused,
     RestoreSlot,
     SaveSlot,
+    SlotSaved,
     StateLoaded,
 )
 from ..slots.engine import Engine, EngineDead
-from ..slots.file_plan import parse_after_state, plan_restore
+from ..slots.file_plan import RestorePlan, parse_after_state, plan_restore
+from ..slots.model_api import ModelBackend
 from ..slots.slot import Slot
 from .common import generation_settings, state_of
 
@@ -192,20 +194,14 @@ async def _save(
     the engine thread."""
     t0 = time.perf_counter()
     tmp = slot_file.temp_for(path)
+    parts: dict[str, float] = {"temp": (time.perf_counter() - t0) * 1e3}
     try:
+        t = time.perf_counter()
         saved = _unwrap(engine, await _run(engine, SaveSlot(sid, str(tmp), who)))
-        s = saved.state  # its extras go into the appendices, its images into SIMG
-        images = await asyncio.to_thread(slot_file.image_block, s.tokens, key)
-        written = await asyncio.to_thread(
-            slot_file.finish_file,
-            tmp,
-            path,
-            s.checkpoints,
-            s.data_dft,
-            s.kv_types,
-            saved.owner,
-            images,
-        )
+        # llama.cpp's copy of the state and write of the body, and the wait for the engine
+        parts["state"] = saved.state_ms
+        parts["engine_wait"] = (time.perf_counter() - t) * 1e3 - saved.state_ms
+        written = await asyncio.to_thread(_finish, tmp, path, saved, key, parts)
     finally:
         tmp.unlink(missing_ok=True)
     _record(engine, saves=1, bytes_written=written)
@@ -214,13 +210,50 @@ async def _save(
         "filename": name,
         "n_saved": saved.n_saved,
         "n_written": written,
-        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3, "save_parts_ms": parts},
     }
+
+
+def _finish(
+    tmp: Path, path: Path, saved: SlotSaved, key: bytes | None, parts: dict[str, float]
+) -> int:
+    """The saved state's extras as appendices, its images as the SIMG block, then fsync
+    and rename (slot_file.finish_file), in one worker trip; the file's size."""
+    s = saved.state
+    images = slot_file.image_block(s.tokens, key)
+    return slot_file.finish_file(
+        tmp, path, s.checkpoints, s.data_dft, s.kv_types, saved.owner, images, parts
+    )
 
 
 def projector_key(st: ServerState) -> bytes | None:
     """The loaded projector's key (--mmproj), which a slot file's images must name."""
     return st.projector.key if st.projector is not None else None
+
+
+def _read_and_plan(
+    b: ModelBackend,
+    path: Path,
+    n_ctx: int,
+    sid: int,
+    who: Caller,
+    name: str,
+    keep: int,
+    projector: bytes | None,
+    parts: dict[str, float],
+) -> tuple[slot_file.ParsedFile, RestorePlan]:
+    """Read the file, check its tenant, prove its state and parse its appendices, in one
+    trip to a worker thread; ``parts`` gets the read's and the proof's milliseconds."""
+    t0 = time.perf_counter()
+    parsed = slot_file.read_file(path, n_ctx, b.n_vocab, sid, b.state_file_version, projector)
+    t1 = time.perf_counter()
+    parts["read"] = (t1 - t0) * 1e3
+    refusal = who.file_refusal(parsed, name)
+    if refusal is not None:
+        raise APIError(refusal.status, refusal.message)
+    plan = plan_restore(b, parsed, keep)
+    parts["proof"] = (time.perf_counter() - t1) * 1e3
+    return parsed, plan
 
 
 async def _restore(
@@ -231,25 +264,29 @@ async def _restore(
     AttachAppendices when the state's end was known only once loaded)."""
     t0 = time.perf_counter()
     b = st.require_backend()
-    parsed = await asyncio.to_thread(
-        slot_file.read_file,
+    keep = engine.checkpoints_per_slot
+    parts: dict[str, float] = {}
+    parsed, plan = await asyncio.to_thread(
+        _read_and_plan,
+        b,
         path,
         engine.slots[sid].n_ctx,
-        b.n_vocab,
         sid,
-        b.state_file_version,
+        who,
+        name,
+        keep,
         projector_key(st),
+        parts,
     )
-    refusal = who.file_refusal(parsed, name)
-    if refusal is not None:
-        raise APIError(refusal.status, refusal.message)
-    keep = engine.checkpoints_per_slot
-    plan = await asyncio.to_thread(plan_restore, b, parsed, keep)
+    t = time.perf_counter()
     loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
+    parts["load"] = (time.perf_counter() - t) * 1e3
     if isinstance(loaded, StateLoaded):  # the state alone: its appendices start where it ended
+        t = time.perf_counter()
         pos = parsed.state_off + loaded.consumed
         app = await asyncio.to_thread(parse_after_state, parsed, pos, keep)
         loaded = await _run(engine, AttachAppendices(sid, list(parsed.tokens), app, who))
+        parts["appendices"] = (time.perf_counter() - t) * 1e3
     got = _unwrap(engine, loaded)
     for w in got.warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)
@@ -259,7 +296,7 @@ async def _restore(
         "filename": name,
         "n_restored": got.n_restored,
         "n_read": parsed.n_read,
-        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3, "restore_parts_ms": parts},
     }
     if got.warnings:
         out["warnings"] = got.warnings

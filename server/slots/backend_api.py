@@ -9,6 +9,7 @@ against it, statically (``server.http.app``'s ``_conforms``, the type checker of
 
 from __future__ import annotations
 
+import mmap
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
@@ -55,7 +56,7 @@ class SeqMemory(Protocol):
         self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
     ) -> int: ...
     def state_cells(
-        self, data: StateBuf | bytes, nbytes: int, start: int = 0
+        self, data: StateBuf | bytes | mmap.mmap, nbytes: int, start: int = 0
     ) -> tuple[list[CacheCells], int] | None:
         """Reads ``data`` only: any buffer of state bytes (a file's, a cache entry's)."""
         ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..types import Checkpoint
+from .policy import window_intact
 
 # Why snapshots keep every checkpoint: llama.cpp writes a sequence's sliding-window cells only
 # where they are not masked for its last position (llama_kv_cache::state_write), so a state
@@ -87,3 +88,30 @@ class CheckpointPolicy:
             have.pop(0)
         have.append(c)
         have.sort(key=lambda x: x.n_tokens)
+
+
+def file_checkpoints(
+    have: list[Checkpoint], n_tokens: int, n_swa: int, recurrent: bool = False
+) -> list[Checkpoint]:
+    """The checkpoints a slot file carries (DESIGN §8): at most one, each costing a window of
+    state (7.5 MiB for Gemma 3 270M, as much as a third of a 4,000-token slot's state).
+
+    A state saved at length ``n_tokens`` holds positions >= n_tokens - n_swa (see the top of
+    this module; a recurrent state only its latest), so a restored slot serves a cut further
+    back only from a checkpoint at or before it. The two cuts that follow a restore are the
+    next turn (it extends the prompt and diverges in the answer: a cut at or after the
+    prompt's end) and a regenerated answer (the same prompt: a cut one token before its
+    end). One checkpoint serves both: the oldest of those within SHORT_TAIL tokens of the
+    newest, which is the one 4 tokens before the prompt's end (CheckpointPolicy's marks),
+    not the prompt-end one, which would save the next turn only those 4 tokens of recompute.
+    Older ones (an edited earlier message) are not carried: each costs another window for
+    a cut a restored conversation rarely takes. None when the state itself serves that cut
+    (a state within one window)."""
+    usable = [c for c in have if 0 < c.n_tokens < n_tokens]
+    if not usable:
+        return []
+    newest = usable[-1].n_tokens
+    keep = next(c for c in usable if newest - c.n_tokens <= SHORT_TAIL)
+    if not recurrent and window_intact(max(0, n_tokens - n_swa), keep.n_tokens, n_swa):
+        return []
+    return [keep]

@@ -127,11 +127,13 @@ class Caller:
 class SlotSaved:
     """The body is written to the temporary file; ``state``'s extras (checkpoints, draft
     state, KV types) and ``owner`` (the tenant the file records: None for a private tenant,
-    never persisted) are for ``slot_file.finish_file`` to append, off the engine thread."""
+    never persisted) are for ``slot_file.finish_file`` to append, off the engine thread;
+    ``state_ms``: how long llama.cpp took to copy the state and write the body."""
 
     n_saved: int
     state: SavedState
     owner: str | None
+    state_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -149,10 +151,12 @@ class SaveSlot:
         if refusal is not None:
             return refusal
         owner = s.tenant if s.tokens else self.caller.tenant
+        t0 = time.perf_counter()
         state = host.store.save_file(s, self.tmp)
         if state is None:
             return Failed("llama.cpp could not write the slot state", 500)
-        return SlotSaved(len(s.tokens), state, owner if tenancy.persistable(owner) else None)
+        ms = (time.perf_counter() - t0) * 1e3
+        return SlotSaved(len(s.tokens), state, owner if tenancy.persistable(owner) else None, ms)
 
 
 @dataclass(frozen=True)
@@ -191,9 +195,9 @@ class RestoreSlot:
         refusal = self.caller.slot_refusal(s, "restore into")
         if refusal is not None:
             return refusal
-        # the plan proved these bytes off this thread; the store proves them again here,
-        # where they are loaded: the buffer is private, but the file was another's to change
-        # the restoring request's tenant (under isolation: the file's)
+        # the plan proved these bytes off this thread, in the private buffer the store loads
+        # (InBuffer.proven: not proven twice); the restoring request's tenant (under
+        # isolation: the file's)
         state = saved_state(self.parsed, self.plan, self.caller.tenant)
         got = host.store.restore(s, state, trusted=False)
         if not got.ok:

@@ -93,6 +93,10 @@ class Engine:
         # plain callable, called on this thread at the flush)
         self._outbox: list[tuple[EventSink | None, Delivery]] = []
         self._wake = threading.Event()
+        # ops (commands) put in the inbox and not drained yet: an inbox of ops alone is not
+        # coalesced (they have no decode to share)
+        self._ops_queued = 0
+        self._ops_lock = threading.Lock()
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -190,6 +194,8 @@ class Engine:
         if not self.alive:
             raise EngineDead("the engine is not running")
         op = _Op(fn, slot, Future())
+        with self._ops_lock:  # before the put: the drain counts it down
+            self._ops_queued += 1
         self._inbox.put(op)
         self._wake.set()
         return op.future
@@ -226,9 +232,10 @@ class Engine:
     def _coalesce(self) -> None:
         """Woken from idle: requests sent together reach the queue a few ms apart (each is
         parsed and tokenized on the event loop). Wait while they keep coming (a few slices of
-        ``coalesce_ms`` at most) so they share the first decode instead of trailing it."""
-        if self.opts.coalesce_ms <= 0 or self._inbox.empty():
-            return
+        ``coalesce_ms`` at most) so they share the first decode instead of trailing it.
+        Commands alone (a slot save or restore) have no decode to share: they run at once."""
+        if self.opts.coalesce_ms <= 0 or self._inbox.qsize() <= self._ops_queued:
+            return  # nothing, or commands alone
         seen = self._inbox.qsize()
         for _ in range(4):
             time.sleep(self.opts.coalesce_ms / 1e3)
@@ -251,6 +258,8 @@ class Engine:
             if item is None:
                 continue
             if isinstance(item, _Op):
+                with self._ops_lock:
+                    self._ops_queued -= 1
                 self._ops.append(item)
             elif isinstance(item, EmbedTask):
                 self.embed.waiting.append(item)

@@ -70,7 +70,8 @@ def saved_state(parsed: slot_file.ParsedFile, plan: RestorePlan, tenant: str) ->
     known; its appendices given when the plan parsed them, else left for later (the state
     is loaded alone, its appendices parsed off the engine thread from where it ended and
     given in a second restore, of the state ``InSlot``). Any thread."""
-    where = InBuffer(parsed.buf, parsed.state_off, plan.state_end, exact=plan.known)
+    # a known layout's cells were proven by plan_restore, in this same private buffer
+    where = InBuffer(parsed.buf, parsed.state_off, plan.state_end, plan.known, plan.known)
     state = SavedState(list(parsed.tokens), where, tenant=tenant, extras=Extras.LATER)
     if plan.appendices is not None:
         slot_file.give_appendices(state, plan.appendices)

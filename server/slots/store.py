@@ -24,7 +24,7 @@ from ..cache.saved import Extras, InBuffer, InFile, InSlot, OnDisk, SavedState
 from ..types import Checkpoint, StateBuf, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
-from .checkpoints import CheckpointPolicy
+from .checkpoints import CheckpointPolicy, file_checkpoints
 from .draft_kv import DraftKV, DraftMemory
 from .policy import window_intact
 from .reuse import ReuseChunk
@@ -275,16 +275,20 @@ class SlotStore:
 
     def save_file(self, slot: Slot, path: str) -> SavedState | None:
         """llama.cpp writes the slot's state file body straight from the KV cache to
-        ``path``; returns the saved state (``InFile``) with what its appendices hold, or
-        None when llama.cpp could not write."""
+        ``path``; returns the saved state (``InFile``) with what its appendices hold (of the
+        checkpoints, those a file carries: ``file_checkpoints``), or None when llama.cpp
+        could not write."""
         if self.b.state_save_file(path, slot.id, slot.tokens) == 0:
             return None
         draft = self.dft.state(slot) if self.dft is not None else b""
+        ckpts = file_checkpoints(
+            slot.checkpoints, len(slot.tokens), self.b.n_swa, self.b.is_recurrent
+        )
         return SavedState(
             list(slot.tokens),
             InFile(path),
             draft,
-            list(slot.checkpoints),
+            ckpts,
             tenant=slot.tenant,
             kv_types=self.kv_types,
         )
@@ -325,8 +329,8 @@ class SlotStore:
         return Restored(self._extras(slot, state, trusted), consumed)
 
     def _load(self, slot: Slot, state: SavedState, trusted: bool) -> int:
-        """Clear the slot and load the target state alone (proven first unless
-        ``trusted``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
+        """Clear the slot and load the target state alone (proven first unless ``trusted``
+        or proven already in its buffer: ``InBuffer.proven``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
         0 when refused (the slot is then empty)."""
         where, n = state.data, len(state.tokens)
         if isinstance(where, (InSlot, InFile, OnDisk)):
@@ -334,6 +338,7 @@ class SlotStore:
         region, data, nbytes = None, where, None
         if isinstance(where, InBuffer):
             size, whole = where.end - where.state_off, where.exact
+            trusted = trusted or where.proven  # proven in this private buffer already
             region = (ctypes.c_uint8 * size).from_buffer(where.buf, where.state_off)
             data, nbytes = region, size
         else:

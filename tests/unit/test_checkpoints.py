@@ -1,6 +1,6 @@
 """Context checkpoints on a sliding-window model, against the fake backend."""
 
-from server.slots.checkpoints import CheckpointPolicy
+from server.slots.checkpoints import CheckpointPolicy, file_checkpoints
 from server.types import Checkpoint
 
 from .helpers import make_engine, run, task
@@ -197,3 +197,32 @@ def test_insert_collapses_checkpoints_closer_than_near():
         p.insert(have, Checkpoint(n, 0, n - 1, bytearray(b"x")))
     # 600 and 601 fell within 4 tokens below 602; 596 is exactly 4 below 600 and stays
     assert [x.n_tokens for x in have] == [100, 596, 602]
+
+
+def _ck(n: int) -> Checkpoint:
+    return Checkpoint(n, max(0, n - 512), n - 1, bytearray(b"x"))
+
+
+def test_a_slot_file_carries_the_one_checkpoint_a_restore_needs():
+    # a 4,051-token slot (Gemma 3's window 512): the checkpoints the policy took at the
+    # user message, 4 + n_ubatch before the prompt's end, 4 before it, and at its end
+    have = [_ck(n) for n in (1000, 3535, 4047, 4051)]
+    # the 4 before the end serves both a regenerated answer (a cut at 4050) and the next
+    # turn (a cut at or past 4051, 4 more tokens to compute); the older ones are dropped
+    assert [c.n_tokens for c in file_checkpoints(have, 4060, 512)] == [4047]
+    # none at or past the state's length: the state itself serves a cut there
+    assert [c.n_tokens for c in file_checkpoints(have, 4051, 512)] == [4047]
+    assert file_checkpoints([_ck(4051)], 4051, 512) == []
+    # a newest more than SHORT_TAIL tokens past the one before it is carried itself
+    assert [c.n_tokens for c in file_checkpoints([_ck(3000), _ck(4047)], 4060, 512)] == [4047]
+
+
+def test_a_slot_file_carries_no_checkpoint_its_state_covers():
+    # a state within one window holds every position: any cut is served without one
+    assert file_checkpoints([_ck(100), _ck(300)], 400, 512) == []
+    # one token short of the state's end is served by the state's own window
+    assert file_checkpoints([_ck(999)], 1000, 512) == []
+    assert file_checkpoints([], 1000, 512) == []
+    # no window, no cut needs one; a recurrent state holds only its latest
+    assert file_checkpoints([_ck(300)], 400, 0) == []
+    assert [c.n_tokens for c in file_checkpoints([_ck(300)], 400, 0, recurrent=True)] == [300]

@@ -81,3 +81,21 @@ def test_tasks_that_arrive_while_it_waits_share_the_first_decode(monkeypatch):
     e.step()
     assert clock.slices == [0.002] * 3
     assert len(b.decodes) == 1 and len({s for s, _, _ in b.decodes[0]}) == 4
+
+
+def test_commands_alone_are_not_coalesced(monkeypatch):
+    """A slot save or restore woken from idle has no decode to share: no slice is slept
+    for it; a task beside it is coalesced as before."""
+    e, _ = make_engine()
+    clock = Arrivals(e, [])
+    fake_time = SimpleNamespace(sleep=clock.sleep, perf_counter=time.perf_counter)
+    monkeypatch.setattr(engine_mod, "time", fake_time)
+    monkeypatch.setattr(engine_mod.Engine, "alive", property(lambda self: True))
+    e.call(lambda engine: None)
+    e._coalesce()
+    assert clock.slices == []
+    e._inbox.put(task([1])[0])
+    e._coalesce()
+    assert clock.slices == [0.002]
+    e._drain_inbox()
+    assert e._ops_queued == 0 and len(e._ops) == 1

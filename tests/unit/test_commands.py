@@ -4,6 +4,7 @@ busy slot wait for it, tenancy refusals and failures are values, never exception
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,10 @@ def test_save_then_restore_gives_the_same_tokens_state_and_checkpoints(alive, tm
     e, b = engine_of(known)
     fill(e, 0, tenant=A)
     e.store.take_checkpoint(e.slots[0])
+    fill(e, 0, PROMPT + list(range(200, 210)), tenant=A)  # the slot grows past the checkpoint
     src = e.slots[0]
-    tokens, kv, ckpts = list(src.tokens), dict(b.kv[0]), [c.n_tokens for c in src.checkpoints]
-    assert ckpts and len(tokens) == 100
+    tokens, kv = list(src.tokens), dict(b.kv[0])
+    assert 100 in [c.n_tokens for c in src.checkpoints] and len(tokens) == 110
     path = save(e, tmp_path, 0, Caller(A, isolated=True))
     parsed = read(e, b, path, 1)
     assert parsed.tenant == A  # the slot's tenant, recorded in the file
@@ -116,12 +118,14 @@ def test_save_then_restore_gives_the_same_tokens_state_and_checkpoints(alive, tm
         assert isinstance(got, StateLoaded) and e.slots[1].checkpoints == []
         app = parse_after_state(parsed, parsed.state_off + got.consumed, None)
         got = do(e, AttachAppendices(1, list(parsed.tokens), app, Caller(A, isolated=True)))
-    assert got == SlotRestored(100, [])
+    assert got == SlotRestored(110, [])
     dst = e.slots[1]
     # a state holds the last window's cells (n_swa 16), as llama.cpp writes it
-    assert dst.tokens == tokens and b.kv[1] == {p: t for p, t in kv.items() if p >= 84}
+    assert dst.tokens == tokens and b.kv[1] == {p: t for p, t in kv.items() if p >= 94}
     assert dst.tenant == A
-    assert [c.n_tokens for c in dst.checkpoints] == ckpts
+    # the file carries one checkpoint (checkpoints.file_checkpoints): the oldest within
+    # SHORT_TAIL tokens of the newest below the state's length, which the state cannot serve
+    assert [c.n_tokens for c in dst.checkpoints] == [100]
     assert dst.last_used > src.last_used  # the restored slot is the most recently used
     assert do(e, CheckIntegrity()) == IntegrityReport([])
 
@@ -229,10 +233,18 @@ def test_failures_are_typed_results(alive, tmp_path, monkeypatch):
     plan = plan_restore(b, parsed)
     good = bytes(parsed.buf)
     parsed.buf[parsed.state_off + 9 : parsed.state_off + 13] = b"\xff\xff\x00\x00"  # n cells
-    assert do(e, RestoreSlot(1, parsed, plan, ANYONE)) == Failed(REFUSED_STATE)
+    with pytest.raises(sf.SlotFileError):  # proven off the engine thread: refused there
+        plan_restore(b, parsed)
+    # a plan that proved nothing (a layout it cannot read) leaves the proof to the store
+    unproven = dataclasses.replace(plan, known=False, appendices=None)
+    assert do(e, RestoreSlot(1, parsed, unproven, ANYONE)) == Failed(REFUSED_STATE)
     assert e.slots[1].tokens == [] and b.kv[1] == {}  # a refused state leaves the slot empty
     parsed.buf[:] = good
+    proofs = []
+    real = e.store._state_problem
+    monkeypatch.setattr(e.store, "_state_problem", lambda *a: proofs.append(1) or real(*a))
     assert do(e, RestoreSlot(1, parsed, plan, ANYONE)) == SlotRestored(100, [])
+    assert proofs == []  # proven once, by the plan, in the buffer the store loads
     # the file's KV types contradict the state's (proven ours): cleared, refused
     monkeypatch.setattr(b, "kv_type_ids", (1, 1), raising=False)
     app = SavedState([], InSlot(), kv_types=(8, 8))  # a file's extras alone

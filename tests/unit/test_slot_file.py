@@ -208,3 +208,33 @@ def test_pread_into_fills_the_buffer_and_reports_short_files(tmp_path):
     assert bytes(buf) == bytes(range(256)) * 3
     with open(path, "rb") as f:
         assert sf.pread_into(f.fileno(), bytearray(1000)) == 768
+
+
+def test_a_large_file_is_read_into_private_huge_page_memory(tmp_path):
+    """From HUGE_BUFFER_MIN bytes a file is read into anonymous memory (not a zero-filled
+    bytearray, never the file mapped): the same bytes, the same parse, and writable, so
+    the state header is rebuilt in place; the file changing afterwards changes nothing."""
+    big = state_buf(0) + bytearray(bytes(range(251)) * (sf.HUGE_BUFFER_MIN // 251 + 1))
+    cks = [Checkpoint(n, 0, n - 1, bytearray(b"c%d" % n), b"") for n in (2, 3)]
+    path = tmp_path / "big.bin"
+    n = sf.write_file(path, [5, 6, 7, 8], big, VERSION, cks, tenant="t")
+    p = sf.read_file(path, n_ctx=100, n_vocab=1000, seq=1, version=VERSION)
+    assert not isinstance(p.buf, bytearray) and len(p.buf) == n == p.n_read
+    assert struct.unpack_from("<Ii", p.buf, p.state_off) == (sf.STATE_HEADER_MAGIC, 1)
+    state_end = p.state_off + len(big)
+    assert bytes(p.buf[p.state_off + 8 : state_end]) == bytes(big[8:])
+    # a file with several checkpoints (as saved before one per file) still reads them all
+    app = sf.parse_appendices(memoryview(p.buf)[: p.end], state_end, 4)
+    assert [bytes(c.data) for c in app.checkpoints] == [b"c2", b"c3"] and p.tenant == "t"
+    path.write_bytes(b"\0" * n)  # overwritten: our copy is private
+    assert bytes(p.buf[p.state_off + 8 : p.state_off + 16]) == bytes(big[8:16])
+
+
+def test_finish_file_reports_the_time_of_each_part(tmp_path):
+    path = tmp_path / "s.bin"
+    tmp = sf.temp_for(path)
+    tmp.write_bytes(struct.pack("<III", sf.GGSQ_MAGIC, VERSION, 0) + bytes(64))
+    parts: dict[str, float] = {}
+    sf.finish_file(tmp, path, [], parts=parts)
+    assert set(parts) == {"appendices", "sync", "rename"} and min(parts.values()) >= 0
+    assert path.exists() and not tmp.exists()
