@@ -153,16 +153,22 @@ def test_a_slot_file_is_handed_untrusted(handed, alive, tmp_path, known):  # noq
     fill(e, 0)
     e.store.take_checkpoint(e.slots[0])
     parsed = read(e, b, save(e, tmp_path, 0), 1)
-    got = do(e, RestoreSlot(1, parsed, plan_restore(b, parsed), ANYONE))
+    plan = plan_restore(b, parsed)
+    got = do(e, RestoreSlot(1, parsed, plan, ANYONE))
+    carried = plan.appendices
     if not known:  # the state first, then its appendices: a state already in the slot
         assert isinstance(got, StateLoaded)
-        app = parse_after_state(parsed, parsed.state_off + got.consumed, None)
-        got = do(e, AttachAppendices(1, list(parsed.tokens), app, ANYONE))
+        carried = parse_after_state(parsed, parsed.state_off + got.consumed, None)
+        got = do(e, AttachAppendices(1, list(parsed.tokens), carried, ANYONE))
     assert got == SlotRestored(100, [])
     kinds = [(type(s), type(s.data), t) for s, t, _ in handed]
     want = [(SavedState, InBuffer, False)] + ([] if known else [(SavedState, InSlot, False)])
     assert kinds == want
-    assert e.slots[1].checkpoints and e.slots[1].tokens == e.slots[0].tokens
+    # the slot holds the file's checkpoints (those a restore needs: checkpoints.file_checkpoints)
+    assert carried is not None
+    got_pos = [c.pos for c in e.slots[1].checkpoints]
+    assert got_pos == [c.pos for c in carried.checkpoints]
+    assert e.slots[1].tokens == e.slots[0].tokens
 
 
 def test_appendices_and_disk_entries_are_saved_states(tmp_path):
