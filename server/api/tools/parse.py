@@ -160,7 +160,29 @@ def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class ToolParser:
+class SteppedParser:
+    """A streaming parser run as a state machine over ``buf``: ``_step`` makes one
+    transition into a Delta and says whether it could; ``feed`` appends text and steps
+    while it can. Subclasses end the output in ``finish`` (``drain(final=True)`` first)."""
+
+    buf: str
+
+    def _step(self, out: Delta, final: bool) -> bool:
+        raise NotImplementedError
+
+    def drain(self, final: bool) -> Delta:
+        """Every transition ``buf`` allows now (``final``: no more text will come)."""
+        out = Delta()
+        while self._step(out, final):
+            pass
+        return out
+
+    def feed(self, text: str) -> Delta:
+        self.buf += text
+        return self.drain(final=False)
+
+
+class ToolParser(SteppedParser):
     """Content and tool calls of one output in format ``fmt`` (see the module docstring).
 
     A block that turns out not to be a call before its name is known goes back to the
@@ -183,17 +205,8 @@ class ToolParser:
 
     # ---- public ----------------------------------------------------------------------
 
-    def feed(self, text: str) -> Delta:
-        self.buf += text
-        out = Delta()
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> Delta:
-        out = Delta()
-        while self._step(out, final=True):
-            pass
+        out = self.drain(final=True)
         if self.mode == "content" or not self.committed:
             out.content += self.block + self.buf
         self.buf = self.block = ""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from .families import Family
 from .jsonscan import WS
-from .parse import CallDelta, Delta, new_call_id, partial_suffix
+from .parse import CallDelta, Delta, SteppedParser, new_call_id, partial_suffix
 
 MAX_REGION = 1 << 20  # a region longer than this is content: bounded work on any output
 
@@ -147,7 +147,7 @@ def read_region(fam: Family, region: str) -> list[tuple[str, str, str]]:
     return calls
 
 
-class RegionParser:
+class RegionParser(SteppedParser):
     """Content and calls of one output in family ``fam`` (see the module docstring)."""
 
     def __init__(self, fam: Family, new_id: Callable[[], str] = new_call_id) -> None:
@@ -159,17 +159,8 @@ class RegionParser:
         self.n_calls = 0
         self.skip_ws = False  # drop whitespace that follows a region
 
-    def feed(self, text: str) -> Delta:
-        out = Delta()
-        self.buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
     def finish(self) -> Delta:
-        out = Delta()
-        while self._step(out, final=True):
-            pass
+        out = self.drain(final=True)
         if self.region is not None:
             self._close(out, self.region)
         out.content += self.buf
