@@ -81,7 +81,7 @@ class Executor:
                 c.data_dft = self.spec.checkpoint_data(w.slot)
                 self.stats.checkpoints_created += 1
                 log.debug("slot %d: checkpoint at %d tokens", w.slot.id, c.n_tokens)
-        for w in [w for w in plan.work if w.image is not None]:
+        for w in [w for w in plan.work if w.image is not None]:  # a copy: plan.drop edits it
             self._decode_image(w, plan, out)
         wants = [(w.slot, w.model_room) for w in plan.work if w.model_room > 0]
         drafted = self.spec.model_drafts(wants)
@@ -273,9 +273,9 @@ class Executor:
 
     def pick(self, run: SlotRun, idx: int) -> int:
         """The run's next token: sampled (or forced by its reasoning budget), and for a
-        constrained run one its matcher allows (the matcher is advanced over it). Costs a constrained slot about 0.2 ms per token,
-        1-2 ms when the sampled token is refused (full-vocabulary mask): it never holds up
-        the batch for long. Raises ConstraintDeadEnd (a 400) when the constraint admits no
+        constrained run one its matcher allows (the matcher is advanced over it). Costs a
+        constrained slot about 0.2 ms per token, 1-2 ms when the sampled token is refused
+        (full-vocabulary mask): it never holds up the batch for long. Raises ConstraintDeadEnd (a 400) when the constraint admits no
         token."""
         m = run.matcher
         if m is None:
