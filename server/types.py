@@ -383,7 +383,7 @@ class Timings:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class TextChunk:
     """Newly released text of a running task (stop-string prefixes are held back)."""
 

@@ -47,6 +47,13 @@ class AdapterTurns:
         set; records the turn (none for an empty ``active``)."""
         if not active:
             return [], ()
+        for s in active:  # per slot and step: the usual case, no adapters at all, first
+            run = s.run
+            assert run is not None  # an active slot holds its run
+            if run.task.lora:
+                break
+        else:
+            return active, self._turn(())
         groups: dict[tuple[float, ...], list[Slot]] = {}
         for s in active:
             run = s.run
@@ -57,6 +64,10 @@ class AdapterTurns:
             (key,) = groups
         else:
             key = min(groups, key=lambda k: (self._last.get(k, -1), _oldest(groups[k])))
+        return groups[key], self._turn(key)
+
+    def _turn(self, key: tuple[float, ...]) -> tuple[float, ...]:
+        """Record that ``key``'s set decodes this step; returns it."""
         self._step += 1
         self._last[key] = self._step
         if len(self._last) > 64:  # forget sets long gone (bounded record)
@@ -65,7 +76,7 @@ class AdapterTurns:
         if key != self._prev:
             self.switches += self._prev is not None
             self._prev = key
-        return groups[key], key
+        return key
 
 
 def _oldest(slots: list[Slot]) -> float:

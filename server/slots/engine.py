@@ -50,8 +50,6 @@ log = logging.getLogger("server.slots.engine")
 R = TypeVar("R")
 E = TypeVar("E")
 
-_DECODING = (SlotState.PREFILL, SlotState.GENERATE)
-
 
 class EngineDead(RuntimeError):
     pass
@@ -91,7 +89,8 @@ class Engine:
         self._ops: list[_Op] = []
         # events queued for delivery, each bound to its receiver, with its sink (None: a
         # plain callable, called on this thread at the flush)
-        self._outbox: list[tuple[EventSink | None, Delivery]] = []
+        # queued deliveries by sink, in order (None: plain callables, called at the flush)
+        self._outbox: dict[EventSink | None, list[Delivery]] = {}
         self._wake = threading.Event()
         # ops (commands) put in the inbox and not drained yet: an inbox of ops alone is not
         # coalesced (they have no decode to share)
@@ -322,9 +321,15 @@ class Engine:
 
     def _queue(self, emit: Callable[[E], None], ev: E) -> None:
         if isinstance(emit, Emitter):
-            self._outbox.append((emit.sink, emit.bind(ev)))
+            sink: EventSink | None = emit.sink
+            delivery = emit.bind(ev)
         else:
-            self._outbox.append((None, partial(emit, ev)))
+            sink, delivery = None, partial(emit, ev)
+        box = self._outbox.get(sink)
+        if box is None:
+            self._outbox[sink] = [delivery]
+        else:
+            box.append(delivery)
 
     def _flush(self) -> None:
         """Deliver queued events with one ``EventSink.deliver`` per sink (one wake-up per
@@ -334,14 +339,11 @@ class Engine:
         (tests) are called directly."""
         if not self._outbox:
             return
-        out, self._outbox = self._outbox, []
-        by_sink: dict[EventSink, list[Delivery]] = {}
-        for sink, delivery in out:
-            if sink is None:
-                delivery()
-            else:
-                by_sink.setdefault(sink, []).append(delivery)
-        for sink, batch in by_sink.items():
+        out, self._outbox = self._outbox, {}
+        for delivery in out.pop(None, ()):
+            delivery()
+        for sink, batch in out.items():
+            assert sink is not None  # popped above
             sink.deliver(batch)
 
     # ---- admission ----------------------------------------------------------------
@@ -352,12 +354,10 @@ class Engine:
                 if t.cancelled:
                     self.preemption.drop(t)
             self.waiting = collections.deque(t for t in self.waiting if not t.cancelled)
-        for s in self.slots:
-            if s.state is not SlotState.IDLE:
-                run = s.run
-                assert run is not None  # a busy slot holds its run (per step: no ``live`` call)
-                if run.task.cancelled:
-                    self.updater.finish(s, FinishReason.CANCELLED)
+        for s in self.slots:  # per slot and step: the cheap test first
+            run = s.run
+            if run is not None and run.task.cancelled and s.state is not SlotState.IDLE:
+                self.updater.finish(s, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
         """Admission: ``admit`` decides where the waiting tasks go, ``place`` starts them
@@ -406,7 +406,7 @@ class Engine:
     def _batch_step(self) -> bool:
         """Schedule, execute and update one batch; False when there was nothing to decode."""
         # backpressure: a slot whose reader lags generates nothing until it catches up
-        active = [s for s in self.slots if s.state in _DECODING and not _lagging(s)]
+        active = _decodable(self.slots)
         if not active:
             return False
         t0 = time.perf_counter()
@@ -509,11 +509,21 @@ class _Op:
     future: Future
 
 
-def _lagging(s: Slot) -> bool:
-    """A generating slot whose reader lags (backpressure): it decodes nothing this step."""
-    if s.state is not SlotState.GENERATE:
-        return False
-    run = s.run
-    assert run is not None  # a generating slot holds its run (per step: no ``live`` call)
-    lagging = run.task.lagging
-    return lagging is not None and lagging(run.task.n_sent)
+def _decodable(slots: list[Slot]) -> list[Slot]:
+    """The slots prefilling or generating, but for generating ones whose reader lags
+    (backpressure: they decode nothing this step). One pass, no call per slot."""
+    out = []
+    prefill, generate = SlotState.PREFILL, SlotState.GENERATE
+    for s in slots:
+        state = s.state
+        if state is generate:
+            run = s.run
+            assert run is not None  # a generating slot holds its run (no ``live`` call)
+            task = run.task
+            lagging = task.lagging
+            if lagging is not None and lagging(task.n_sent):
+                continue
+        elif state is not prefill:
+            continue
+        out.append(s)
+    return out

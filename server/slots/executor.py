@@ -58,8 +58,7 @@ class Executor:
         self.prepare(plan, out)
         if not plan.work or not self._decode(plan, out):
             return out
-        for w in plan.work:
-            self.store.commit(w.slot, w.tokens)
+        self.store.commit_all(plan.work)
         out.outputs += [SlotOutput(w) for w in plan.work]
         self._sample_all(out)
         return out
@@ -69,6 +68,8 @@ class Executor:
     def prepare(self, plan: StepPlan, out: StepOutputs) -> None:
         """The plan's memory operations: parked chunks moved in, shifts, checkpoints, then
         draft-model proposals (for the works still in the plan, with the room it reserved)."""
+        if not any(_has_ops(w) for w in plan.work):
+            return  # most steps: one pass over the works, no per-work passes below
         for w in list(plan.work):
             if w.reuse:
                 self._move_in(w)
@@ -234,7 +235,9 @@ class Executor:
                     assert run is not None  # per token: no ``live`` call
                     items.append((run.sampler, o.work.row))
                 toks = self.b.sample_many(items, pool)
-                picked = {o.work.slot.id: t for o, t in zip(cpu, toks, strict=True)}
+                if len(toks) != len(cpu):
+                    raise ValueError(f"sample_many gave {len(toks)} tokens for {len(cpu)} rows")
+                todo = self._take_picked(cpu, toks, todo, picked)
             except Exception:  # sampled one by one below, where a failure ends its slot only
                 log.exception("batched sampling failed")
         for o in todo:
@@ -253,6 +256,27 @@ class Executor:
                 plain = isinstance(e, DraftDropError) or status < 500
                 why = str(e) if plain else f"sampling failed: {e}"
                 out.ended.append(Ended(s, FinishReason.ERROR, why, status))
+
+    @staticmethod
+    def _take_picked(
+        cpu: list[SlotOutput], toks: list[int], todo: list[SlotOutput], picked: dict[int, int]
+    ) -> list[SlotOutput]:
+        """The batched picks of ``cpu``: a row without log-probs takes its token here (most
+        rows, every step); the others go into ``picked`` for ``_sample``. Returns what of
+        ``todo`` is left to ``_sample``, in order."""
+        done: set[int] = set()
+        for o, t in zip(cpu, toks, strict=True):
+            run = o.work.slot.run
+            assert run is not None  # per token: no ``live`` call
+            gen = run.task.gen
+            if gen.logprobs or gen.n_probs > 0:
+                picked[o.work.slot.id] = t
+            else:
+                o.tokens = [t]
+                done.add(o.work.slot.id)
+        if len(done) == len(todo):
+            return []
+        return [o for o in todo if o.work.slot.id not in done] if done else todo
 
     def _sample(self, o: SlotOutput, tok: int) -> None:
         w = o.work
@@ -288,6 +312,13 @@ class Executor:
         if tok < 0 or not m.accept(tok):
             raise ConstraintDeadEnd(f"the constraint admits no token: {m.error() or 'dead end'}")
         return tok
+
+
+def _has_ops(w: SlotWork) -> bool:
+    """The work runs memory operations or a proposal before the batch (``prepare``)."""
+    return bool(
+        w.reuse or w.checkpoint or w.shift is not None or w.image is not None or w.model_room
+    )
 
 
 def _wants_sample(w: SlotWork) -> bool:

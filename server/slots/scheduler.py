@@ -105,14 +105,29 @@ class Scheduler:
         plan = StepPlan(self.n_batch if budget is None else budget)
         active, plan.adapters = self.turns.pick(active)
         used = 0
+        cap = plan.budget
+        work = plan.work
+        generate = SlotState.GENERATE
+        pre: list[Slot] = []
         for s in active:
-            if s.state is SlotState.GENERATE and used < plan.budget:
-                w = self._generate(s, plan.budget - used)
-                plan.work.append(w)
-                used += len(w.tokens) + w.model_room
-        pre = sorted(
-            (s for s in active if s.state is SlotState.PREFILL), key=lambda s: s.live.t_start
-        )
+            if s.state is not generate:
+                if s.state is SlotState.PREFILL:
+                    pre.append(s)
+                continue
+            if used >= cap:
+                continue
+            run = s.run
+            assert run is not None  # an active slot holds its run (per token: no ``live`` call)
+            if run.spec is None and not run.shift_due and run.seq.n_sampled != 1:
+                # the usual row: its sampled token alone (see ``_generate``)
+                work.append(SlotWork(s, [run.seq.next_token], True, True))
+                used += 1
+                continue
+            w = self._generate(s, cap - used)
+            work.append(w)
+            used += len(w.tokens) + w.model_room
+        if len(pre) > 1:
+            pre.sort(key=lambda s: s.live.t_start)
         limit = self._prompt_limit(plan, used)
         for s in pre:
             if used >= limit:

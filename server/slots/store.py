@@ -15,8 +15,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..cache import slot_file
 from ..cache.block_index import BlockIndex
@@ -31,6 +32,13 @@ from .reuse import ReuseChunk
 from .slot import Slot
 
 log = logging.getLogger("server.slots.store")
+
+
+class Decoded(Protocol):
+    """A decoded batch's part for one slot (slots/plan.py's ``SlotWork``)."""
+
+    slot: Slot
+    tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -236,6 +244,11 @@ class SlotStore:
         """The batch holding ``toks`` at the slot's next positions was decoded: they are
         in the KV cache now."""
         slot.seq.extend(toks)
+
+    def commit_all(self, works: Iterable[Decoded]) -> None:
+        """``commit`` for each decoded work (its slot and tokens), in one call per step."""
+        for w in works:
+            w.slot.seq.extend(w.tokens)
 
     def rollback(self, slot: Slot) -> None:
         """A failed decode may leave some ubatches of the slot's work in memory: cut back

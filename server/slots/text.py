@@ -21,13 +21,24 @@ class TextStream:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._max = max((len(s) for s in self.stops), default=0)
-        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._dec: codecs.BufferedIncrementalDecoder = codecs.getincrementaldecoder("utf-8")(
+            "replace"
+        )
         self.held = ""
+
+    def feed(self, piece: bytes) -> str:
+        """The text ``piece`` completes (an incomplete UTF-8 sequence waits in the decoder);
+        what ``push`` releases when there are no stop strings, without its ``Release``: the
+        per-token path of most runs (bench/step_cost.py)."""
+        dec = self._dec
+        if not dec.buffer and piece.isascii():  # nothing pending: the decoder would agree
+            return piece.decode("ascii")
+        return dec.decode(piece)
 
     def push(self, piece: bytes) -> Release:
         if not self.stops:  # nothing is ever held back then (``held`` stays "")
-            return Release(self._dec.decode(piece), "")
-        text = self.held + self._dec.decode(piece)
+            return Release(self.feed(piece), "")
+        text = self.held + self.feed(piece)
         first = -1
         word = ""
         for s in self.stops:

@@ -51,8 +51,10 @@ class Updater:
         """Account for one executed step: every decoded slot in plan order, then the runs
         ``execute`` ended."""
         now = time.perf_counter()
+        idle = SlotState.IDLE
         for o in out.outputs:
-            if o.work.slot.run is not None and not o.work.slot.idle:
+            s = o.work.slot
+            if s.run is not None and s.state is not idle:
                 self._account(o, now)
         for e in out.ended:
             if not e.slot.idle:
@@ -82,7 +84,11 @@ class Updater:
             run.n_draft_accepted += o.n_accepted
             self.stats.on_draft(o.n_drafted, o.n_accepted)
         lps = o.logprobs
-        for i, tok in enumerate(o.tokens):
+        toks = o.tokens
+        if len(toks) == 1 and lps is None:  # most slots, every step
+            self.take(s, toks[0])
+            return
+        for i, tok in enumerate(toks):
             if not self.take(s, tok, lps[i] if lps is not None else None):
                 return
 
@@ -110,19 +116,26 @@ class Updater:
             self.finish(s, FinishReason.STOP)
             return False
         seq.generated.append(tok)
-        rel = run.stream.push(self.b.token_to_piece(tok))
+        stream = run.stream
+        piece = self.b.token_to_piece(tok)
+        if stream.stops:
+            text, stop = stream.push(piece)
+        else:  # no Release to build: the usual run, every token
+            text, stop = stream.feed(piece), ""
         if logprob is not None:
             run.logprobs.append(logprob)
-        if rel.text or rel.stop:
-            self.emit_text(run, rel.text)
-        if rel.stop:
-            self.finish(s, FinishReason.STOP, stop_word=rel.stop)
+        if text or stop:
+            self.emit_text(run, text)
+        if stop:
+            self.finish(s, FinishReason.STOP, stop_word=stop)
             return False
         if run.matcher is not None and run.matcher.is_done():
             self.finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
             return False
         limit = gen.max_tokens
-        if (limit >= 0 and seq.n_sampled >= limit) or self._context_full(s):
+        if (limit >= 0 and seq.n_sampled >= limit) or (
+            len(s.seq.tokens) + 1 >= s.n_ctx and self._context_full(s)
+        ):
             self.finish(s, FinishReason.LENGTH)
             return False
         seq.next_token = tok
@@ -156,12 +169,13 @@ class Updater:
         """Release text; it carries the tokens (and log-probs) not sent yet, which includes
         those whose text was held back as a possible stop-string prefix."""
         seq = run.seq
-        if run.task.stream:
+        task = run.task
+        if task.stream:
             n = seq.n_emitted
             chunk = TextChunk(text, seq.generated[n:], run.logprobs[n:])
-            if run.task.timings_per_token:  # llama-server's timings on every chunk
+            if task.timings_per_token:  # llama-server's timings on every chunk
                 chunk.timings = timings_of(run, time.perf_counter())
-            self.send(run.task, chunk)
+            self.send(task, chunk)
             seq.n_emitted = len(seq.generated)
         run.out_text.append(text)
 

@@ -47,3 +47,13 @@ def test_utf8_split_across_tokens():
     data = "é".encode()
     assert s.push(data[:1]).text == ""
     assert s.push(data[1:]).text == "é"
+
+
+def test_feed_agrees_with_the_decoder_around_split_characters():
+    # ``feed`` takes ASCII pieces without the incremental decoder only when nothing waits in
+    # it: a split character followed by ASCII, and an invalid byte, come out as the decoder's
+    s = TextStream([])
+    data = "é".encode()
+    pieces = [b"ab", data[:1], data[1:] + b"c", data[:1], b"x", b"\xff", b"y"]
+    assert [s.feed(p) for p in pieces] == ["ab", "", "éc", "", "\ufffdx", "\ufffd", "y"]
+    assert s.flush() == ""
