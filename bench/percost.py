@@ -12,6 +12,8 @@ prefix cache holds it) and asks for ``max_tokens: 1``, non-streaming, greedy. Tw
   the throughput of 4 slots.
 
 A few warm-up requests precede each phase (first-request costs are not per-request costs).
+``bench.workloads`` registers W18 (it imports this module after its own types): import that
+module first, as ``bench.run`` does.
 """
 
 from __future__ import annotations

@@ -33,9 +33,7 @@ class Arrivals:
             self.engine._inbox.put(task([1, 2, 3])[0])
 
 
-def coalesce(
-    monkeypatch, waiting: int, script: list[int], on_way: int = 100, **opts
-) -> Arrivals:
+def coalesce(monkeypatch, waiting: int, script: list[int], on_way: int = 100, **opts) -> Arrivals:
     """Run ``_coalesce`` with ``waiting`` tasks already in the inbox, ``on_way`` requests
     being prepared and ``script``'s arrivals during its slices; returns the recorded slices."""
     e, _ = make_engine(**opts)
