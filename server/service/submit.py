@@ -5,6 +5,7 @@ whose ``source`` (a ``PromptSource``) does the body's tokenizer work."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -161,7 +162,38 @@ async def submit(
     prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then.
     The slow checks run on the request's preparation pool (``service.pools.prepare``):
     with ``request``, abandoned when its client leaves; 408 after --request-prep-timeout.
-    A streamed request's ``X-Conversation-Id`` is checked first (service.streams)."""
+    A streamed request's ``X-Conversation-Id`` is checked first (service.streams).
+    From its start until its tasks are handed over, the request counts as arriving on the
+    engine (``Engine.arrival``), which coalesces a burst of arrivals only while one is on
+    its way."""
+    engine = st.engine
+    if engine is None:
+        return await _submit(st, body, job, tenant, request, lambda: None)
+    engine.arrival(1)
+    arrived = False
+
+    def arrive() -> None:
+        nonlocal arrived
+        if not arrived:
+            arrived = True
+            engine.arrival(-1)
+
+    try:
+        return await _submit(st, body, job, tenant, request, arrive)
+    finally:
+        arrive()
+
+
+async def _submit(
+    st: ServerState,
+    body: SamplingFields,
+    job: Submission,
+    tenant: str,
+    request: Request | None,
+    arrive: Callable[[], None],
+) -> TaskGroup:
+    """``submit``'s work; ``arrive()`` right before the tasks reach the engine (no await
+    between them: the engine never counts a request that is already in its inbox)."""
     if job.stream and request is not None:
         requested_name(st.streams, request)
     _check_priority(st, body.priority)
@@ -203,5 +235,6 @@ async def submit(
                 images=p.images,
                 priority=body.priority,
             )
+    arrive()
     group.submit()
     return group

@@ -96,6 +96,9 @@ class Engine:
         # coalesced (they have no decode to share)
         self._ops_queued = 0
         self._ops_lock = threading.Lock()
+        # requests the HTTP side is preparing for this engine (``arrival``): coalescing
+        # waits only while one is on its way, so a lone request never sleeps for company
+        self._arriving = 0
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -199,6 +202,13 @@ class Engine:
         self._wake.set()
         return op.future
 
+    def arrival(self, delta: int) -> None:
+        """``+1`` when a request starts its preparation (tokenizing, checks) for this
+        engine, ``-1`` when it is submitted or fails; thread-safe. Woken from idle, the
+        engine coalesces arrivals only while this count is above zero."""
+        with self._ops_lock:
+            self._arriving += delta
+
     def queue_depth(self) -> int:
         """Tasks waiting for a slot, including those not yet picked up (approximate, lock-free)."""
         return len(self.waiting) + len(self.embed) + self._inbox.qsize()
@@ -230,13 +240,16 @@ class Engine:
 
     def _coalesce(self) -> None:
         """Woken from idle: requests sent together reach the queue a few ms apart (each is
-        parsed and tokenized on the event loop). Wait while they keep coming (a few slices of
-        ``coalesce_ms`` at most) so they share the first decode instead of trailing it.
-        Commands alone (a slot save or restore) have no decode to share: they run at once."""
+        parsed and tokenized off the event loop). Wait while they keep coming (a few slices
+        of ``coalesce_ms`` at most) so they share the first decode instead of trailing it.
+        Commands alone (a slot save or restore) have no decode to share: they run at once.
+        Nor does a request with no other on its way (``arrival``): it runs at once too."""
         if self.opts.coalesce_ms <= 0 or self._inbox.qsize() <= self._ops_queued:
             return  # nothing, or commands alone
         seen = self._inbox.qsize()
         for _ in range(4):
+            if self._arriving <= 0:
+                return  # nobody else is being prepared: nothing to wait for
             time.sleep(self.opts.coalesce_ms / 1e3)
             n = self._inbox.qsize()
             if n == seen:
