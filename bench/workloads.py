@@ -851,6 +851,9 @@ W16 = Workload(
     variants_only=True,
 )
 
+# workload 17 builds on the types above (bench/image_workload.py)
+from .image_workload import W17  # noqa: E402
+
 WORKLOADS: dict[int, Workload] = {
-    w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W16)
+    w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W16, W17)
 }
