@@ -270,6 +270,8 @@ async def run_images(
     e2 = await encodes(client, sp)
     later = _ms(later_turns)
     later_n = [r.prompt_n for r in later_turns]
+    q16_n = [r.prompt_n for r in answers]
+    encoded = e2.count - e0.count
     metrics: dict[str, float | None] = {
         "conv_ttft_turn1_ms": statistics.median(_ms(first)) if _ms(first) else None,
         "conv_ttft_later_ms": statistics.median(later) if later else None,
@@ -277,8 +279,10 @@ async def run_images(
         "conv_encode_ms": e1.ms - e0.ms,
         "q16_wall_s": wall,
         "q16_ttft_p50_ms": statistics.median(_ms(answers)) if _ms(answers) else None,
+        "q16_prompt": None if None in q16_n else float(sum(n or 0 for n in q16_n)),
         "q16_encode_ms": e2.ms - e1.ms,
         "encode_ms": e2.ms - e0.ms,
-        "encoded": e2.count - e0.count,
+        "encoded": encoded,
+        "encode_ms_each": (e2.ms - e0.ms) / encoded if encoded else None,
     }
     return metrics, later + _ms(answers)

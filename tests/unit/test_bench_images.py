@@ -126,3 +126,26 @@ def test_conversations_go_round_robin_and_resend_their_image(monkeypatch: Any) -
         assert p2.startswith(p1) and p2.endswith("<start_of_turn>model\n")
         assert sent[i][1] == sent[i + 3][1] == sent[i + 6][1]
         assert len(p0.split()) >= 40  # the system prompt
+
+
+def test_run_images_counts_both_parts_encodes_and_tokens(monkeypatch: Any) -> None:
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(images, "stream_native", _fake_stream(sent))
+
+    async def marker(client: Any, url: str) -> str:
+        return "<M>"
+
+    counts = iter([images.Encodes(1, 10.0), images.Encodes(4, 70.0), images.Encodes(5, 90.0)])
+
+    async def encodes(client: Any, sp: Any) -> images.Encodes:
+        return next(counts)
+
+    monkeypatch.setattr(images, "_marker", marker)
+    monkeypatch.setattr(images, "encodes", encodes)
+    shape = images.ImageShape(2, 20, 1, 3, 2, 2, 5)
+    sp = ServerProcess(ServerSpec(images.OURS_MM, []), 1, None, Path("/x"))  # type: ignore[arg-type]
+    m, ttft = asyncio.run(images.run_images(None, sp, PromptBook(_words), "k", shape))  # type: ignore[arg-type]
+    assert len(sent) == 2 * 2 + 3 and len(ttft) == 2 + 3  # follow-ups and questions
+    assert (m["conv_encode_ms"], m["q16_encode_ms"], m["encode_ms"]) == (60.0, 20.0, 80.0)
+    assert m["encoded"] == 4 and m["encode_ms_each"] == 20.0
+    assert m["conv_prompt_later"] == 10.0 and m["q16_prompt"] == 15.0
