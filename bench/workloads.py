@@ -851,8 +851,10 @@ W16 = Workload(
     variants_only=True,
 )
 
-from .percost import W18  # noqa: E402  (it builds on the types above)
+# workloads 17 and 18 build on the types above (bench/image_workload.py, bench/percost.py)
+from .image_workload import W17  # noqa: E402
+from .percost import W18  # noqa: E402
 
 WORKLOADS: dict[int, Workload] = {
-    w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W16, W18)
+    w.id: w for w in (W1, W2, W3, W4, W5, W6, W7, W8, W9, W10, W11, W12, W16, W17, W18)
 }

@@ -35,9 +35,14 @@ def write_gemma3_mmproj(
     n_head: int = 2,
     n_block: int = 1,
     seed: int = 0,
+    image_size: int = IMAGE_SIZE,
+    patch: int = PATCH,
+    scale: int = SCALE,
 ) -> Path:
     """Write the projector to ``out``; returns ``out``. ``n_embd_text``: the text model's
-    embedding width (``mm.input_projection.weight``'s first ggml dimension)."""
+    embedding width (``mm.input_projection.weight``'s first ggml dimension). An image is
+    ``(image_size // patch // scale) ** 2`` tokens (the defaults: ``N_IMAGE_TOKENS``); the
+    benchmark (bench/images.py) writes a larger encoder whose encode time is measurable."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -49,8 +54,8 @@ def write_gemma3_mmproj(
     w.add_string("general.name", "tiny-gemma3-mmproj")
     w.add_bool("clip.has_vision_encoder", True)
     w.add_string("clip.projector_type", "gemma3")
-    w.add_uint32("clip.vision.image_size", IMAGE_SIZE)
-    w.add_uint32("clip.vision.patch_size", PATCH)
+    w.add_uint32("clip.vision.image_size", image_size)
+    w.add_uint32("clip.vision.patch_size", patch)
     w.add_uint32("clip.vision.embedding_length", n_embd)
     w.add_uint32("clip.vision.feed_forward_length", n_ff)
     w.add_uint32("clip.vision.block_count", n_block)
@@ -59,11 +64,11 @@ def write_gemma3_mmproj(
     w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_uint32("clip.vision.projector.scale_factor", SCALE)
+    w.add_uint32("clip.vision.projector.scale_factor", scale)
     w.add_bool("clip.use_gelu", True)
-    n_patches = (IMAGE_SIZE // PATCH) ** 2
+    n_patches = (image_size // patch) ** 2
     # numpy shapes are ggml's reversed: conv kernel [p, p, 3, n_embd] in ggml order
-    w.add_tensor("v.patch_embd.weight", rand(n_embd, 3, PATCH, PATCH).astype(np.float16))
+    w.add_tensor("v.patch_embd.weight", rand(n_embd, 3, patch, patch).astype(np.float16))
     w.add_tensor("v.patch_embd.bias", rand(n_embd))
     w.add_tensor("v.position_embd.weight", rand(n_patches, n_embd))
     for i in range(n_block):

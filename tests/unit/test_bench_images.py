@@ -1,0 +1,151 @@
+"""Workload 17 (images, issue 42): its projector, prompts, server configurations and how it
+reads each server's encode time. (Running it needs the servers: `python -m bench.run
+--only 17`.)"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench import images
+from bench.client import StreamResult
+from bench.prompts import PromptBook
+from bench.run import variant_specs
+from bench.servers import LLAMA_SERVER, OURS, ServerProcess, ServerSpec
+from bench.workloads import FULL, QUICK, WORKLOADS
+
+
+async def _words(text: str) -> list[str]:  # a tokenizer: one piece per word
+    return [w + " " for w in text.split()]
+
+
+def test_w17_runs_both_servers_on_the_same_projector() -> None:
+    w = WORKLOADS[17]
+    base = [
+        ServerSpec(LLAMA_SERVER, ["llama-server", "-m", "m.gguf"]),
+        ServerSpec(OURS, [sys.executable, "-m", "server", "-m", "m.gguf"]),
+    ]
+    llama, ours = variant_specs(base, w.variants, not w.variants_only, Path("/tmp/run"))
+    assert (llama.name, ours.name) == (images.LLAMA_MM, images.OURS_MM)
+    proj = str(images.PROJECTOR)
+    assert llama.argv[-4:] == ["--mmproj", proj, "-lv", "4"]  # its encode log is level 4
+    # ours: the same file, --metrics for its encode time, its own log level (the last wins)
+    assert ours.argv[-7:] == ["--mmproj", proj, "-lv", "4", "--metrics", "-lv", "3"]
+    assert images.PROJECTOR.is_file()  # written when the workload was imported
+    assert "8 questions" in w.describe(QUICK) and "16 questions" in w.describe(FULL)
+
+
+def test_the_projector_matches_the_default_model_and_gives_64_tokens(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    path = images.ensure_projector(tmp_path / "p.gguf")
+    r = gguf.GGUFReader(str(path))
+
+    def u32(key: str) -> int:
+        f = r.fields[key]
+        return int(f.parts[f.data[0]][0])
+
+    size, patch, scale = (
+        u32(f"clip.vision.{k}") for k in ("image_size", "patch_size", "projector.scale_factor")
+    )
+    assert (size // patch // scale) ** 2 == images.N_IMAGE_TOKENS == 64
+    proj = next(t for t in r.tensors if t.name == "mm.input_projection.weight")
+    assert list(proj.shape)[0] == 640  # ggml's first dimension: Gemma 3 270M's n_embd
+    assert images.ensure_projector(path) == path  # there: not written again
+
+
+def test_images_are_seeded_pngs() -> None:
+    a, b = images.image_b64("k1"), images.image_b64("k2")
+    assert a == images.image_b64("k1") and a != b
+    raw = base64.b64decode(a)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", raw[16:24]) == (256, 256)
+
+
+def test_encode_time_from_llama_server_log_and_from_our_metrics(tmp_path: Path) -> None:
+    log = tmp_path / "llama.log"
+    log.write_bytes(  # as llama-server -lv 4 writes them (minutes.seconds.ms.us)
+        b"0.08.959.551 I srv  load_model: loaded multimodal model\n"
+        b"1.25.721.240 I slot process_mtmd: id  2 | task 10 | encoding mtmd batch from idx = 606\n"
+        b"1.28.037.808 I decoding image batch 1/1, n_tokens_batch = 64\n"
+        b"1.40.822.274 I image decoded (batch 1/1) in 12785 ms\n"
+        b"59.59.990.000 I slot process_mtmd: id  1 | task 22 | encoding mtmd batch from idx = 6\n"
+        b"60.00.031.500 I decoding image batch 1/1, n_tokens_batch = 64\n"
+    )
+    metrics = (
+        "# HELP llamaslot_images_encoded_total Images encoded by the projector\n"
+        "llamaslot_images_encoded_total 2.0\n"
+        "llamaslot_image_encode_seconds_total 0.0625\n"
+    )
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        assert req.url.path == "/metrics"
+        return httpx.Response(200, text=metrics)
+
+    async def both() -> tuple[images.Encodes, images.Encodes]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+            llama = ServerProcess(ServerSpec(images.LLAMA_MM, []), 1, None, log)  # type: ignore[arg-type]
+            ours = ServerProcess(ServerSpec(images.OURS_MM, []), 2, None, log)  # type: ignore[arg-type]
+            return await images.encodes(c, llama), await images.encodes(c, ours)
+
+    llama, ours = asyncio.run(both())
+    assert llama.count == 2.0 and llama.ms == pytest.approx(2316.568 + 41.5)
+    assert (ours.count, ours.ms) == (2.0, 62.5)
+
+
+def _fake_stream(sent: list[tuple[str, str]]) -> Any:
+    async def stream(client: Any, url: str, prompt: str, image: str, out: int) -> StreamResult:
+        sent.append((prompt, image))
+        return StreamResult(0.01, 0.1, " answer", 1, {"prompt_n": 5}, None)
+
+    return stream
+
+
+def test_conversations_go_round_robin_and_resend_their_image(monkeypatch: Any) -> None:
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(images, "stream_native", _fake_stream(sent))
+
+    async def marker(client: Any, url: str) -> str:
+        return "<M>"
+
+    monkeypatch.setattr(images, "_marker", marker)
+    shape = images.ImageShape(3, 40, 2, 4, 2, 2, 5)
+    first, later = asyncio.run(images.conversations(None, "u", PromptBook(_words), "k", shape))  # type: ignore[arg-type]
+    assert (len(first), len(later)) == (3, 6)
+    prompts = [p for p, _ in sent]
+    assert len({img for _, img in sent}) == 3  # one image per conversation
+    for i in range(3):  # turns of conversation i: i, i + 3, i + 6
+        p0, p1, p2 = prompts[i], prompts[i + 3], prompts[i + 6]
+        assert p0.count("<M>") == 1 and p1.startswith(p0 + " answer<end_of_turn>\n")
+        assert p2.startswith(p1) and p2.endswith("<start_of_turn>model\n")
+        assert sent[i][1] == sent[i + 3][1] == sent[i + 6][1]
+        assert len(p0.split()) >= 40  # the system prompt
+
+
+def test_run_images_counts_both_parts_encodes_and_tokens(monkeypatch: Any) -> None:
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(images, "stream_native", _fake_stream(sent))
+
+    async def marker(client: Any, url: str) -> str:
+        return "<M>"
+
+    counts = iter([images.Encodes(1, 10.0), images.Encodes(4, 70.0), images.Encodes(5, 90.0)])
+
+    async def encodes(client: Any, sp: Any) -> images.Encodes:
+        return next(counts)
+
+    monkeypatch.setattr(images, "_marker", marker)
+    monkeypatch.setattr(images, "encodes", encodes)
+    shape = images.ImageShape(2, 20, 1, 3, 2, 2, 5)
+    sp = ServerProcess(ServerSpec(images.OURS_MM, []), 1, None, Path("/x"))  # type: ignore[arg-type]
+    m, ttft = asyncio.run(images.run_images(None, sp, PromptBook(_words), "k", shape))  # type: ignore[arg-type]
+    assert len(sent) == 2 * 2 + 3 and len(ttft) == 2 + 3  # follow-ups and questions
+    assert (m["conv_encode_ms"], m["q16_encode_ms"], m["encode_ms"]) == (60.0, 20.0, 80.0)
+    assert m["encoded"] == 4 and m["encode_ms_each"] == 20.0
+    assert m["conv_prompt_later"] == 10.0 and m["q16_prompt"] == 15.0
