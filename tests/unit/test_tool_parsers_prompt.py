@@ -193,6 +193,21 @@ def test_forced_open_thinking() -> None:
     assert (m.reasoning, m.content) == ("Okay, so.", "Hi!")
 
 
+def test_forced_open_thinking_with_the_templates_own_tag() -> None:
+    """Command R7B's MoE template opens ``<|START_THINKING|>`` at the end of the prompt:
+    the output starts in the reasoning, split off at ``<|END_THINKING|>`` (found by
+    bench/families.py: the reasoning came back as content)."""
+    tpl = real("Cohere2MoE")
+    p = prepare(tpl, TURN1, tool_spec(None, None, None), {"enable_thinking": True})
+    text = tpl.render(p.messages, add_generation_prompt=True, **p.extra)
+    plan = plan_chat(tpl, reasoning_format="deepseek")
+    assert plan.tags == ("<|START_THINKING|>", "<|END_THINKING|>")
+    assert thinking_forced_open(text, plan.tags[0]) and not thinking_forced_open(text)
+    plan.forced_open = True
+    m = parse_message("Seven.<|END_THINKING|>It is 7.", plan.parser())
+    assert (m.reasoning, m.content) == ("Seven.", "It is 7.")
+
+
 @pytest.mark.parametrize(
     "tools,choice,parallel,needle",
     [
