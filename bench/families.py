@@ -214,7 +214,7 @@ def next_turn(c: httpx.Client, first: dict[str, Any]) -> Check:
     call = msg["tool_calls"][0]
     assistant = {"role": "assistant", "content": msg.get("content") or "", "tool_calls": [call]}
     tool = {"role": "tool", "tool_call_id": call["id"], "content": TOOL_RESULT}
-    history = [*MESSAGES, assistant, tool]
+    history: list[dict[str, Any]] = [*MESSAGES, assistant, tool]
     body = {"messages": history, "tools": [WEATHER], "max_tokens": 1, "temperature": 0}
     r = c.post("/v1/chat/completions", json=body)
     if (bad := _status(r)) is not None:
