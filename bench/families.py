@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -326,15 +327,17 @@ CHECKS = ("forced", "streamed", "next_turn", "reasoning")
 
 
 def _mark(c: dict[str, Any]) -> str:
+    """✓, ✗, "500" or – (not applicable); a next turn's also "computed/unavoidable"."""
     if c["ok"] is None:
         return "–"
-    if c["ok"]:
-        return "✓"
-    return "500" if c["note"].startswith("HTTP 500") else "✗"
+    mark = "✓" if c["ok"] else ("500" if c["note"].startswith("HTTP 500") else "✗")
+    m = re.match(r"(\d+) computed, \d+ cached, (-?\d+) after", c["note"])
+    return f"{mark} {m[1]}/{m[2]}" if m else mark
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The README's side-by-side table: each cell "ours / llama-server"."""
+    """The README's side-by-side table: each cell "ours / llama-server"; a next turn's
+    cell also gives the prompt tokens computed / those after the shared prefix."""
     head = (
         "| template | family | forced call | streamed call | next turn cached | reasoning split |"
     )
