@@ -126,10 +126,11 @@ class Continuation:
     in_reasoning: bool = False
 
 
-def thinking_forced_open(prompt: str) -> bool:
-    """The template ended the prompt inside an open ``<think>``: the output starts in the
+def thinking_forced_open(prompt: str, open_tag: str = "<think>") -> bool:
+    """The template ended the prompt inside an open reasoning tag (``open_tag``: the
+    template's own, e.g. Command R7B's ``<|START_THINKING|>``): the output starts in the
     reasoning (DeepSeek R1, Qwen3 with thinking, ...)."""
-    return prompt.rstrip().endswith("<think>")
+    return prompt.rstrip().endswith(open_tag)
 
 
 class _ConcatUndefined(jinja2.Undefined):

@@ -162,12 +162,12 @@ def render_prompt(
 
 def render_chat(st: ServerState, req: ChatRequest, plan: ChatPlan) -> Prompt:
     """Prompt tokens and the token index where the last user turn starts (-1 if unknown).
-    Whether the prompt leaves the answer inside an open ``<think>`` is noted in
+    Whether the prompt leaves the answer inside an open reasoning tag is noted in
     ``plan.forced_open``."""
     b = st.require_backend()
     media = media_input(st)
     rendered = render_prompt(st, req, plan, media)
-    plan.forced_open = rendered.in_reasoning or thinking_forced_open(rendered.prompt)
+    plan.forced_open = rendered.in_reasoning or thinking_forced_open(rendered.prompt, plan.tags[0])
     text = rendered.prompt
     # Templates emit BOS themselves; tokenizing with add_special would add a second one.
     has_bos = bool(b.bos_text) and text.startswith(b.bos_text)

@@ -2,9 +2,10 @@
 each is honoured or refused with a 400 naming it, none silently dropped. The field list is
 read from the pinned llama.cpp's ``tools/server/server-schema.cpp`` (its names and
 aliases): a field added there fails ``test_every_field_is_classified`` until it is handled
-here. Then the samplers' behaviour on the real model: DRY breaks a cycle greedy copies,
-XTC and mirostat are reproducible with a seed and differ from greedy, ``samplers`` in both
-forms, bad values are 400s, and under -bs the samplers the backend chain lacks fall back to
+here. Then the samplers' behaviour on the real model, read off the chain's final distribution
+(``post_sampling_probs``) so that it holds whatever the model's numbers on this CPU: DRY cuts
+the token that extends a repeated cycle, XTC drops the likeliest above its threshold, mirostat
+truncates, all reproducible with a seed; ``samplers`` in both forms, bad values are 400s, and under -bs the samplers the backend chain lacks fall back to
 the CPU.
 
 Generated tokens are only compared between requests of the same layout (one request at a
@@ -228,18 +229,94 @@ def tokens(s: ServerProc, prompt: str, n: int = 16, **kw: Any) -> list[int]:
     return r.json()["tokens"]
 
 
-def test_dry_breaks_a_cycle_greedy_copies(srv: ServerProc):
-    greedy = tokens(srv, CYCLE, temperature=0)
-    text = srv.client.post("/detokenize", json={"tokens": greedy}).json()["content"]
-    words = text.split()
-    # greedy copies the cycle: " 4 5 1 2 3 4 5 ..."
-    assert words[:6] == ["4", "5", "1", "2", "3", "4"], text
-    dry = tokens(srv, CYCLE, temperature=0, dry_multiplier=0.8, dry_allowed_length=2)
-    assert dry != greedy
-    again = tokens(srv, CYCLE, temperature=0, dry_multiplier=0.8, dry_allowed_length=2)
-    assert again == dry  # the same layout: the same tokens
-    # DRY's window and multiplier matter: off (0) is greedy again
-    assert tokens(srv, CYCLE, temperature=0, dry_multiplier=0.8, dry_penalty_last_n=0) == greedy
+# the model's own distribution at temperature 1, nothing truncated: what each sampler below
+# changes is read off the chain's final distribution (post_sampling_probs), a rule that holds
+# whatever the model's numbers are on this CPU
+PLAIN = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 1}
+
+
+def chain_probs(s: ServerProc, prompt: str, n: int = 20, **kw: Any) -> tuple[int, dict[int, float]]:
+    """The first token a lone /completion samples, and the n likeliest candidates of the
+    sampler chain's final distribution (id -> probability, those left at 0 absent)."""
+    body = {"prompt": prompt, "n_predict": 1, "cache_prompt": False, "n_probs": n}
+    body |= {"post_sampling_probs": True, **PLAIN, **kw}
+    r = s.client.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    cp = r.json()["completion_probabilities"][0]
+    return cp["id"], {t["id"]: t["prob"] for t in cp["top_probs"]}
+
+
+def _ranked(p: dict[int, float]) -> list[int]:
+    return sorted(p, key=lambda i: -p[i])
+
+
+def test_dry_cuts_the_token_that_extends_a_cycle(srv: ServerProc):
+    # the token that extends the repeated cycle: the one that followed the prompt's last
+    # token each time before (tokenizer facts, not the model's choice)
+    ids = srv.client.post("/tokenize", json={"content": CYCLE}).json()["tokens"]
+    follows = {ids[i + 1] for i in range(len(ids) - 1) if ids[i] == ids[-1]}
+    assert len(follows) == 1, ids
+    (extend,) = follows
+    _, plain = chain_probs(srv, CYCLE)
+    assert plain.get(extend, 0.0) > 0.05, plain  # the model would copy the cycle
+    dry_kw = {"dry_multiplier": 0.8, "dry_allowed_length": 2}
+    picked, dry = chain_probs(srv, CYCLE, **dry_kw)
+    # DRY's penalty grows with the repeat's length (here ~50 tokens): the token is gone
+    assert dry.get(extend, 0.0) < plain[extend] / 100, (plain, dry)
+    assert picked != extend
+    # its window and multiplier matter: either off leaves the distribution as it was
+    for off in ({"dry_penalty_last_n": 0}, {"dry_multiplier": 0.0}):
+        same = chain_probs(srv, CYCLE, **{**dry_kw, **off})[1]
+        assert same.keys() == plain.keys(), off
+        assert all(abs(same[i] - plain[i]) < 1e-6 for i in plain), (off, same, plain)
+    # and seeded generation under DRY repeats itself (the same layout: the same tokens)
+    kw = {"temperature": 0, **dry_kw}
+    assert tokens(srv, CYCLE, **kw) == tokens(srv, CYCLE, **kw)
+
+
+def test_xtc_removes_the_likeliest_above_its_threshold(srv: ServerProc):
+    _, plain = chain_probs(srv, STORY)
+    p1, p2, p3 = (plain[i] for i in _ranked(plain)[:3])
+    top1, top2 = _ranked(plain)[:2]
+    assert p2 > p3, plain  # a threshold between them: exactly the top two are above it
+    thr = (p2 + p3) / 2
+    _, xtc = chain_probs(srv, STORY, xtc_probability=1.0, xtc_threshold=thr)
+    # XTC drops every candidate above the threshold but the least likely of them
+    assert top1 not in xtc, (plain, xtc)
+    assert _ranked(xtc)[0] == top2
+    assert xtc[top2] == pytest.approx(p2 / (1 - p1), rel=1e-3)
+    # a threshold above 0.5 turns it off
+    off = chain_probs(srv, STORY, xtc_probability=1.0, xtc_threshold=0.6)[1]
+    assert all(abs(off[i] - plain[i]) < 1e-6 for i in plain)
+
+
+def test_mirostat_truncates_the_distribution(srv: ServerProc):
+    _, plain = chain_probs(srv, STORY)
+    ranked = _ranked(plain)
+    for mode in (1, 2):
+        _, m = chain_probs(srv, STORY, mirostat=mode)
+        # a top-k style cut of the same distribution: the same order, every survivor
+        # scaled by one factor (1 / the mass kept), and some mass cut at tau 5
+        shared = [i for i in ranked if i in m]
+        assert shared == _ranked(m)[: len(shared)] and shared == ranked[: len(shared)], m
+        scale = m[ranked[0]] / plain[ranked[0]]
+        assert all(m[i] / plain[i] == pytest.approx(scale, rel=1e-3) for i in shared), m
+        assert scale > 1.01, (mode, plain, m)
+    # mirostat 2 keeps the tokens whose surprise is under mu = 2 tau (bits): with mu
+    # between the second and third likeliest, exactly those two
+    p1, p2, p3 = (plain[i] for i in ranked[:3])
+    assert p2 > p3, plain
+    mu = (-math.log2(p2) - math.log2(p3)) / 2
+    _, m2 = chain_probs(srv, STORY, mirostat=2, mirostat_tau=mu / 2)
+    assert m2.keys() == set(ranked[:2]), (plain, m2)
+    assert m2[ranked[0]] == pytest.approx(p1 / (p1 + p2), rel=1e-3)
+
+
+def test_typical_sigma_dynatemp_change_the_distribution(srv: ServerProc):
+    _, plain = chain_probs(srv, STORY)
+    fields = {"typical_p": 0.5, "top_n_sigma": 1.0, "dynatemp_range": 0.5}
+    _, got = chain_probs(srv, STORY, **fields)
+    assert max(abs(got.get(i, 0.0) - plain[i]) for i in plain) > 0.02, (plain, got)
 
 
 @pytest.mark.parametrize(
@@ -252,12 +329,12 @@ def test_dry_breaks_a_cycle_greedy_copies(srv: ServerProc):
     ],
     ids=["xtc", "mirostat1", "mirostat2", "typical-sigma-dynatemp"],
 )
-def test_seeded_samplers_repeat_and_differ_from_greedy(srv: ServerProc, fields: dict[str, Any]):
-    greedy = tokens(srv, STORY, temperature=0)
+def test_seeded_samplers_repeat(srv: ServerProc, fields: dict[str, Any]):
+    """The same seed, the same layout: the same tokens (what each sampler does to the
+    distribution is checked above, not here: which tokens a seed draws is the CPU's)."""
     first = tokens(srv, STORY, seed=7, **{"temperature": 0, **fields})
     second = tokens(srv, STORY, seed=7, **{"temperature": 0, **fields})
     assert first == second
-    assert first != greedy
 
 
 def test_samplers_order_in_both_forms(srv: ServerProc):

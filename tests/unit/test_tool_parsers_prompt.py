@@ -193,6 +193,41 @@ def test_forced_open_thinking() -> None:
     assert (m.reasoning, m.content) == ("Okay, so.", "Hi!")
 
 
+def test_a_template_that_takes_arguments_as_text_gets_the_clients_string() -> None:
+    """Functionary v3.2 writes ``'>>>' + name + '\\n' + arguments``: a history call's
+    arguments stay the client's JSON string (as llama-server passes them to templates that
+    do not take objects), where an object made the next turn a 500 (found by
+    bench/families.py)."""
+    tpl = real("meetkai-functionary-medium-v3.2")
+    assert template_tools(tpl).string_arguments
+    assert not template_tools(real("Qwen-Qwen3-0.6B")).string_arguments
+    args = '{"city": "Paris"}'
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{}"},
+    ]
+    p = prepare(tpl, history, tool_spec(None, None, None))
+    text = tpl.render(p.messages, add_generation_prompt=True, **p.extra)
+    assert ">>>f\n" + args + "<|eot_id|>" in text
+
+
+def test_forced_open_thinking_with_the_templates_own_tag() -> None:
+    """Command R7B's MoE template opens ``<|START_THINKING|>`` at the end of the prompt:
+    the output starts in the reasoning, split off at ``<|END_THINKING|>`` (found by
+    bench/families.py: the reasoning came back as content)."""
+    tpl = real("Cohere2MoE")
+    p = prepare(tpl, TURN1, tool_spec(None, None, None), {"enable_thinking": True})
+    text = tpl.render(p.messages, add_generation_prompt=True, **p.extra)
+    plan = plan_chat(tpl, reasoning_format="deepseek")
+    assert plan.tags == ("<|START_THINKING|>", "<|END_THINKING|>")
+    assert thinking_forced_open(text, plan.tags[0]) and not thinking_forced_open(text)
+    plan.forced_open = True
+    m = parse_message("Seven.<|END_THINKING|>It is 7.", plan.parser())
+    assert (m.reasoning, m.content) == ("Seven.", "It is 7.")
+
+
 @pytest.mark.parametrize(
     "tools,choice,parallel,needle",
     [

@@ -49,6 +49,9 @@ class TemplateTools:
     fmt: ToolFormat
     native: bool
     family: str = ""  # families.Family.name, where the template's syntax is a known family
+    # the template concatenates a call's arguments as text (Functionary v3.2): history
+    # calls keep the client's JSON string, as llama-server does for such templates
+    string_arguments: bool = False
 
 
 _PROBE_ID = "pr0be0001"  # Mistral templates insist on 9 alphanumerics
@@ -60,22 +63,26 @@ _PROBE_TOOL = {
         "parameters": {"type": "object", "properties": {"probe_arg": {"type": "integer"}}},
     },
 }
-_PROBE: list[ChatMessage] = [
-    {"role": "system", "content": "probe system"},
-    {"role": "user", "content": "probe user"},
-    {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [
-            {
-                "id": _PROBE_ID,
-                "type": "function",
-                "function": {"name": "probe_fn", "arguments": {"probe_arg": 1}},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": _PROBE_ID, "name": "probe_fn", "content": "probe result"},
-]
+
+
+def _probe(arguments: object) -> list[ChatMessage]:
+    """A conversation with one call (``arguments``: as the template gets them) and its
+    result, rendered to learn how a template writes calls."""
+    call = {"name": "probe_fn", "arguments": arguments}
+    return [
+        {"role": "system", "content": "probe system"},
+        {"role": "user", "content": "probe user"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": _PROBE_ID, "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": _PROBE_ID, "name": "probe_fn", "content": "probe result"},
+    ]
+
+
+_PROBE = _probe({"probe_arg": 1})
+_PROBE_STRING = _probe('{"probe_arg": 1}')
 _HERMES = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"probe_fn"')
 _LLAMA3 = re.compile(r'\{\s*"name"\s*:\s*"probe_fn"\s*,\s*"parameters"')
 _cache: dict[tuple[str, str], TemplateTools] = {}
@@ -90,15 +97,23 @@ def template_tools(tpl: ChatTemplate) -> TemplateTools:
     return got
 
 
+def _render_probe(tpl: ChatTemplate) -> tuple[str, bool]:
+    """The probe conversation as ``tpl`` renders it ("" where it cannot), and whether it
+    takes a call's arguments only as a string (it fails on the object)."""
+    for as_string, probe in ((False, _PROBE), (True, _PROBE_STRING)):
+        try:
+            return tpl.render(probe, add_generation_prompt=True, tools=[_PROBE_TOOL]), as_string
+        except TemplateError:
+            continue
+    return "", False
+
+
 def _detect(tpl: ChatTemplate) -> TemplateTools:
     if "tools" in tpl.variables:
-        try:
-            text = tpl.render(_PROBE, add_generation_prompt=True, tools=[_PROBE_TOOL])
-        except TemplateError:
-            text = ""
+        text, as_string = _render_probe(tpl)
         fam = detect_family(tpl.source, text)
         if fam is not None and not fam.fmt:
-            return TemplateTools(ToolFormat.FAMILY, True, fam.name)
+            return TemplateTools(ToolFormat.FAMILY, True, fam.name, as_string)
         if _HERMES.search(text):
             return TemplateTools(ToolFormat.HERMES, True, "hermes")
         if "[TOOL_CALLS]" in text:
@@ -142,12 +157,17 @@ def _arguments(raw: object) -> object:
     return raw
 
 
-def _calls(msg: ChatMessage) -> list[TemplateCall]:
+def _calls(msg: ChatMessage, string_arguments: bool = False) -> list[TemplateCall]:
     out: list[TemplateCall] = []
     for c in msg.get("tool_calls") or []:
         fn = c.get("function")
         fn = fn if isinstance(fn, Mapping) else {}
-        name, args = _text(fn.get("name")), _arguments(fn.get("arguments", "{}"))
+        raw = fn.get("arguments", "{}")
+        if string_arguments:
+            args: object = raw if isinstance(raw, str) else json.dumps(raw)
+        else:
+            args = _arguments(raw)
+        name = _text(fn.get("name"))
         out.append(
             {
                 "id": _text(c.get("id")),
@@ -168,18 +188,18 @@ def _mistral_id(call_id: str) -> str:
     return "".join(alphabet[(digest >> (6 * i)) % 62] for i in range(9))
 
 
-def _native(messages: list[ChatMessage], fmt: ToolFormat) -> list[ChatMessage]:
+def _native(messages: list[ChatMessage], tt: TemplateTools) -> list[ChatMessage]:
     """Hugging Face convention: assistant ``tool_calls`` with object arguments and string
     content (some templates fail on null), tool messages with ``tool_call_id`` and
     ``name`` (looked up from the call when the client left it out)."""
-    fix = _mistral_id if fmt is ToolFormat.MISTRAL else (lambda i: i)
+    fix = _mistral_id if tt.fmt is ToolFormat.MISTRAL else (lambda i: i)
     names: dict[str, str] = {}
     out = []
     for m in messages:
         checkpoint()  # the client may have left: stop between messages
         m = m.copy()
         if m.get("tool_calls"):
-            calls = _calls(m)
+            calls = _calls(m, tt.string_arguments)
             for c in calls:
                 names[c["id"]] = c["function"]["name"]
                 c["id"] = fix(c["id"])
@@ -345,7 +365,7 @@ def prepare(
     if tt.native:
         if spec.tools:
             extra["tools"] = [t.as_openai() for t in spec.tools]
-        return Prepared(_native(messages, tt.fmt) if has_history else messages, extra, tt.fmt)
+        return Prepared(_native(messages, tt) if has_history else messages, extra, tt.fmt)
     out = _rewritten(tt.fmt, messages) if has_history else messages
     if spec.tools:
         out = _with_system(out, system_text(tt.fmt, spec))
