@@ -21,6 +21,13 @@ function(lss_unity_targets)
       set_target_properties(${t} PROPERTIES UNITY_BUILD ON)
     endif()
   endforeach()
+  if(TARGET llama-common)
+    # json.cpp defines JSON_ASSERT before it includes nlohmann/json: compiled alone, as
+    # upstream, so that the definition holds in it and nowhere else
+    get_target_property(dir llama-common SOURCE_DIR)
+    set_source_files_properties("${dir}/json.cpp" TARGET_DIRECTORY llama-common
+      PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
+  endif()
   if(TARGET mtmd)
     get_target_property(dir mtmd SOURCE_DIR)
     get_target_property(srcs mtmd SOURCES)

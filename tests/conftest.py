@@ -27,16 +27,32 @@ SERIAL = {
     "test_router_e2e.py",
     "test_sleep_e2e.py",
 }
-# The slowest files, slowest first (measured: a whole-suite run with --durations). pytest-xdist
+# The slowest files, slowest first (by their server starts and long prompts). pytest-xdist
 # hands a file to whichever worker is free, in collection order (test.sh passes
 # --no-loadscope-reorder: xdist's own order, most tests first, sends these few-test files
 # last, where one worker may still run one while the other has nothing left). Longest first,
 # the files left at the end are short ones. Every other file keeps its place after these.
 SLOWEST_FIRST = (
     "test_webui_e2e.py",
-    "test_lora_e2e.py",
     "test_slots_e2e.py",
     "test_kv_options_e2e.py",
+    "test_lora_e2e.py",
+    "test_tenancy_e2e.py",
+    "test_image_tiers_e2e.py",
+    "test_deploy.py",
+    "test_tools_e2e.py",
+    "test_anthropic_e2e.py",
+    "test_streams_e2e.py",
+    "test_flags_e2e.py",
+    "test_structured_e2e.py",
+    "test_constraint_fuzz_e2e.py",
+    "test_lora_runtime_e2e.py",
+    "test_cache_reuse_e2e.py",
+    "test_draft_model_e2e.py",
+    "test_router_zygote.py",
+    "test_engine_e2e.py",
+    "test_security_e2e.py",
+    "test_metrics_e2e.py",
 )
 
 
