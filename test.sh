@@ -20,7 +20,7 @@ step() {
 sysdeps_log="$(mktemp)"
 "$ROOT/scripts/system-deps.sh" >"$sysdeps_log" 2>&1 &
 sysdeps_pid=$!
-trap 'kill "$sysdeps_pid" 2>/dev/null || true; rm -f "$sysdeps_log"' EXIT
+trap 'rm -f "$sysdeps_log"' EXIT # an apt run is never killed midway: it finishes on its own
 wait_sysdeps() {
   local rc=0
   wait "$sysdeps_pid" || rc=$?
