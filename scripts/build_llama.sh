@@ -133,8 +133,17 @@ if ! built; then
     { tail -40 "$DIR/configure.log" >&2; exit 1; }
   step_done
   step "building llama, ggml, mtmd and llama-server with $JOBS jobs (the long step, once)"
-  cmake --build "$BUILD" --target llama-server llama mtmd -j"$JOBS" >"$DIR/build.log" 2>&1 ||
-    { tail -60 "$DIR/build.log" >&2; exit 1; }
+  TARGETS=(--target llama-server llama mtmd -j"$JOBS")
+  if ! cmake --build "$BUILD" "${TARGETS[@]}" >"$DIR/build.log" 2>&1; then
+    # The unity batches are ours, not upstream's: should a llama.cpp update break one, build
+    # the way upstream does rather than fail (an empty include, configured again).
+    tail -20 "$DIR/build.log" >&2
+    log "the build failed; once more without the unity batches"
+    : >"$UNITY"
+    { cmake -S "$SRC" -B "$BUILD" >>"$DIR/configure.log" 2>&1 &&
+      cmake --build "$BUILD" "${TARGETS[@]}" >"$DIR/build.log" 2>&1; } ||
+      { tail -60 "$DIR/build.log" >&2; exit 1; }
+  fi
   [[ -x "$BIN" ]] || { echo "build finished but $BIN is missing" >&2; exit 1; }
   for lib in "${LIBS[@]}"; do
     [[ -f "$BUILD/bin/$lib" ]] || { echo "build finished but $BUILD/bin/$lib is missing" >&2; exit 1; }
