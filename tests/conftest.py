@@ -12,7 +12,7 @@ KINDS = ("unit", "e2e", "deploy")
 # Files whose tests measure latencies or race a watcher against the server: a second worker's
 # load would make them flaky, so ./test.sh runs them alone (marker ``serial``), after the rest.
 # A file with only a few such tests marks those itself (``@pytest.mark.serial``:
-# test_security_e2e, test_tenancy_e2e, test_llmd_e2e) and its other tests run on the workers.
+# test_security_e2e, test_tenancy_e2e) and its other tests run on the workers.
 SERIAL = {
     "test_constraint_safety_e2e.py",
     "test_cors_proxy_e2e.py",
