@@ -15,8 +15,20 @@ step() {
 }
 # The venv, llama.cpp built once (the wheel's libraries and llama-server from one CMake
 # build, cached under ~/.cache/llama-slot-server), the dependencies and the model.
+# The system packages (apt: network and disk) install while llama.cpp compiles (CPU): started
+# first, in the background, and waited for after the setup.
+sysdeps_log="$(mktemp)"
+"$ROOT/scripts/system-deps.sh" >"$sysdeps_log" 2>&1 &
+sysdeps_pid=$!
+trap 'rm -f "$sysdeps_log"' EXIT # an apt run is never killed midway: it finishes on its own
+wait_sysdeps() {
+  local rc=0
+  wait "$sysdeps_pid" || rc=$?
+  cat "$sysdeps_log"
+  return $rc
+}
 step "setup (venv, llama.cpp build, dependencies)" "$ROOT/scripts/bootstrap.sh" --dev
-step "system packages" "$ROOT/scripts/system-deps.sh"
+step "system packages (installed during the setup)" wait_sysdeps
 step "llama-server (same build)" bash -c "PYTHON='$PY' '$ROOT/scripts/build_llama.sh' --server >/dev/null"
 cd "$ROOT"
 step "smoke (model loads, one decode; llama-server runs)" "$PY" scripts/smoke.py
@@ -32,6 +44,8 @@ step "types" "$PY" -m mypy
 # ``serial`` ones on two workers (pytest-xdist, a file per worker at a time, one thread per
 # server, so the two cores are both busy while a server starts or a client waits); then the
 # ``serial`` ones (latencies, stalls, races) alone. Any other arguments: one plain pytest run.
+# --no-loadscope-reorder: files go out slowest first (tests/conftest.py SLOWEST_FIRST), not
+# in xdist's order (most tests first), which left the long few-test files for the end.
 run_tests() {
   local s rc=0
   s=$(date +%s)
@@ -44,7 +58,7 @@ run_tests() {
 rc=0
 if [[ $# -eq 0 || "$*" == "-q" ]]; then
   E2E_THREADS=1 run_tests "all but serial, 2 workers" "$PY" -m pytest "$@" -m "not serial" \
-    -n 2 --dist loadfile -p no:cacheprovider || rc=$?
+    -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider || rc=$?
   run_tests "serial" "$PY" -m pytest "$@" -m serial -p no:cacheprovider || rc=$?
 else
   run_tests "pytest $*" "$PY" -m pytest "$@" || rc=$?

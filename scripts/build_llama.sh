@@ -59,6 +59,11 @@ CMAKE_ARGS_ALL=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DCMAKE_PLATFO
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "${ARCH_ARGS[@]}")
 # The build's stamp: the variant and the configuration; either changing rebuilds what it must.
 STAMP="$VARIANT $(echo "${CMAKE_ARGS_ALL[*]}" | md5sum | cut -c1-12)"
+# How it is compiled, not what: the common library and the server's own code as unity builds
+# (scripts/llama_unity.cmake, copied beside the build), and the generator. Outside the stamp:
+# the same libraries and binary either way, so a build made without them is kept.
+UNITY="$DIR/llama_unity.cmake"
+CMAKE_HOW=("-DCMAKE_PROJECT_INCLUDE=$UNITY")
 BIN="$BUILD/bin/llama-server"
 WHEEL_DIR="${LLAMA_WHEEL_CACHE:-$CACHE_ROOT/wheels}/$VERSION/$VARIANT"
 LIBS=(libllama.so libggml.so libggml-base.so libggml-cpu.so libmtmd.so)
@@ -109,15 +114,36 @@ if ! built; then
     log "removing $BUILD (configured from another source tree or CPU)"
     rm -rf "$BUILD"
   fi
+  # Ninja when there is one (on PATH, or the `ninja` wheel beside $PY, installed here into a
+  # virtual environment when the system has none): it keeps both jobs busy where make's
+  # per-target steps leave one idle. Else make.
+  NINJA="$(command -v ninja || true)"
+  PYBIN="$(dirname "$PY")"
+  if [[ -z "$NINJA" && ! -x "$PYBIN/ninja" ]] &&
+    "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; then
+    "$PY" -m pip install -q --disable-pip-version-check ninja >&2 || log "no ninja wheel: make builds"
+  fi
+  [[ -z "$NINJA" && -x "$PYBIN/ninja" ]] && NINJA="$PYBIN/ninja"
   GEN=()
-  command -v ninja >/dev/null 2>&1 && [[ ! -f "$BUILD/Makefile" ]] && GEN=(-G Ninja)
+  [[ -n "$NINJA" && ! -f "$BUILD/Makefile" ]] && GEN=(-G Ninja "-DCMAKE_MAKE_PROGRAM=$NINJA")
   step "configuring llama.cpp $VERSION ($VARIANT) in $BUILD"
-  cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" "${CMAKE_ARGS_ALL[@]}" >"$DIR/configure.log" 2>&1 ||
+  cp "$ROOT/scripts/llama_unity.cmake" "$UNITY"
+  cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" "${CMAKE_ARGS_ALL[@]}" "${CMAKE_HOW[@]}" \
+    >"$DIR/configure.log" 2>&1 ||
     { tail -40 "$DIR/configure.log" >&2; exit 1; }
   step_done
   step "building llama, ggml, mtmd and llama-server with $JOBS jobs (the long step, once)"
-  cmake --build "$BUILD" --target llama-server llama mtmd -j"$JOBS" >"$DIR/build.log" 2>&1 ||
-    { tail -60 "$DIR/build.log" >&2; exit 1; }
+  TARGETS=(--target llama-server llama mtmd -j"$JOBS")
+  if ! cmake --build "$BUILD" "${TARGETS[@]}" >"$DIR/build.log" 2>&1; then
+    # The unity batches are ours, not upstream's: should a llama.cpp update break one, build
+    # the way upstream does rather than fail (an empty include, configured again).
+    tail -20 "$DIR/build.log" >&2
+    log "the build failed; once more without the unity batches"
+    : >"$UNITY"
+    { cmake -S "$SRC" -B "$BUILD" >>"$DIR/configure.log" 2>&1 &&
+      cmake --build "$BUILD" "${TARGETS[@]}" >"$DIR/build.log" 2>&1; } ||
+      { tail -60 "$DIR/build.log" >&2; exit 1; }
+  fi
   [[ -x "$BIN" ]] || { echo "build finished but $BIN is missing" >&2; exit 1; }
   for lib in "${LIBS[@]}"; do
     [[ -f "$BUILD/bin/$lib" ]] || { echo "build finished but $BUILD/bin/$lib is missing" >&2; exit 1; }

@@ -213,6 +213,7 @@ def test_template_raise_exception_is_a_client_error(make_server, tmp_path: Path)
     assert r.status_code == 400 and "first message must be user" in r.json()["error"]["message"]
 
 
+@pytest.mark.serial  # timed or racing: runs alone
 def test_storm_of_clients_with_early_disconnects(make_server):
     s = make_server("--metrics", "-np", "4", "-c", "4096")
     results = {"ok": 0, "dropped": 0, "errors": []}
@@ -251,6 +252,7 @@ def test_storm_of_clients_with_early_disconnects(make_server):
     assert s.client.post("/completion", json=after).json()["tokens_predicted"] == 4
 
 
+@pytest.mark.serial  # timed or racing: runs alone
 def test_queue_limit_answers_503_with_retry_after(make_server):
     s = make_server("-np", "1", "-c", "1024", "--max-queue", "1")
     codes: list[int] = []
@@ -275,6 +277,7 @@ def test_queue_limit_answers_503_with_retry_after(make_server):
     assert all(h == "1" for c, h in zip(codes, headers, strict=True) if c == 503)
 
 
+@pytest.mark.serial  # timed or racing: runs alone
 def test_request_timeout_ends_the_request_and_frees_the_slot(server):
     r = server.client.post(
         "/completion",
@@ -284,6 +287,7 @@ def test_request_timeout_ends_the_request_and_frees_the_slot(server):
     server.wait_idle(timeout=5)
 
 
+@pytest.mark.serial  # timed or racing: runs alone
 def test_sigterm_during_a_stream_exits_cleanly(make_server):
     s = make_server("-np", "1", "-c", "1024")
     got = []
@@ -302,6 +306,7 @@ def test_sigterm_during_a_stream_exits_cleanly(make_server):
     assert s.proc.wait(30) == 0
 
 
+@pytest.mark.serial  # timed or racing: runs alone
 def test_failed_load_answers_503_then_the_process_exits(tmp_path):
     """While the model loads, and once it has failed, requests get a fast 503 (never a hang
     or a 200); then the process exits with status 1, as llama-server does."""

@@ -116,6 +116,7 @@ def _kv_counter(s: ServerProc) -> float:
     return float(line.split()[-1])
 
 
+@pytest.mark.serial  # timed or racing: runs alone
 def test_a_full_kv_cache_is_an_error_not_a_quiet_length(make_server):
     # two slots of 64 + 400 tokens cannot both fit 640 cells; either alone can
     s = make_server("-np", "2", "-c", "640", "--metrics", "--no-cache-idle-slots")
@@ -146,6 +147,7 @@ def _read_stream(url: str, body: dict, got: list) -> None:
                 got.append(line[6:])
 
 
+@pytest.mark.serial  # timed or racing: runs alone
 def test_sigterm_lets_streams_finish_and_ends_the_rest_with_an_error(make_server):
     s = make_server("-np", "2", "-c", "4096")
     url = s.url + "/v1/completions"
