@@ -110,7 +110,7 @@ class Updater:
             self.finish(s, FinishReason.STOP)
             return False
         seq.generated.append(tok)
-        rel = run.stream.push(self.b.token_to_piece(tok))
+        rel = run.stream.push(self.b.token_to_piece(tok, tok in gen.preserved))
         if logprob is not None:
             run.logprobs.append(logprob)
         if rel.text or rel.stop:
