@@ -319,6 +319,9 @@ class GenParams:
     n_cache_reuse: int = -1
     # the reasoning budget (None: unlimited); server.slots.budget enforces it
     reasoning_budget: ReasoningBudget | None = None
+    # control tokens rendered as their text (llama.cpp renders them empty): the markers of
+    # the request's tool-call and reasoning syntax, which its parser reads
+    preserved: frozenset[int] = frozenset()
 
 
 class FinishReason(str, enum.Enum):

@@ -31,7 +31,7 @@ from ..api.tools.spec import ToolSpecError
 from ..constrained import Constraint
 from ..service.state import ServerState
 from ..service.submit import Prompt
-from ..service.tokenizer import tokenize, tokenize_at
+from ..service.tokenizer import control_tokens, tokenize, tokenize_at
 from ..service.validation import constraint_of
 from ..types import MediaError, PromptImage, image_placeholders
 
@@ -282,6 +282,7 @@ def plan_chat(st: ServerState, body: ChatRequest) -> ChatPlan:
             default_reasoning_format=s.reasoning_format.replace("deepseek-legacy", "deepseek"),
             chat_template_kwargs={**server_kwargs, **(body.chat_template_kwargs or {})},
             reasoning_effort=body.reasoning_effort or effort,
+            control=control_tokens(st.require_backend()),
         )
     except ToolSpecError as e:
         raise APIError(400, str(e)) from None

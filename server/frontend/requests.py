@@ -72,6 +72,7 @@ def chat_request(st: ServerState, body: ChatRequest, plan: ChatPlan) -> Submissi
         timings_per_token=body.timings_per_token,
         post_sampling=body.post_sampling_probs,
         budget=chat_budget(st, body, plan),
+        preserved=plan.preserved,
     )
 
 
@@ -87,6 +88,7 @@ def messages_request(
         stream=body.stream,
         return_progress=body.stream,
         budget=chat_budget(st, chat, plan),  # thinking.budget_tokens
+        preserved=plan.preserved,
     )
 
 
@@ -99,6 +101,7 @@ def responses_request(st: ServerState, chat: ChatRequest, plan: ChatPlan) -> Sub
         return_progress=chat.return_progress,
         timings_per_token=chat.timings_per_token,
         budget=chat_budget(st, chat, plan),
+        preserved=plan.preserved,
     )
 
 

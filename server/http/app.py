@@ -47,6 +47,7 @@ from ..routes import streams as stream_routes
 from ..service.adapters import registry_of
 from ..service.state import KeptModel, ServerState
 from ..service.streams import StreamLimits, StreamRegistry
+from ..service.tokenizer import control_tokens
 from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.priority import PriorityRule
@@ -320,6 +321,7 @@ def load(st: ServerState) -> None:
         else:
             backend = LlamaBackend(_backend_options(st, path), compiler=llama_compiler)
         backend.eog_tokens()  # the vocabulary pass here, not in a request's event loop
+        control_tokens(backend)  # likewise (plan_chat reads them on the event loop)
         # a compile child started now (beside the rest of the load), not by the first schema
         threading.Thread(target=worker.pool().warm, name="constraint-warm", daemon=True).start()
         st.backend = backend

@@ -13,12 +13,13 @@ import llama_cpp as L
 class SpecialToken:
     """A token the tokenizer cuts at: ``control`` ones (control, unknown) only when special
     tokens are parsed, user-defined ones always; ``lstrip``/``rstrip``: it eats the
-    whitespace on that side."""
+    whitespace on that side; ``id``: its token id."""
 
     text: str
     control: bool
     lstrip: bool
     rstrip: bool
+    id: int = -1
 
 
 def special_tokens(vocab: object, n_vocab: int) -> list[SpecialToken] | None:
@@ -41,6 +42,7 @@ def special_tokens(vocab: object, n_vocab: int) -> list[SpecialToken] | None:
                 bool(attr & control),
                 bool(attr & L.LLAMA_TOKEN_ATTR_LSTRIP),
                 bool(attr & L.LLAMA_TOKEN_ATTR_RSTRIP),
+                tok,
             )
         )
     return out

@@ -75,6 +75,8 @@ class Submission:
     post_sampling: bool = False
     # the reasoning budget (server.service.budget); a constrained request runs without it
     budget: BudgetAsk | None = None
+    # control tokens the answer renders as text (a chat plan's markers: api.tools.control)
+    preserved: frozenset[int] = frozenset()
 
 
 def _checked_prompts(job: Submission, backend: ModelBackend) -> list[Prompt]:
@@ -127,6 +129,7 @@ def _gen_params(st: ServerState, body: SamplingFields, job: Submission) -> GenPa
         n_keep=st.settings.keep if body.n_keep is None else body.n_keep,
         n_discard=body.n_discard,
         n_cache_reuse=-1 if body.n_cache_reuse is None else body.n_cache_reuse,
+        preserved=job.preserved,
     )
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..api.cancel import checkpoint
+from ..api.tools.control import NO_CONTROL, ControlTokens
 from ..slots.model_api import Tokenizer
 
 CHUNK = 16 * 1024  # characters per piece (a piece holds a few hundred special tokens)
@@ -39,6 +40,7 @@ class Special:
     control: bool = True
     lstrip: bool = False
     rstrip: bool = False
+    id: int = -1
 
 
 class Splitter:
@@ -124,7 +126,7 @@ def _read_specials(backend: Tokenizer) -> list[Special] | None:
     specials = own()
     if specials is None:
         return None
-    return [Special(t.text, t.control, t.lstrip, t.rstrip) for t in specials]
+    return [Special(t.text, t.control, t.lstrip, t.rstrip, t.id) for t in specials]
 
 
 @dataclass
@@ -151,6 +153,29 @@ def splitter_of(backend: Tokenizer, parse_special: bool) -> Splitter | None:
                 got = _Splitters(parsed if parsed.usable else None, raw if raw.usable else None)
             _cache[backend] = got
     return got.parsed if parse_special else got.raw
+
+
+_control: weakref.WeakKeyDictionary[Tokenizer, ControlTokens] = weakref.WeakKeyDictionary()
+
+
+def control_tokens(backend: Tokenizer) -> ControlTokens:
+    """The backend's control tokens (read once per backend; none for a test fake): control
+    ones, and user-defined ones written ``<...>``, which llguidance takes for special
+    tokens too (``constrained.matcher.ConstraintVocab.from_llama``), so no grammar's
+    literal text matches them either."""
+    with _lock:
+        got = _control.get(backend)
+        if got is None:
+            specials = _read_specials(backend)
+            got = NO_CONTROL
+            if specials:
+                got = ControlTokens.of((t.text, t.id) for t in specials if _marker(t) and t.id >= 0)
+            _control[backend] = got
+    return got
+
+
+def _marker(t: Special) -> bool:
+    return t.control or (t.text.startswith("<") and t.text.endswith(">"))
 
 
 def _ends(

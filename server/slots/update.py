@@ -117,7 +117,7 @@ class Updater:
             return False
         seq.generated.append(tok)
         stream = run.stream
-        piece = self.b.token_to_piece(tok)
+        piece = self.b.token_to_piece(tok, tok in gen.preserved)
         if stream.stops:
             text, stop = stream.push(piece)
         else:  # no Release to build: the usual run, every token

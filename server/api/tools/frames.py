@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..chat import ChatTemplate, TemplateError
+from .control import NO_CONTROL, ControlTokens
 from .spec import Tool
 
 FN = "probe_fn"
@@ -176,6 +177,12 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False) if text else ""
 
 
+def _markup(text: str, control: ControlTokens) -> str:
+    """A frame's literal markup in Lark: its control tokens by id (``<[id]>``: no literal
+    text matches a control token), the rest as strings."""
+    return " ".join(_lit(p) if isinstance(p, str) else f"<[{p}]>" for p in control.split(text))
+
+
 def _json_island(schema: dict[str, object]) -> str:
     given = schema.get("x-guidance") or {}
     # not an object: left as it is, for llguidance to refuse (a 400, as outside a frame)
@@ -197,7 +204,7 @@ def _string(schema: dict[str, object]) -> str:
     return f"/[^<]{{0,{n}}}/"
 
 
-def _args_rule(f: Frame, tool: Tool) -> str:
+def _args_rule(f: Frame, tool: Tool, control: ControlTokens) -> str:
     if not f.params:
         return _json_island(tool.parameters)
     props = tool.parameters.get("properties") or {}
@@ -205,24 +212,26 @@ def _args_rule(f: Frame, tool: Tool) -> str:
     listed = tool.parameters.get("required") or []
     required = set(listed) if isinstance(listed, list) else set()
     parts = []
+    p_open, p_close = _markup(f.p_open, control), _markup(f.p_close, control)
     for key, sub in props.items():
         sub = sub if isinstance(sub, dict) else {}
         if sub.get("type") == "string":
-            value = f"{_lit(f.p_str)} {_string(sub)}" if f.p_str else _string(sub)
+            value = f"{_markup(f.p_str, control)} {_string(sub)}" if f.p_str else _string(sub)
         else:
-            value = f"{_lit(f.p_num)} {_json_island(sub)}" if f.p_num else _json_island(sub)
-        item = f"{_lit(f.p_open)} {_lit(key)} {value} {_lit(f.p_close)}"
+            island = _json_island(sub)
+            value = f"{_markup(f.p_num, control)} {island}" if f.p_num else island
+        item = f"{p_open} {_lit(key)} {value} {p_close}"
         parts.append(f"({item})" + ("" if key in required else "?"))
     return " ".join(parts) or '""'
 
 
-def grammar(f: Frame, tools: list[Tool]) -> str:
+def grammar(f: Frame, tools: list[Tool], control: ControlTokens = NO_CONTROL) -> str:
     """Lark (llguidance's dialect) for one call of one of ``tools`` in frame ``f`` (one: the
-    frame holds the family's section markers, which a second call would not repeat)."""
-    alts = [
-        f" {_lit(t.name)} ".join(_lit(h) for h in f.head) + f" {_args_rule(f, t)} {_lit(f.tail)}"
-        for t in tools
-    ]
+    frame holds the family's section markers, which a second call would not repeat); the
+    markup's ``control`` tokens are named by id."""
+    head = [_markup(h, control) for h in f.head]
+    tail = _markup(f.tail, control)
+    alts = [f" {_lit(t.name)} ".join(head) + f" {_args_rule(f, t, control)} {tail}" for t in tools]
     rule = "call: " + "\n    | ".join(a.strip() for a in alts)
     return f"start: call\n{rule}\n"
 

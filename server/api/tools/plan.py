@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ...constrained import Constraint, ConstraintError, json_schema_constraint, lark_constraint
 from ..chat import ChatTemplate
+from .control import NO_CONTROL, ControlTokens
 from .families import BY_NAME, reasoning_tags
 from .frames import Frame, derive, grammar
 from .harmony import HarmonyParser
@@ -41,6 +42,10 @@ class ChatPlan:
     family: str = ""  # families.Family.name (``fmt`` FAMILY: its parser reads the calls)
     tags: tuple[str, str] = ("<think>", "</think>")  # the family's reasoning tags
     frame: Frame | None = None  # a forced call's frame in the family's syntax
+    control: ControlTokens = NO_CONTROL  # the model's control tokens (control.py)
+    # the control tokens the answer renders as text: the template's markers, which the
+    # parser reads (empty for a plain answer: llama.cpp's default, no special pieces)
+    preserved: frozenset[int] = frozenset()
 
     def parser(self) -> OutputParser:
         """A fresh parser for one choice."""
@@ -96,7 +101,7 @@ class ChatPlan:
             if self.spec.choice != "function" or t.name == self.spec.forced_name
         ]
         try:
-            return lark_constraint(grammar(self.frame, tools))
+            return lark_constraint(grammar(self.frame, tools, self.control))
         except ConstraintError as e:
             raise ToolSpecError(f"cannot force a tool call: the tools' parameters: {e}") from None
 
@@ -127,8 +132,10 @@ def plan_chat(
     default_reasoning_format: str = "auto",
     chat_template_kwargs: dict[str, object] | None = None,
     reasoning_effort: str | None = None,
+    control: ControlTokens = NO_CONTROL,
 ) -> ChatPlan:
-    """The plan of a chat request; ToolSpecError (a 400) for malformed fields."""
+    """The plan of a chat request; ToolSpecError (a 400) for malformed fields. ``control``:
+    the model's control tokens (markers named by id in grammars, rendered in answers)."""
     spec = tool_spec(tools, tool_choice, parallel_tool_calls)
     fmt = template_tools(template).fmt if spec.tools else ToolFormat.GENERIC
     rf = reasoning_format or default_reasoning_format
@@ -136,6 +143,7 @@ def plan_chat(
         raise ToolSpecError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}")
     kw = _kwargs(chat_template_kwargs, reasoning_effort)
     plan = ChatPlan(spec, fmt, rf != "none", kw, tags=reasoning_tags(template.source))
+    plan.control = control
     tt = template_tools(template)
     if spec.tools and fmt is ToolFormat.FAMILY:
         plan.family = tt.family
@@ -151,7 +159,24 @@ def plan_chat(
     elif spec.forced and tt.native and fmt in _FRAMED and not spec.parallel:
         # the template's own bytes (a frame) where it renders one call; else the JSON shape
         plan.frame = _frame(template, kw)
+    if not plan.plain or plan.family == "gpt-oss":
+        plan.preserved = _preserved(control, template.source)
     return plan
+
+
+_preserved_of: dict[tuple[int, str], tuple[ControlTokens, frozenset[int]]] = {}
+
+
+def _preserved(control: ControlTokens, source: str) -> frozenset[int]:
+    """``control.preserved(source)``, cached per vocabulary and template (one scan; the
+    entry holds its ControlTokens, so an id is never reused while it is cached)."""
+    key = (id(control), source)
+    got = _preserved_of.get(key)
+    if got is None or got[0] is not control:
+        if len(_preserved_of) > 16:
+            _preserved_of.clear()
+        got = _preserved_of[key] = (control, control.preserved(source))
+    return got[1]
 
 
 # JSON formats whose one forced call follows the template's frame (Mistral's [TOOL_CALLS]
