@@ -230,11 +230,9 @@ def test_a_large_file_is_read_into_private_huge_page_memory(tmp_path):
     assert bytes(p.buf[p.state_off + 8 : p.state_off + 16]) == bytes(big[8:16])
 
 
-def test_finish_file_reports_the_time_of_each_part(tmp_path):
+def test_write_file_reports_the_time_of_each_part_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "s.bin"
-    tmp = sf.temp_for(path)
-    tmp.write_bytes(struct.pack("<III", sf.GGSQ_MAGIC, VERSION, 0) + bytes(64))
     parts: dict[str, float] = {}
-    sf.finish_file(tmp, path, [], parts=parts)
-    assert set(parts) == {"appendices", "sync", "rename"} and min(parts.values()) >= 0
-    assert path.exists() and not tmp.exists()
+    n = sf.write_file(path, [1, 2], state_buf(), VERSION, [], tenant="t", parts=parts)
+    assert set(parts) == {"write", "sync", "rename"} and min(parts.values()) >= 0
+    assert path.stat().st_size == n and [p.name for p in tmp_path.iterdir()] == ["s.bin"]
