@@ -4,8 +4,9 @@ that are plain I/O, kept fast.
 ``StateBuffers``: pre-faulted memory reused across saves and restores. A fresh buffer of a
 20 MiB state costs ~5,000 page faults (4 KiB pages) or the zeroing of ten huge pages on its
 first touch, as much as the copy itself; a reused one costs neither. At most one idle
-buffer is kept (the largest, up to ``keep_max`` bytes), so the memory held is bounded by
-one state.
+buffer is kept (the largest, up to ``keep_max`` bytes: 128 MiB, a 4,000-token Gemma 3
+270M state is 20 MiB), so the memory held is bounded by one state; larger states get a
+fresh buffer each time, as before.
 
 ``write_durable``: the file's pieces written in chunks with the device's writeback started
 after each (sync_file_range, Linux), so the final fdatasync waits for the last chunk only,
@@ -54,7 +55,7 @@ class StateBuffers:
     A buffer that may still be in use (a cancelled request whose engine command is queued)
     must never be given back: it is simply dropped."""
 
-    def __init__(self, keep_max: int = 512 << 20) -> None:
+    def __init__(self, keep_max: int = 128 << 20) -> None:
         self.keep_max = keep_max
         self._idle: FileBuf | None = None
         self._lock = threading.Lock()
