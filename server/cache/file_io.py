@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -34,8 +36,6 @@ def new_buffer(size: int) -> FileBuf:
     """Private memory of ``size`` bytes. From HUGE_BUFFER_MIN bytes, anonymous memory
     asked for transparent huge pages (a bytearray is zero-filled, then faulted in 4 KiB
     pages); never a file mapped, so a file truncated meanwhile cannot SIGBUS us."""
-    import mmap
-
     if size < HUGE_BUFFER_MIN:
         return bytearray(size)
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -104,14 +104,11 @@ class Laps:
     """Laps of wall time in milliseconds, added to ``parts`` by name (nothing without)."""
 
     def __init__(self, parts: dict[str, float] | None) -> None:
-        import time
-
-        self._now = time.perf_counter
-        self.parts, self.t = parts, self._now()
+        self.parts, self.t = parts, time.perf_counter()
 
     def lap(self, name: str) -> None:
         if self.parts is not None:
-            now = self._now()
+            now = time.perf_counter()
             self.parts[name] = self.parts.get(name, 0.0) + (now - self.t) * 1e3
             self.t = now
 
