@@ -457,8 +457,8 @@ async def w5_slot_save_restore(ctx: Ctx, srv: ServerProcess, rep: int) -> Sample
 # restore_parts_ms); llama-server reports none (n/a)
 _W5_PARTS = {
     "save": {
-        "state": "llama.cpp copies the state, writes the body",
-        "appendices": "checkpoint appendix written",
+        "state": "llama.cpp copies the state into a reused buffer",
+        "write": "file written (body, checkpoint appendix, footer)",
         "sync": "fdatasync",
         "rename": "rename + directory fsync",
     },

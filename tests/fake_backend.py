@@ -410,10 +410,13 @@ class FakeBackend:
             cells.seqs.append((0,))
         return [cells], start + 5 + 8 * n
 
-    def state_save_file(self, path: str, seq: int, tokens: list[int]) -> int:
-        """The plain fake writes no slot files (0: llama.cpp could not write);
-        test_slot_tenancy's FileBackend writes llama.cpp's format."""
-        return 0
+    def state_get_into(self, seq: int, buf, size: int) -> int:
+        """``state_get`` copied into ``buf`` (llama.cpp's llama_state_seq_get_data_ext)."""
+        data = self.state_get(seq)
+        if len(data) != size or len(buf) < size:
+            return 0
+        buf[:size] = data
+        return size
 
     # ---- embeddings (none here: test_embeddings' EmbedBackend computes them) ----
     def set_embeddings(self, on: bool) -> None:

@@ -10,10 +10,10 @@ loads it into a slot: ``SlotStore.restore(slot, state, trusted)``.
   - a ``StateBuf`` (bytearray or ctypes array): in our memory, llama_state_seq_get_data's
     buffer (8-byte header + state bytes): a RAM entry, a disk write still queued;
   - ``InBuffer``: a file (slot file or disk-tier file) read into one buffer of ours, the
-    state at an offset, its appendices after it;
+    state at an offset, its appendices after it; or a slot's state copied into a reused
+    buffer to be written as a slot file (SaveSlot);
   - ``InSlot``: still in a slot's KV cache (a snapshot: read on demand), or already loaded
     into the slot restoring it (a slot file's appendices, parsed after its state);
-  - ``InFile``: written by llama.cpp to a file (a slot file's body, SaveSlot);
   - ``OnDisk``: a disk-tier file indexed from its header and trailer, not read yet (the
     disk index's entries, ``disk_files.DiskEntry``: a SavedState of that shape).
 
@@ -38,8 +38,9 @@ from enum import Enum
 from ..types import Checkpoint, StateBuf
 
 # A file's bytes read into memory of ours: a bytearray, or anonymous memory in huge pages
-# (slot_file.file_buffer), never the file itself mapped.
-FileBuf = bytearray | mmap.mmap
+# (slot_file.file_buffer), never the file itself mapped; or a view of the first bytes of
+# such a buffer, reused (file_io.BUFFERS).
+FileBuf = bytearray | mmap.mmap | memoryview
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,6 @@ class InSlot:
 
 
 @dataclass(frozen=True)
-class InFile:
-    """The state's body written by llama.cpp to ``path`` (llama_state_seq_save_file): the
-    appendices (checkpoints, draft, KV types) and footer are still to be appended."""
-
-    path: str
-
-    def __len__(self) -> int:
-        return 0
-
-
-@dataclass(frozen=True)
 class OnDisk:
     """The state is in a disk-tier file not read yet (``disk_files.DiskEntry``): ``name``
     in the tier's directory, ``nbytes`` long, its body (state and appendices) ending at
@@ -104,7 +94,7 @@ class OnDisk:
         return self.nbytes
 
 
-Where = StateBuf | InBuffer | InSlot | InFile | OnDisk
+Where = StateBuf | InBuffer | InSlot | OnDisk
 
 
 class Extras(Enum):

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import collections
 import logging
-import mmap
 import os
 import struct
 import tempfile
-import time
 import unicodedata
 from array import array
 from dataclasses import dataclass
@@ -41,7 +39,7 @@ from pathlib import Path
 
 from ..llama.ggml_types import cache_type_name
 from ..types import Checkpoint, StateBuf
-from . import image_file
+from . import file_io, image_file
 from .saved import Extras, FileBuf, InSlot, SavedState
 
 log = logging.getLogger("server.slotfile")
@@ -106,6 +104,8 @@ class ParsedFile:
     n_read: int
     end: int = -1  # where the state and its appendices end (before the STNT footer)
     tenant: str | None = None  # the saving request's tenant (STNT); None: not recorded
+    # the pooled buffer ``buf`` views (file_io.BUFFERS), to give back once nothing reads it
+    pooled: FileBuf | None = None
 
     def __post_init__(self) -> None:
         if self.end < 0:
@@ -128,24 +128,13 @@ def _unpack_tokens(raw: array) -> list[int]:
 
 
 # Files from this size are read into huge pages (``file_buffer``).
-HUGE_BUFFER_MIN = 2 << 20
+HUGE_BUFFER_MIN = file_io.HUGE_BUFFER_MIN
 
 
 def file_buffer(size: int) -> FileBuf:
-    """Private memory of ``size`` bytes for a file to be read into. From HUGE_BUFFER_MIN
-    bytes, anonymous memory asked for transparent huge pages: a bytearray is zero-filled,
-    then faulted in 4 KiB pages as the kernel copies into it (a 27 MiB slot file: ~7,000
-    faults, which cost 2-3x the copy itself); 2 MiB pages cost a few hundred times fewer.
-    Anonymous, never the file mapped: a file truncated meanwhile cannot SIGBUS us."""
-    if size < HUGE_BUFFER_MIN:
-        return bytearray(size)
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere plain pages
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP disabled: plain pages, still not zero-filled twice
-            pass
-    return buf
+    """Private memory of ``size`` bytes for a file to be read into (file_io.new_buffer:
+    huge pages from HUGE_BUFFER_MIN bytes, never the file mapped)."""
+    return file_io.new_buffer(size)
 
 
 def pread_into(fd: int, buf: FileBuf) -> int:
@@ -177,11 +166,39 @@ def read_file(
     # Read into our own buffer, never mapped: a file that another process (a replica sharing
     # the directory, a user) truncates while it is restored is then a short read and a 400,
     # not a SIGBUS that kills the server.
-    buf = file_buffer(size)
-    with open(path, "rb") as f:
-        got = pread_into(f.fileno(), buf)
-    if got < size:
-        raise SlotFileError(f"slot file changed while read ({got} of {size} bytes)")
+    # a reused buffer (file_io.BUFFERS): already faulted in, so the read is one copy
+    pooled = file_io.BUFFERS.take(size)
+    buf = pooled if len(pooled) == size else memoryview(pooled)[:size]
+    try:
+        with open(path, "rb") as f:
+            got = pread_into(f.fileno(), buf)
+        if got < size:
+            raise SlotFileError(f"slot file changed while read ({got} of {size} bytes)")
+        return _parse(buf, size, n_ctx, n_vocab, seq, version, projector, pooled)
+    except SlotFileError:
+        file_io.BUFFERS.give(pooled)  # nothing else holds it: refused before any use
+        raise
+
+
+def release(parsed: ParsedFile) -> None:
+    """Give a parsed file's buffer back for the next save or restore: only once nothing
+    reads it any more (the engine has loaded the state, its appendices are copied out)."""
+    pooled, parsed.pooled = parsed.pooled, None
+    if pooled is not None:
+        file_io.BUFFERS.give(pooled)
+
+
+def _parse(
+    buf: FileBuf,
+    size: int,
+    n_ctx: int,
+    n_vocab: int,
+    seq: int,
+    version: int,
+    projector: bytes | None,
+    pooled: FileBuf | None,
+) -> ParsedFile:
+    """``read_file``'s checks of the ``size`` bytes read into ``buf``."""
     n_read = size
     magic, file_version, n_tokens = struct.unpack_from("<III", buf, 0)
     if magic != GGSQ_MAGIC:
@@ -219,7 +236,7 @@ def read_file(
     struct.pack_into("<Ii", buf, state_off, STATE_HEADER_MAGIC, seq)
     if block is not None:
         end = block.start  # the state and its appendices end where the image block starts
-    return ParsedFile(tokens, buf, state_off, n_read, end, tenant)
+    return ParsedFile(tokens, buf, state_off, n_read, end, tenant, pooled)
 
 
 def read_tenant(buf: bytes | FileBuf, body: int) -> tuple[str | None, int]:
@@ -460,19 +477,6 @@ def image_block(tokens: list[int], projector: bytes | None) -> bytes:
         raise SlotFileError(f"the slot cannot be saved: {e}", 500) from None
 
 
-class _Clock:
-    """Laps of wall time in milliseconds, added to ``parts`` by name (nothing without)."""
-
-    def __init__(self, parts: dict[str, float] | None) -> None:
-        self.parts, self.t = parts, time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        if self.parts is not None:
-            now = time.perf_counter()
-            self.parts[name] = self.parts.get(name, 0.0) + (now - self.t) * 1e3
-            self.t = now
-
-
 def temp_for(path: Path) -> Path:
     """A new temporary file beside ``path`` (same directory, so the final rename is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".slot", dir=path.parent)
@@ -481,72 +485,39 @@ def temp_for(path: Path) -> Path:
     return Path(tmp)
 
 
-def finish_file(
-    tmp: Path,
-    path: Path,
-    checkpoints: list[Checkpoint],
-    draft: bytes | bytearray = b"",
-    kv_types: tuple[int, int] | None = None,
-    tenant: str | None = None,
-    images: bytes = b"",
-    parts: dict[str, float] | None = None,
-) -> int:
-    """Append the appendices (SCKP, SDFT with a ``draft`` state, SKVT with ``kv_types``), the
-    SIMG block naming the state's ``images`` (server.cache.image_file.encode) and the STNT
-    footer (with a ``tenant``) to the body in ``tmp``, make it durable (fdatasync),
-    rename it to ``path``, fsync the directory. A crash or a full disk never leaves a
-    partial file under ``path``; the temporary file is removed on failure. Returns the
-    file's size."""
-    clock = _Clock(parts)
-    try:
-        with open(tmp, "ab") as f:
-            for part in appendix_parts(checkpoints, draft, kv_types):
-                f.write(part)
-            f.write(images)
-            for part in tenant_parts(tenant):
-                f.write(part)
-            f.flush()
-            clock.lap("appendices")
-            os.fdatasync(f.fileno())
-            clock.lap("sync")
-            written = f.tell()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    clock.lap("rename")
-    return written
-
-
 def write_file(
     path: Path,
     tokens: list[int],
-    state: StateBuf,
+    state: StateBuf | FileBuf,
     version: int,
     checkpoints: list[Checkpoint],
     draft: bytes | bytearray = b"",
     kv_types: tuple[int, int] | None = None,
     tenant: str | None = None,
     images: bytes = b"",
+    nbytes: int | None = None,
+    parts: dict[str, float] | None = None,
 ) -> int:
-    """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header + state
-    bytes), byte for byte what llama_state_seq_save_file writes, then the appendices and,
-    with a ``tenant``, the STNT footer."""
-    mv = memoryview(state).cast("B")
-    if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != STATE_HEADER_MAGIC:
-        raise SlotFileError("unexpected sequence state layout", 500)
-    tmp = temp_for(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<III", GGSQ_MAGIC, version, len(tokens)))
-            f.write(array("i", tokens).tobytes())
-            f.write(mv[8:])
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return finish_file(tmp, path, checkpoints, draft, kv_types, tenant, images)
+    """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header +
+    state bytes, the first ``nbytes`` of ``state``; None: all of it): the body byte for byte
+    what llama_state_seq_save_file writes, then the appendices, the SIMG block naming its
+    ``images`` and, with a ``tenant``, the STNT footer; durable (file_io.write_durable:
+    fdatasync, atomic rename, directory fsync). Returns the file's size; ``parts`` gets
+    the milliseconds of "write", "sync" and "rename"."""
+    with memoryview(state) as whole, whole.cast("B") as flat:
+        mv = flat[: len(flat) if nbytes is None else nbytes]
+        if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != STATE_HEADER_MAGIC:
+            raise SlotFileError("unexpected sequence state layout", 500)
+        pieces: list[bytes | memoryview] = [
+            struct.pack("<III", GGSQ_MAGIC, version, len(tokens)),
+            array("i", tokens).tobytes(),
+            mv[8:],
+            *appendix_parts(checkpoints, draft, kv_types),
+            images,
+            *tenant_parts(tenant),
+        ]
+        tmp = temp_for(path)
+        try:
+            return file_io.write_durable(tmp, path, pieces, file_io.Laps(parts))
+        finally:
+            mv.release()

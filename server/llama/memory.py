@@ -75,6 +75,19 @@ class SeqMemory:
             raise RuntimeError(f"state_seq_get_data returned {n} of {size} bytes")
         return buf
 
+    def state_get_into(self, seq: int, buf: bytearray | mmap.mmap | memoryview, size: int) -> int:
+        """Copy the sequence's state (``size`` bytes: ``state_size``) into the start of
+        ``buf`` (at least that long: a reused buffer of ours, so the copy faults in no
+        pages); the bytes copied, 0 when they are not exactly ``size``."""
+        if size <= 0 or len(buf) < size:
+            return 0
+        dst = (ctypes.c_uint8 * size).from_buffer(buf)
+        try:
+            n = L.llama_state_seq_get_data_ext(self.ctx, dst, size, seq, 0)
+        finally:
+            del dst  # the export ends here: the buffer may be reused or closed
+        return int(n) if n == size else 0
+
     def state_set(
         self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
     ) -> int:
@@ -87,7 +100,7 @@ class SeqMemory:
         return int(L.llama_state_seq_set_data_ext(self.ctx, ptr, size, seq, flags))
 
     def state_cells(
-        self, data: StateBuf | bytes | mmap.mmap, nbytes: int, start: int = 0
+        self, data: StateBuf | bytes | mmap.mmap | memoryview, nbytes: int, start: int = 0
     ) -> tuple[list[CacheCells], int] | None:
         """The cells a one-sequence state's bytes (from ``start``) describe, read without
         loading them, and the offset where the state ends; None when this memory's format is
@@ -110,7 +123,3 @@ class SeqMemory:
             ]
         except StateFormatError as e:
             raise RuntimeError(f"cannot read the KV cache's state: {e}") from e
-
-    def state_save_file(self, path: str, seq: int, tokens: list[int]) -> int:
-        arr = (L.llama_token * max(1, len(tokens)))(*tokens)
-        return int(L.llama_state_seq_save_file(self.ctx, path.encode(), seq, arr, len(tokens)))

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from ..api.errors import APIError
 from ..api.json_body import parse_json_body
 from ..api.schemas import SlotActionBody
-from ..cache import slot_file, tenancy
+from ..cache import file_io, slot_file, tenancy
+from ..cache.saved import InBuffer
 from ..service.state import ServerState, tenant_of
 from ..slots.commands import (
     AttachAppendices,
@@ -174,7 +175,8 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         name = _filename(await request.body())
         path = slot_file.resolve(st.settings.slot_save_path, name)
         if action == "save":
-            return await _save(engine, sid, path, name, who, projector_key(st))
+            version = st.require_backend().state_file_version
+            return await _save(engine, sid, path, name, who, projector_key(st), version)
         return await _restore(st, engine, sid, path, name, who)
     except slot_file.SlotFileError as e:
         _record(engine, failures=1)
@@ -188,22 +190,16 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
 
 
 async def _save(
-    engine: Engine, sid: int, path: Path, name: str, who: Caller, key: bytes | None
+    engine: Engine, sid: int, path: Path, name: str, who: Caller, key: bytes | None, version: int
 ) -> dict[str, object]:
-    """The engine writes the body (SaveSlot); the appendices, fsync and rename happen off
-    the engine thread."""
+    """The engine copies the state into a reused buffer (SaveSlot); the file is written,
+    made durable and renamed off the engine thread, then the buffer is given back."""
     t0 = time.perf_counter()
-    tmp = slot_file.temp_for(path)
-    parts: dict[str, float] = {"temp": (time.perf_counter() - t0) * 1e3}
-    try:
-        t = time.perf_counter()
-        saved = _unwrap(engine, await _run(engine, SaveSlot(sid, str(tmp), who)))
-        # llama.cpp's copy of the state and write of the body, and the wait for the engine
-        parts["state"] = saved.state_ms
-        parts["engine_wait"] = (time.perf_counter() - t) * 1e3 - saved.state_ms
-        written = await asyncio.to_thread(_finish, tmp, path, saved, key, parts)
-    finally:
-        tmp.unlink(missing_ok=True)
+    saved = _unwrap(engine, await _run(engine, SaveSlot(sid, who)))
+    # llama.cpp's copy of the state, and the wait for the engine (queue and thread hops)
+    parts: dict[str, float] = {"state": saved.state_ms}
+    parts["engine_wait"] = (time.perf_counter() - t0) * 1e3 - saved.state_ms
+    written = await asyncio.to_thread(_write, path, saved, key, version, parts)
     _record(engine, saves=1, bytes_written=written)
     return {
         "id_slot": sid,
@@ -214,16 +210,32 @@ async def _save(
     }
 
 
-def _finish(
-    tmp: Path, path: Path, saved: SlotSaved, key: bytes | None, parts: dict[str, float]
+def _write(
+    path: Path, saved: SlotSaved, key: bytes | None, version: int, parts: dict[str, float]
 ) -> int:
-    """The saved state's extras as appendices, its images as the SIMG block, then fsync
-    and rename (slot_file.finish_file), in one worker trip; the file's size."""
+    """The slot file: body, appendices, SIMG block naming its images, STNT footer, then
+    fdatasync and rename (slot_file.write_file), in one worker trip; the file's size. The
+    state's buffer is given back once written (dropped on failure: never reused while a
+    write may still read it)."""
     s = saved.state
+    where = s.data
+    assert isinstance(where, InBuffer)
     images = slot_file.image_block(s.tokens, key)
-    return slot_file.finish_file(
-        tmp, path, s.checkpoints, s.data_dft, s.kv_types, saved.owner, images, parts
+    n = slot_file.write_file(
+        path,
+        s.tokens,
+        where.buf,
+        version,
+        s.checkpoints,
+        s.data_dft,
+        s.kv_types,
+        saved.owner,
+        images,
+        nbytes=where.end,
+        parts=parts,
     )
+    file_io.BUFFERS.give(where.buf)
+    return n
 
 
 def projector_key(st: ServerState) -> bytes | None:
@@ -248,10 +260,14 @@ def _read_and_plan(
     parsed = slot_file.read_file(path, n_ctx, b.n_vocab, sid, b.state_file_version, projector)
     t1 = time.perf_counter()
     parts["read"] = (t1 - t0) * 1e3
-    refusal = who.file_refusal(parsed, name)
-    if refusal is not None:
-        raise APIError(refusal.status, refusal.message)
-    plan = plan_restore(b, parsed, keep)
+    try:
+        refusal = who.file_refusal(parsed, name)
+        if refusal is not None:
+            raise APIError(refusal.status, refusal.message)
+        plan = plan_restore(b, parsed, keep)
+    except BaseException:
+        slot_file.release(parsed)  # nothing else holds its buffer yet
+        raise
     parts["proof"] = (time.perf_counter() - t1) * 1e3
     return parsed, plan
 
@@ -287,6 +303,9 @@ async def _restore(
         app = await asyncio.to_thread(parse_after_state, parsed, pos, keep)
         loaded = await _run(engine, AttachAppendices(sid, list(parsed.tokens), app, who))
         parts["appendices"] = (time.perf_counter() - t) * 1e3
+    # the engine has loaded the state and the checkpoints are copied out: the buffer is
+    # free for the next save or restore (a cancelled request drops it instead)
+    slot_file.release(parsed)
     got = _unwrap(engine, loaded)
     for w in got.warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)

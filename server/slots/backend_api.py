@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..cache.saved import FileBuf
 from ..types import CacheCells, SamplingParams, StateBuf, TokenLogprob, TokenMatcher
 
 
@@ -52,11 +53,16 @@ class SeqMemory(Protocol):
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None: ...
     def state_size(self, seq: int, partial: bool = False) -> int: ...
     def state_get(self, seq: int, partial: bool = False, size: int | None = None) -> StateBuf: ...
+    def state_get_into(self, seq: int, buf: FileBuf, size: int) -> int:
+        """Copy the state (``size`` bytes, ``state_size``) into the start of ``buf``; the
+        bytes copied, 0 on failure."""
+        ...
+
     def state_set(
         self, seq: int, data: StateBuf, partial: bool = False, nbytes: int | None = None
     ) -> int: ...
     def state_cells(
-        self, data: StateBuf | bytes | mmap.mmap, nbytes: int, start: int = 0
+        self, data: StateBuf | bytes | mmap.mmap | memoryview, nbytes: int, start: int = 0
     ) -> tuple[list[CacheCells], int] | None:
         """Reads ``data`` only: any buffer of state bytes (a file's, a cache entry's)."""
         ...
@@ -126,11 +132,6 @@ class Backend(SeqMemory, Protocol):
     @property
     def add_bos(self) -> bool:
         """Whether the vocabulary starts a text with BOS (a context shift keeps it)."""
-        ...
-
-    def state_save_file(self, path: str, seq: int, tokens: list[int]) -> int:
-        """llama_state_seq_save_file of ``seq`` holding ``tokens``; bytes written, 0 on
-        failure."""
         ...
 
     # embeddings (--embedding; server.slots.embed)

@@ -11,7 +11,7 @@ is raised, into the Future.
 
 ``run`` is engine-thread only and does no slow work: reading, checking and parsing slot
 files happen on worker threads before a command is built (``file_plan``), and writing a
-saved file's appendices, fsync and rename after its result came back. The commands touch
+saved file, fsync and rename after its result came back. The commands touch
 slots only through ``SlotStore``.
 """
 
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from ..cache import slot_file, tenancy
+from ..cache import file_io, slot_file, tenancy
 from ..cache.saved import Extras, InSlot, SavedState
 from . import disk_glue, ram
 from .file_plan import RestorePlan, saved_state
@@ -125,10 +125,11 @@ class Caller:
 
 @dataclass(frozen=True)
 class SlotSaved:
-    """The body is written to the temporary file; ``state``'s extras (checkpoints, draft
-    state, KV types) and ``owner`` (the tenant the file records: None for a private tenant,
-    never persisted) are for ``slot_file.finish_file`` to append, off the engine thread;
-    ``state_ms``: how long llama.cpp took to copy the state and write the body."""
+    """The slot's state is copied into a reused buffer (``state.data``, an ``InBuffer``
+    of file_io.BUFFERS); its extras (checkpoints, draft state, KV types) and ``owner`` (the
+    tenant the file records: None for a private tenant, never persisted) are for
+    ``slot_file.write_file`` to write, off the engine thread, which then gives the buffer
+    back; ``state_ms``: how long llama.cpp took to copy the state."""
 
     n_saved: int
     state: SavedState
@@ -138,11 +139,10 @@ class SlotSaved:
 
 @dataclass(frozen=True)
 class SaveSlot:
-    """llama.cpp writes the slot's state file body to ``tmp`` (its own
-    llama_state_seq_save_file, straight from the KV cache, no copy in Python)."""
+    """Copy the slot's state into a reused buffer (llama_state_seq_get_data: one copy
+    from the KV cache, no page faults); the file is written off the engine thread."""
 
     slot: int
-    tmp: str
     caller: Caller
 
     def run(self, host: Host) -> SlotSaved | Refused | Failed:
@@ -152,9 +152,9 @@ class SaveSlot:
             return refusal
         owner = s.tenant if s.tokens else self.caller.tenant
         t0 = time.perf_counter()
-        state = host.store.save_file(s, self.tmp)
+        state = host.store.save_state(s, file_io.BUFFERS)
         if state is None:
-            return Failed("llama.cpp could not write the slot state", 500)
+            return Failed("llama.cpp could not copy the slot state", 500)
         ms = (time.perf_counter() - t0) * 1e3
         return SlotSaved(len(s.tokens), state, owner if tenancy.persistable(owner) else None, ms)
 

@@ -21,7 +21,8 @@ from typing import Protocol
 
 from ..cache import slot_file
 from ..cache.block_index import BlockIndex
-from ..cache.saved import Extras, InBuffer, InFile, InSlot, OnDisk, SavedState
+from ..cache.file_io import StateBuffers
+from ..cache.saved import Extras, InBuffer, InSlot, OnDisk, SavedState
 from ..types import Checkpoint, StateBuf, lcp
 from .audit import kv_problems, kv_type_problem, seq_state_problem
 from .backend_api import Backend
@@ -286,12 +287,16 @@ class SlotStore:
         )
         return SavedState(slot.tokens, where, b"", slot.checkpoints, tenant=slot.tenant)
 
-    def save_file(self, slot: Slot, path: str) -> SavedState | None:
-        """llama.cpp writes the slot's state file body straight from the KV cache to
-        ``path``; returns the saved state (``InFile``) with what its appendices hold (of the
-        checkpoints, those a file carries: ``file_checkpoints``), or None when llama.cpp
-        could not write."""
-        if self.b.state_save_file(path, slot.id, slot.tokens) == 0:
+    def save_state(self, slot: Slot, buffers: StateBuffers) -> SavedState | None:
+        """The slot's state copied into a buffer of ``buffers`` (reused memory: one copy, no
+        page faults) for a slot file: ``InBuffer`` from 0, with what the file's appendices
+        hold (of the checkpoints, those a file carries: ``file_checkpoints``); None, the
+        buffer given back, when llama.cpp could not copy it. The caller gives the buffer
+        back once the file is written."""
+        size = self.b.state_size(slot.id)
+        buf = buffers.take(size)
+        if self.b.state_get_into(slot.id, buf, size) != size:
+            buffers.give(buf)
             return None
         draft = self.dft.state(slot) if self.dft is not None else b""
         ckpts = file_checkpoints(
@@ -299,7 +304,7 @@ class SlotStore:
         )
         return SavedState(
             list(slot.tokens),
-            InFile(path),
+            InBuffer(buf, 0, size, True, True),
             draft,
             ckpts,
             tenant=slot.tenant,
@@ -346,7 +351,7 @@ class SlotStore:
         or proven already in its buffer: ``InBuffer.proven``); the slot takes the tokens, no checkpoints. Returns the bytes consumed,
         0 when refused (the slot is then empty)."""
         where, n = state.data, len(state.tokens)
-        if isinstance(where, (InSlot, InFile, OnDisk)):
+        if isinstance(where, (InSlot, OnDisk)):
             raise TypeError(f"a state {type(where).__name__} has no bytes to load")
         region, data, nbytes = None, where, None
         if isinstance(where, InBuffer):

@@ -12,7 +12,7 @@ import pytest
 from server.cache import slot_file as sf
 from server.cache import tenancy
 from server.cache.disk import DiskTier
-from server.cache.saved import InSlot, SavedState
+from server.cache.saved import InBuffer, InSlot, SavedState
 from server.cli.config import Settings
 from server.routes import slots as slots_route
 from server.slots.commands import (
@@ -81,12 +81,23 @@ def fill(engine: Engine, slot: int, prompt=PROMPT, tenant: str = "") -> None:
 
 
 def save(engine: Engine, tmp_path: Path, slot: int, who: Caller = ANYONE, name="f.bin") -> Path:
-    """The route's save: the command writes the body, the appendices are appended here."""
-    tmp, path = tmp_path / (name + ".tmp"), tmp_path / name
-    saved = do(engine, SaveSlot(slot, str(tmp), who))
+    """The route's save: the command copies the state, the file is written here."""
+    path = tmp_path / name
+    saved = do(engine, SaveSlot(slot, who))
     assert isinstance(saved, SlotSaved), saved
-    app = saved.state
-    sf.finish_file(tmp, path, app.checkpoints, app.data_dft, app.kv_types, saved.owner)
+    st = saved.state
+    assert isinstance(st.data, InBuffer)
+    sf.write_file(
+        path,
+        st.tokens,
+        st.data.buf,
+        1,
+        st.checkpoints,
+        st.data_dft,
+        st.kv_types,
+        saved.owner,
+        nbytes=st.data.end,
+    )
     return path
 
 
@@ -183,7 +194,7 @@ def test_another_tenants_slot_is_refused_and_left_as_it_was(alive, tmp_path):
     tokens, kv = list(e.slots[0].tokens), dict(b.kv[0])
     them = Caller(B, isolated=True)
     msg = "slot 0 holds another tenant's prompt: cannot {} it"
-    assert do(e, SaveSlot(0, str(tmp_path / "x"), them)) == Refused(msg.format("save"))
+    assert do(e, SaveSlot(0, them)) == Refused(msg.format("save"))
     assert do(e, EraseSlot(0, them)) == Refused(msg.format("erase"))
     assert do(e, RestoreSlot(0, parsed, plan, them)) == Refused(msg.format("restore into"))
     assert e.slots[0].tokens == tokens and b.kv[0] == kv and e.slots[0].tenant == A
@@ -213,10 +224,10 @@ def test_a_saved_file_records_the_slots_tenant_never_a_private_one(alive, tmp_pa
     e, b = engine_of()
     secret = tenancy.private_tenant()
     fill(e, 0, tenant=secret)
-    saved = do(e, SaveSlot(0, str(tmp_path / "a"), Caller(secret, isolated=True)))
+    saved = do(e, SaveSlot(0, Caller(secret, isolated=True)))
     assert isinstance(saved, SlotSaved) and saved.owner is None and saved.n_saved == 100
     # an empty slot's file is the caller's
-    saved = do(e, SaveSlot(1, str(tmp_path / "b"), Caller(A, isolated=True)))
+    saved = do(e, SaveSlot(1, Caller(A, isolated=True)))
     assert isinstance(saved, SlotSaved) and (saved.n_saved, saved.owner) == (0, A)
 
 
@@ -226,9 +237,9 @@ def test_failures_are_typed_results(alive, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no slot 2: this engine has 2 slots"):
         e.submit_command(EraseSlot(2, ANYONE))  # refused before the engine thread sees it
     with monkeypatch.context() as m:
-        m.setattr(b, "state_save_file", lambda *a: 0)
-        got = do(e, SaveSlot(0, str(tmp_path / "x"), ANYONE))
-    assert got == Failed("llama.cpp could not write the slot state", 500)
+        m.setattr(b, "state_get_into", lambda *a: 0)
+        got = do(e, SaveSlot(0, ANYONE))
+    assert got == Failed("llama.cpp could not copy the slot state", 500)
     parsed = read(e, b, save(e, tmp_path, 0), 1)
     plan = plan_restore(b, parsed)
     good = bytes(parsed.buf)
@@ -304,9 +315,9 @@ def test_the_route_answers_refusals_403_uncounted_and_failures_with_their_status
         assert r.status_code == 403 and "another tenant" in r.text
         _wait(engine)
         assert engine.stats.slot_file_failures == 0
-        b.state_save_file = lambda *a: 0
+        b.state_get_into = lambda *a: 0
         r = c.post("/slots/0?action=save&cache_salt=a", json={"filename": "f.bin"})
-        assert r.status_code == 500 and "could not write" in r.text
+        assert r.status_code == 500 and "could not copy" in r.text
         _wait(engine)
         assert engine.stats.slot_file_failures == 1
         assert not list(tmp_path.iterdir())  # no file, no temporary file

@@ -6,7 +6,6 @@ paths stay removed (AST checks, tests/unit/test_layout.py style)."""
 from __future__ import annotations
 
 import ast
-import struct
 from pathlib import Path
 
 import pytest
@@ -127,10 +126,7 @@ def test_the_ram_cache_hands_its_entry_trusted(handed):
 
 
 def test_the_disk_tier_hands_its_file_untrusted(handed, alive, tmp_path):  # noqa: F811
-    e, b = engine_of(n_seq=1)
-    plain = b.state_get  # llama.cpp's buffer starts with an 8-byte header; the fake's not
-    head = struct.pack("<Ii", slot_file.STATE_HEADER_MAGIC, 0)
-    b.state_get = lambda seq, *a, **kw: bytearray(head + bytes(plain(seq, *a, **kw)))
+    e, b = engine_of(n_seq=1)  # FileBackend: its states start with llama.cpp's 8-byte header
     check = FileCheck(b.state_file_version, 4096, b.n_vocab, "m")
     disk = DiskTier(tmp_path, 1 << 30, check, sync_scan_s=10.0)
     disk.start()

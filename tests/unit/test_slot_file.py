@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from server.cache import file_io
 from server.cache import slot_file as sf
 from server.types import Checkpoint
 
@@ -230,11 +231,61 @@ def test_a_large_file_is_read_into_private_huge_page_memory(tmp_path):
     assert bytes(p.buf[p.state_off + 8 : p.state_off + 16]) == bytes(big[8:16])
 
 
-def test_finish_file_reports_the_time_of_each_part(tmp_path):
+def test_write_file_reports_the_time_of_each_part_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "s.bin"
-    tmp = sf.temp_for(path)
-    tmp.write_bytes(struct.pack("<III", sf.GGSQ_MAGIC, VERSION, 0) + bytes(64))
     parts: dict[str, float] = {}
-    sf.finish_file(tmp, path, [], parts=parts)
-    assert set(parts) == {"appendices", "sync", "rename"} and min(parts.values()) >= 0
-    assert path.exists() and not tmp.exists()
+    n = sf.write_file(path, [1, 2], state_buf(), VERSION, [], tenant="t", parts=parts)
+    assert set(parts) == {"write", "sync", "rename"} and min(parts.values()) >= 0
+    assert path.stat().st_size == n and [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+
+
+def random_state(n: int) -> bytearray:
+    return bytearray(struct.pack("<Ii", sf.STATE_HEADER_MAGIC, 0)) + os.urandom(n)
+
+
+def test_state_buffers_reuse_the_largest_idle_buffer_up_to_the_limit():
+    pool = file_io.StateBuffers(keep_max=8 << 20)
+    big = pool.take(3 << 20)
+    assert len(big) == 4 << 20  # whole huge pages: a slightly larger state fits later
+    pool.give(big)
+    assert pool.take(4 << 20) is big and pool.take(10) is not big  # taken: not shared
+    pool.give(bytearray(10))
+    pool.give(big)
+    assert pool.take(100) is big  # the largest is the one kept
+    huge = pool.take(9 << 20)
+    pool.give(huge)
+    assert pool.take(9 << 20) is not huge  # over keep_max: dropped, never held
+
+
+def test_a_file_read_into_a_larger_reused_buffer_sees_only_its_own_bytes(tmp_path):
+    big, small = tmp_path / "big.bin", tmp_path / "small.bin"
+    small_state = random_state(1 << 20)
+    sf.write_file(big, [5, 6, 7], random_state(3 << 20), VERSION, [], tenant="t")
+    sf.write_file(small, [5, 6], small_state, VERSION, [])
+    p = sf.read_file(big, 100, 1000, 0, VERSION)
+    pooled = p.pooled
+    assert p.tenant == "t" and pooled is not None
+    sf.release(p)
+    assert p.pooled is None  # given back once
+    q = sf.read_file(small, 100, 1000, 1, VERSION)  # the same buffer, the big file's tail in it
+    assert q.pooled is pooled and len(q.buf) == small.stat().st_size
+    assert (q.tokens, q.tenant, q.end) == ([5, 6], None, len(q.buf))
+    state_end = q.state_off + len(small_state)
+    assert bytes(q.buf[q.state_off + 8 : state_end]) == bytes(small_state[8:])
+    assert bytes(q.buf[state_end:]) == sf.encode_checkpoints([])  # then its own appendix
+    sf.release(q)
+
+
+def test_a_failed_write_leaves_neither_file_nor_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "s.bin"
+    state = random_state(9 << 20)
+    sf.write_file(path, [1], state, VERSION, [])  # several 4 MiB chunks
+    assert path.read_bytes()[16:] == state[8:] + sf.encode_checkpoints([])
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError):
+        sf.write_file(tmp_path / "t.bin", [1], state_buf(), VERSION, [])
+    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
