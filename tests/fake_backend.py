@@ -193,6 +193,9 @@ class FakeBackend:
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         return chr(ord("a") + token % 26).encode()
 
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True):
+        return [ord(c) - ord("a") for c in text]  # one letter a token (token_to_piece's)
+
     def eog_tokens(self) -> tuple[int, ...]:
         return (EOG,)
 

@@ -284,14 +284,43 @@ class Executor:
     def _force_first(self, o: SlotOutput, run: SlotRun, m: TokenMatcher) -> bool:
         """The prompt's last row, where the constraint forces the answer's first tokens:
         they are taken as they are (nothing sampled); False when it forces none."""
-        forced = self._forced(run, m, o.work.slot.n_ctx - len(o.work.slot.tokens) - 1)
+        s = o.work.slot
+        forced = self._forced(run, m, s.n_ctx - len(s.tokens) - 1)
         if not forced:
             return False
-        o.tokens, o.n_forced = forced, len(forced) - 1
+        o.tokens = self._heal(s, run, forced)
+        o.n_forced = len(o.tokens) - 1
         gen = run.task.gen
         if gen.logprobs or gen.n_probs > 0:
-            o.logprobs = [_forced_logprob(t, gen.n_probs) for t in forced]
+            o.logprobs = [_forced_logprob(t, gen.n_probs) for t in o.tokens]
         return True
+
+    def _heal(self, s: Slot, run: SlotRun, forced: list[int]) -> list[int]:
+        """The answer's forced first tokens as the same text tokenizes after the prompt: where
+        the prompt's last token merges with them (``>`` then ``<`` is ``><`` in a vocabulary
+        that splits markup), that token leaves the KV and the merged tokens are decoded in
+        its place, so the next turn's prompt (prompt and call as one text) matches the KV.
+        The first token then carries the prompt's last bytes: ``run.skip`` keeps them out of
+        the answer's text. ``forced`` unchanged where nothing merges."""
+        n = len(s.tokens)
+        if n < 2 or n != run.n_prompt or self.b.is_recurrent:
+            return forced
+        last = s.tokens[-1]
+        head = self.b.token_to_piece(last)
+        body = b"".join(self.b.token_to_piece(t) for t in forced)
+        try:
+            text = (head + body).decode()
+        except UnicodeDecodeError:
+            return forced
+        toks = self.b.tokenize(text, add_special=False, parse_special=True)
+        if not toks or toks[0] == last or len(toks) > len(forced) + 1:
+            return forced
+        if b"".join(self.b.token_to_piece(t) for t in toks) != head + body:
+            return forced  # (a special token's text: left as the constraint wrote it)
+        if self.store.cut(s, n - 1) != n - 1:
+            raise DraftDropError("could not drop the prompt's last token to heal it")
+        run.skip = len(head)
+        return toks
 
     def _forced(self, run: SlotRun, m: TokenMatcher, room: int) -> list[int]:
         """The constraint's forced tokens from here (at most ``room`` and ``MAX_FORCED``),

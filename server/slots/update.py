@@ -119,7 +119,10 @@ class Updater:
             self.finish(s, FinishReason.STOP)
             return False
         seq.generated.append(tok)
-        rel = run.stream.push(self.b.token_to_piece(tok))
+        piece = self.b.token_to_piece(tok)
+        if run.skip:  # the prompt's bytes the healed first token carries
+            piece, run.skip = piece[run.skip :], 0
+        rel = run.stream.push(piece)
         if logprob is not None:
             run.logprobs.append(logprob)
         if rel.text or rel.stop:

@@ -128,3 +128,30 @@ def test_forced_tokens_that_complete_the_constraint_are_decoded_before_the_end()
     assert _gen_decodes(b) == [[100], [5, 101, 102]]
     assert e.slots[0].tokens == PROMPT + seq
     assert b.refused == 1
+
+
+class HealFake(ConstrainedFake):
+    """A vocabulary where the prompt's last token (9, "j") and the answer's first forced
+    token (100, "w") merge: "jw" is token 500 (as ``>`` and ``<`` make ``><``)."""
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        return b"jw" if token == 500 else super().token_to_piece(token, special)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True):
+        if text.startswith("jw"):
+            return [500, *super().tokenize(text[2:])]
+        return super().tokenize(text)
+
+
+def test_the_prompts_last_token_heals_into_the_forced_answer():
+    """The KV holds the prompt and answer as their joined text tokenizes (the next turn's
+    prompt), the answer's text leaves the prompt's bytes out."""
+    b = HealFake()
+    e = Engine(b, EngineOptions())
+    t, c = _forced_task(seq=[100, 5, 7], literal={0})
+    run(e, t)
+    r = c.result
+    assert r.finish is FinishReason.STOP and r.tokens == [500, 5, 7]
+    assert r.text == "wfh" and r.timings.predicted_n == 3
+    assert e.slots[0].tokens == PROMPT[:-1] + [500, 5]
+    assert r.timings.prompt_n == len(PROMPT)
