@@ -313,7 +313,7 @@ class Executor:
         except UnicodeDecodeError:
             return forced
         toks = self.b.tokenize(text, add_special=False, parse_special=True)
-        if not toks or toks[0] == last or len(toks) > len(forced) + 1:
+        if not toks or toks[0] == last or len(toks) > len(forced) + 2:
             return forced
         if b"".join(self.b.token_to_piece(t) for t in toks) != head + body:
             return forced  # (a special token's text: left as the constraint wrote it)
