@@ -114,6 +114,7 @@ class FakeSampler:
         self.p = p
         self.script = list(script or [])
         self.freed = False
+        self.forced: list[int] = []  # tokens accepted without sampling (accept_forced)
 
     def free(self) -> None:
         self.freed = True
@@ -191,6 +192,9 @@ class FakeBackend:
     # ---- tokenizer ----
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         return chr(ord("a") + token % 26).encode()
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True):
+        return [ord(c) - ord("a") for c in text]  # one letter a token (token_to_piece's)
 
     def eog_tokens(self) -> tuple[int, ...]:
         return (EOG,)
@@ -286,6 +290,9 @@ class FakeBackend:
     def sample_constrained(self, sampler, idx: int, matcher, full_mask: bool = False) -> int:
         """Not simulated here: test_constrained_engine's backend implements it."""
         raise NotImplementedError("constrained sampling on the plain fake backend")
+
+    def accept_forced(self, sampler: FakeSampler, token: int) -> None:
+        sampler.forced.append(token)
 
     def top_logprobs(self, idx: int, token: int, n: int) -> TokenLogprob:
         return TokenLogprob(token, -0.5, [(token, -0.5)][:n])

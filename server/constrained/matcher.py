@@ -145,6 +145,14 @@ class Matcher:
         """Advance over ``token``; False (and the error state) when it is not allowed."""
         return self._m.consume_token(token)
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens that must come next, at most ``limit`` (does not advance): llguidance's
+        fast-forward, the canonical tokenization (llama.cpp's tokenizer) of the bytes the
+        constraint forces here, less a last token that could merge with what follows. A
+        frame's literal parts come out this way as the same text tokenizes in the next
+        turn's prompt. Empty where the next bytes are the model's choice."""
+        return self._m.compute_ff_tokens()[:limit] if limit > 0 else []
+
     def allowed_mask(self) -> np.ndarray:
         """A bool array over the vocabulary: True where the token may come next."""
         self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)

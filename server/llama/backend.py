@@ -720,6 +720,12 @@ class LlamaBackend(SeqMemory):
         L.llama_sampler_accept(sampler.ptr, tok)
         return tok
 
+    def accept_forced(self, sampler: Sampler, token: int) -> None:
+        """A forced token joins the answer: the chains that remember tokens accept it (a
+        stateless chain's accept is a no-op: skipped)."""
+        if sampler.stateful and sampler.ptr:
+            L.llama_sampler_accept(sampler.ptr, token)
+
     def constraint_compiler(self) -> VocabCompiler:
         """The vocabulary's constraint compiler, built on first use by the factory given to
         the constructor (about 1.3 s for a 262k-token vocabulary: only servers that get

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..types import FinishReason, PromptImage
+from ..types import FinishReason, PromptImage, TokenLogprob, TokenMatcher
 from .backend_api import Backend
 from .cache_reuse import CacheReuse
 from .plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
@@ -28,6 +28,8 @@ from .store import SlotStore
 
 log = logging.getLogger("server.slots.executor")
 
+# the most forced tokens one step feeds (a frame's literal parts are tens of tokens)
+MAX_FORCED = 64
 KV_FULL = "Context size has been exceeded: the KV cache has no room left"
 
 
@@ -282,18 +284,80 @@ class Executor:
         w = o.work
         run = w.slot.run
         assert run is not None  # a slot in the plan holds a run
-        if len(w.tokens) == 1 or not w.generating:  # one row: most slots, every step
-            o.tokens = [tok if tok >= 0 else self.pick(run, w.row)]
+        m = run.matcher
+        if m is not None and not w.generating and self._force_first(o, run, m):
+            return
+        row = w.row + w.n_forced  # the row after the sampled token and the forced ones
+        draft = w.draft
+        if not draft:  # one row to sample: most slots, every step
+            o.tokens = [tok if tok >= 0 else self.pick(run, row)]
         else:
-            draft = w.draft
-            o.tokens = self.spec.verify(w.slot, w.row, draft, lambda i: self.pick(run, i))
+            o.tokens = self.spec.verify(w.slot, row, draft, lambda i: self.pick(run, i))
             o.n_drafted, o.n_accepted = len(draft), len(o.tokens) - 1
+        n = len(o.tokens)
+        if m is not None:  # the tokens the constraint forces after the last one sampled
+            o.tokens += self._forced(run, m, w.slot.n_ctx - len(w.slot.tokens) - 2)
+            o.n_forced = len(o.tokens) - n
         gen = run.task.gen
         if gen.logprobs or gen.n_probs > 0:
             o.logprobs = [
-                self.b.sampled_logprobs(run.sampler, w.row + i, t, gen.n_probs)
-                for i, t in enumerate(o.tokens)
-            ]
+                self.b.sampled_logprobs(run.sampler, row + i, t, gen.n_probs)
+                for i, t in enumerate(o.tokens[:n])
+            ] + [_forced_logprob(t, gen.n_probs) for t in o.tokens[n:]]
+
+    def _force_first(self, o: SlotOutput, run: SlotRun, m: TokenMatcher) -> bool:
+        """The prompt's last row, where the constraint forces the answer's first tokens:
+        they are taken as they are (nothing sampled); False when it forces none."""
+        s = o.work.slot
+        forced = self._forced(run, m, s.n_ctx - len(s.tokens) - 1)
+        if not forced:
+            return False
+        o.tokens = self._heal(s, run, forced)
+        o.n_forced = len(o.tokens) - 1
+        gen = run.task.gen
+        if gen.logprobs or gen.n_probs > 0:
+            o.logprobs = [_forced_logprob(t, gen.n_probs) for t in o.tokens]
+        return True
+
+    def _heal(self, s: Slot, run: SlotRun, forced: list[int]) -> list[int]:
+        """The answer's forced first tokens as the same text tokenizes after the prompt: where
+        the prompt's last token merges with them (``>`` then ``<`` is ``><`` in a vocabulary
+        that splits markup), that token leaves the KV and the merged tokens are decoded in
+        its place, so the next turn's prompt (prompt and call as one text) matches the KV.
+        The first token then carries the prompt's last bytes: ``run.skip`` keeps them out of
+        the answer's text. ``forced`` unchanged where nothing merges."""
+        n = len(s.tokens)
+        if n < 2 or n != run.n_prompt or self.b.is_recurrent:
+            return forced
+        last = s.tokens[-1]
+        head = self.b.token_to_piece(last)
+        body = b"".join(self.b.token_to_piece(t) for t in forced)
+        try:
+            text = (head + body).decode()
+        except UnicodeDecodeError:
+            return forced
+        toks = self.b.tokenize(text, add_special=False, parse_special=True)
+        if not toks or toks[0] == last or len(toks) > len(forced) + 2:
+            return forced
+        if b"".join(self.b.token_to_piece(t) for t in toks) != head + body:
+            return forced  # (a special token's text: left as the constraint wrote it)
+        if self.store.cut(s, n - 1) != n - 1:
+            raise DraftDropError("could not drop the prompt's last token to heal it")
+        run.skip = len(head)
+        return toks
+
+    def _forced(self, run: SlotRun, m: TokenMatcher, room: int) -> list[int]:
+        """The constraint's forced tokens from here (at most ``room`` and ``MAX_FORCED``),
+        accepted by the matcher and the sampler chain: the next step decodes them in one
+        batch behind the last sampled token, as a draft's accepted tokens are, instead of
+        sampling them one step each. They are the canonical tokenization of the literal
+        text, so the next turn's prompt (which tokenizes that text) matches them."""
+        forced = m.forced(min(MAX_FORCED, room))
+        for t in forced:
+            if not m.accept(t):
+                raise ConstraintDeadEnd(f"the constraint refused its own token: {m.error()}")
+            self.b.accept_forced(run.sampler, t)
+        return forced
 
     def pick(self, run: SlotRun, idx: int) -> int:
         """The run's next token: sampled (or forced by its reasoning budget), and for a
@@ -321,9 +385,20 @@ def _has_ops(w: SlotWork) -> bool:
     )
 
 
+def _forced_logprob(tok: int, n_probs: int) -> TokenLogprob:
+    """A forced token's log-probability: 0 (the constraint left no choice; no logits row
+    was read for it), itself its only alternative."""
+    return TokenLogprob(tok, 0.0, [(tok, 0.0)][:n_probs])
+
+
 def _wants_sample(w: SlotWork) -> bool:
     """Rows with logits are sampled, but a prompt-only run (n_predict 0) samples nothing."""
-    return w.logits and (w.generating or w.slot.live.task.gen.max_tokens != 0)
+    if not w.logits:
+        return False
+    if w.generating:
+        run = w.slot.run
+        return run is None or not run.closing  # a closing run's forced tokens: no sample
+    return w.slot.live.task.gen.max_tokens != 0
 
 
 def _plain(w: SlotWork) -> bool:

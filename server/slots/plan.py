@@ -75,11 +75,14 @@ class SlotWork:
     # before the batch (execute); never cut, never in the batch
     image: PromptImage | None = None
     row: int = -1  # the first row of the batch holding this work (execute sets it)
+    # a generating slot's tokens after its sampled one that its constraint forced (decoded
+    # without sampling: no draft rides behind them, slots/executor.py)
+    n_forced: int = 0
 
     @property
     def draft(self) -> list[int]:
-        """The draft riding behind a generating slot's sampled token."""
-        return self.tokens[1:] if self.generating else []
+        """The draft riding behind a generating slot's sampled (and forced) tokens."""
+        return self.tokens[1 + self.n_forced :] if self.generating else []
 
 
 @dataclass
@@ -106,8 +109,8 @@ class StepPlan:
             room = budget - used
             if room <= 0:
                 break
-            if w.generating:
-                w.tokens, w.model_room = w.tokens[:1], 0
+            if w.generating:  # forced tokens stay: they are the answer's, not a guess
+                w.tokens, w.model_room = w.tokens[: 1 + w.n_forced], 0
             elif w.image is not None:
                 pass  # decoded already, outside the batch (execute's prepare)
             elif len(w.tokens) > room:
@@ -132,6 +135,8 @@ class SlotOutput:
     logprobs: list[TokenLogprob] | None = None
     n_drafted: int = 0
     n_accepted: int = 0
+    n_forced: int = 0  # tokens at the end of ``tokens`` the constraint forced after the last
+    # one to decode (``Sequence.n_forced``)
 
 
 @dataclass(slots=True)

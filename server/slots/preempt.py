@@ -98,11 +98,14 @@ class Preemption:
     def resume_probe(self, task: Task) -> list[int] | None:
         """The tokens to look the preempted ``task``'s state up by (None: not preempted):
         what its KV held, and its next token when it was generating (so that the whole
-        saved state is a prefix that plan_reuse keeps)."""
+        saved state is a prefix that plan_reuse keeps), after its forced tokens if any."""
         rec = self.held.get(task.id)
         if rec is None:
             return None
-        return rec.kv + [rec.counts.next_token] if rec.generating else list(task.prompt)
+        if not rec.generating:
+            return list(task.prompt)
+        c = rec.counts  # the sampled token, after the forced ones not decoded yet
+        return rec.kv + (c.generated[-1 - c.n_forced :] if c.n_forced else [c.next_token])
 
     def reattach(self, slot: Slot, task: Task, n_past: int) -> SlotRun:
         """Give the preempted ``task``'s run to ``slot``, which holds ``n_past`` tokens of

@@ -141,12 +141,16 @@ class Scheduler:
         """A generating slot's work: its sampled token, and a draft within ``room``."""
         run = s.run
         assert run is not None  # an active slot holds its run (per token: no ``live`` call)
-        w = SlotWork(s, [run.next_token], generating=True, logits=True)
+        seq = run.seq
+        if seq.n_forced:  # a constraint's forced tokens ride along, without a draft
+            w = SlotWork(s, seq.pending(), generating=True, logits=True, n_forced=seq.n_forced)
+        else:
+            w = SlotWork(s, [seq.next_token], generating=True, logits=True)
         if run.shift_due:
             w.shift = self.shift_of(s)
         if run.n_decoded == 1 and self._wants_prompt_end_checkpoint(s):
             w.checkpoint = True
-        if run.spec is not None and w.shift is None:
+        if run.spec is not None and w.shift is None and not w.n_forced:
             n = self.spec.draft_room(s, room - 1)
             if n > 0 and self.spec.by_model:
                 w.model_room = n

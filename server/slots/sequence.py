@@ -8,8 +8,10 @@ run on it (the current task's, or the last one's while the slot is idle):
   (``cache_n``); ``n_computed``: prompt tokens this run decoded (``prompt_n``);
 - ``generated``: the answer's tokens; ``n_sampled``: every token sampled, an ending
   end-of-generation token included (``predicted_n``); ``next_token``: the last one sampled,
-  not in the KV yet (the token the next step decodes); ``n_emitted``: generated tokens sent
-  to the client already.
+  not in the KV yet (the token the next step decodes); ``n_forced``: generated tokens before
+  it that are not in the KV either (a constraint's forced tokens, slots/executor.py: the next
+  step decodes ``pending()``, the last ``n_forced + 1`` generated tokens, in one batch);
+  ``n_emitted``: generated tokens sent to the client already.
 
 What the next step decodes, the draft, the n-gram history and ``usage`` are views of this
 record, never copies kept in step by hand.
@@ -39,6 +41,7 @@ class RunCounts(NamedTuple):
     generated: list[int]
     next_token: int
     n_emitted: int
+    n_forced: int = 0
 
 
 class Sequence:
@@ -50,6 +53,7 @@ class Sequence:
         "n_sampled",
         "generated",
         "next_token",
+        "n_forced",
         "n_emitted",
         "_arr",
         "_n_arr",
@@ -67,6 +71,7 @@ class Sequence:
         self.n_sampled = 0
         self.generated: list[int] = []
         self.next_token = -1
+        self.n_forced = 0
         self.n_emitted = 0
         # int32 mirror of tokens[:_n_arr] (the rest is copied in when array() is read)
         self._arr = np.empty(0, dtype=np.int32)
@@ -87,12 +92,18 @@ class Sequence:
         """A task starts on the slot holding ``n_cached`` tokens of its prompt."""
         self.n_prompt, self.n_cached, self.n_computed = n_prompt, n_cached, 0
         self.n_sampled, self.generated, self.next_token, self.n_emitted = 0, [], -1, 0
+        self.n_forced = 0
         self.n_reused = self.n_reuse_chunks = 0
 
     def counts(self) -> RunCounts:
         """What a preempted run takes along (its KV goes to the RAM cache)."""
         return RunCounts(
-            self.n_prompt, self.n_sampled, self.generated, self.next_token, self.n_emitted
+            self.n_prompt,
+            self.n_sampled,
+            self.generated,
+            self.next_token,
+            self.n_emitted,
+            self.n_forced,
         )
 
     def resume(self, c: RunCounts, n_past: int) -> None:
@@ -101,7 +112,7 @@ class Sequence:
         the prompt tokens the slot holds again, prompt_n: those it computes from here)."""
         self.n_prompt, self.n_cached, self.n_computed = c.n_prompt, min(n_past, c.n_prompt), 0
         self.n_sampled, self.generated, self.next_token = c.n_sampled, c.generated, c.next_token
-        self.n_emitted = c.n_emitted
+        self.n_emitted, self.n_forced = c.n_emitted, c.n_forced
         self.n_reused = self.n_reuse_chunks = 0
 
     def reused(self, n_tokens: int, n_chunks: int) -> None:
@@ -110,6 +121,12 @@ class Sequence:
         self.n_cached += n_tokens
         self.n_reused += n_tokens
         self.n_reuse_chunks += n_chunks
+
+    def pending(self) -> list[int]:
+        """What the next step decodes: the sampled token and the forced ones before it."""
+        if self.n_forced == 0:
+            return [self.next_token]
+        return self.generated[-1 - self.n_forced :]
 
     @property
     def usage(self) -> Usage:

@@ -52,6 +52,12 @@ class SlotRun:
     spec: DraftLimits | None = None
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    # the constraint is complete and its last tokens were forced: the next step decodes
+    # them, samples nothing, and the run finishes (slots/update.py)
+    closing: bool = False
+    # bytes of the next answer token that are the prompt's (its last token healed into the
+    # forced answer's first: slots/executor.py ``_heal``); kept out of the text
+    skip: int = 0
     # the context is full: the next step shifts it (--context-shift) before decoding
     shift_due: bool = False
     # the context filled up: the run stopped there, or shifted it (llama-server's truncated)

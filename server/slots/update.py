@@ -83,13 +83,19 @@ class Updater:
             run.n_drafted += o.n_drafted
             run.n_draft_accepted += o.n_accepted
             self.stats.on_draft(o.n_drafted, o.n_accepted)
+        if run.closing:  # the answer's last forced tokens are in the KV now
+            self.finish(s, FinishReason.STOP)
+            return
         lps = o.logprobs
+        # the next step decodes the forced tokens with the last sampled one
+        run.seq.n_forced = o.n_forced
         toks = o.tokens
         if len(toks) == 1 and lps is None:  # most slots, every step
             self.take(s, toks[0])
             return
+        last = len(toks) - 1
         for i, tok in enumerate(toks):
-            if not self.take(s, tok, lps[i] if lps is not None else None):
+            if not self.take(s, tok, lps[i] if lps is not None else None, i == last):
                 return
 
     def _refilled(self, s: Slot, run: SlotRun, n: int) -> None:
@@ -104,9 +110,12 @@ class Updater:
             run.refill = None
             s.state = SlotState.GENERATE
 
-    def take(self, s: Slot, tok: int, logprob: TokenLogprob | None = None) -> bool:
+    def take(
+        self, s: Slot, tok: int, logprob: TokenLogprob | None = None, last: bool = True
+    ) -> bool:
         """Account for the sampled token (and its log-probs, when asked for) and emit its
-        text; False when this ended the run."""
+        text; False when this ended the run. ``last``: the step's last token (the matcher
+        has accepted the step's tokens already: whether it is done is asked there only)."""
         run = s.run
         assert run is not None  # a slot being updated holds a run
         seq = run.seq
@@ -118,6 +127,8 @@ class Updater:
         seq.generated.append(tok)
         stream = run.stream
         piece = self.b.token_to_piece(tok, tok in gen.preserved)
+        if run.skip:  # the prompt's bytes the healed first token carries
+            piece, run.skip = piece[run.skip :], 0
         if stream.stops:
             text, stop = stream.push(piece)
         else:  # no Release to build: the usual run, every token
@@ -129,8 +140,14 @@ class Updater:
         if stop:
             self.finish(s, FinishReason.STOP, stop_word=stop)
             return False
-        if run.matcher is not None and run.matcher.is_done():
-            self.finish(s, FinishReason.STOP)  # the constraint is complete: nothing may follow
+        if last and run.matcher is not None and run.matcher.is_done():
+            # the constraint is complete: nothing may follow. Forced tokens that end it are
+            # decoded first (one step, nothing sampled): the KV holds the answer but its last
+            # token, as when every token is sampled, for the next turn to find in the cache
+            if seq.n_forced:
+                run.closing = True
+                return True
+            self.finish(s, FinishReason.STOP)
             return False
         limit = gen.max_tokens
         if (limit >= 0 and seq.n_sampled >= limit) or (
@@ -144,7 +161,7 @@ class Updater:
     def _context_full(self, s: Slot) -> bool:
         """Whether the slot has no room for its next token. With --context-shift the next
         step shifts it (``execute``) and the run goes on; it is ``truncated`` either way."""
-        if len(s.tokens) + 1 < s.n_ctx:
+        if len(s.tokens) + 1 + s.seq.n_forced < s.n_ctx:
             return False
         run = s.live
         run.truncated = True

@@ -31,6 +31,9 @@ class SeqMatcher:
         self.pos += 1
         return True
 
+    def forced(self, limit: int) -> list[int]:
+        return []  # every token sampled (test_forced_tokens.py forces them)
+
     def mask_logits(self, logits) -> int:
         return int(self.pos < len(self.seq))
 
