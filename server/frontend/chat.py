@@ -24,6 +24,7 @@ from ..api.chat import (
 from ..api.errors import APIError
 from ..api.media import NO_IMAGES, MediaInput, MediaLimits
 from ..api.schemas import ChatRequest, ContentPart
+from ..api.tools.control import NO_CONTROL
 from ..api.tools.plan import ChatPlan
 from ..api.tools.plan import plan_chat as plan_tools
 from ..api.tools.prompt import prepare
@@ -282,7 +283,8 @@ def plan_chat(st: ServerState, body: ChatRequest) -> ChatPlan:
             default_reasoning_format=s.reasoning_format.replace("deepseek-legacy", "deepseek"),
             chat_template_kwargs={**server_kwargs, **(body.chat_template_kwargs or {})},
             reasoning_effort=body.reasoning_effort or effort,
-            control=control_tokens(st.require_backend()),
+            # the model's control tokens (none before a model is loaded: /apply-template)
+            control=control_tokens(st.backend) if st.backend is not None else NO_CONTROL,
         )
     except ToolSpecError as e:
         raise APIError(400, str(e)) from None

@@ -118,9 +118,10 @@ class Scheduler:
                 continue
             run = s.run
             assert run is not None  # an active slot holds its run (per token: no ``live`` call)
-            if run.spec is None and not run.shift_due and run.seq.n_sampled != 1:
+            seq = run.seq
+            if run.spec is None and not run.shift_due and seq.n_sampled != 1 and not seq.n_forced:
                 # the usual row: its sampled token alone (see ``_generate``)
-                work.append(SlotWork(s, [run.seq.next_token], True, True))
+                work.append(SlotWork(s, [seq.next_token], True, True))
                 used += 1
                 continue
             w = self._generate(s, cap - used)

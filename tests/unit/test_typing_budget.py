@@ -13,7 +13,7 @@ import tokenize
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "server"
-BUDGET = 11  # lines (403 before issue 41)
+BUDGET = 12  # lines (403 before issue 41; 12: Backend.accept_forced takes the sampler as its siblings do)
 
 
 def _any_lines(path: Path) -> list[int]:
