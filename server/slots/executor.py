@@ -331,7 +331,12 @@ class Executor:
             return forced
         last = s.tokens[-1]
         head = self.b.token_to_piece(last)
-        body = b"".join(self.b.token_to_piece(t) for t in forced)
+        pieces = [self.b.token_to_piece(t) for t in forced]
+        if head != self.b.token_to_piece(last, True) or any(
+            p != self.b.token_to_piece(t, True) for p, t in zip(pieces, forced, strict=True)
+        ):
+            return forced  # a control token (a marker): its text is not its piece, no merge
+        body = b"".join(pieces)
         try:
             text = (head + body).decode()
         except UnicodeDecodeError:

@@ -51,9 +51,9 @@ WEATHER = {
         },
     },
 }
-# Kimi K2's next turn: the call's tokens sampled under the grammar between the markers are
-# not all the ones its text tokenizes to (test_families_e2e.py's TOKEN_GAP): the prompt
-# before the call is reused
+# Kimi K2's next turn with control-token markers: some of the call's tokens between the
+# markers are not the ones its text tokenizes to (measured: 4 tokens short of the whole
+# call); the prompt before the call is reused
 TOKEN_GAP = {"Kimi-K2-Instruct"}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX = 200
