@@ -23,6 +23,7 @@ import jsonschema
 import openai
 import pytest
 
+from bench.families import WEATHER  # the same tool the side-by-side bench asks for
 from server.api.chat import ChatTemplate
 from server.api.tools.parse import ToolFormat
 from server.api.tools.prompt import template_tools
@@ -79,22 +80,6 @@ TOKEN_GAP = {
     "deepseek-ai-DeepSeek-V3.2",
 }
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
 SCHEMA = WEATHER["function"]["parameters"]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
