@@ -162,6 +162,7 @@ class FakeBackend:
         self.swa_slack = swa_slack
         self.n_vocab = n_vocab
         self.is_recurrent = False
+        self.window_cache_slides = False  # the fake's window holds no shared cells anyway
         self.batch = FakeBatch(n_batch)
         self.kv: dict[int, dict[int, int]] = {s: {} for s in range(n_seq + (1 if scratch else 0))}
         self.decodes: list[list[tuple[int, int, int]]] = []  # per call: (seq, pos, token)

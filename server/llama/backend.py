@@ -279,6 +279,18 @@ class Sampler:
             self.ptr = None  # type: ignore[assignment]  # freed: the chain is not used again
 
 
+def window_cache_slides(
+    n_swa: int, n_ctx: int, n_seq_max: int, n_ubatch: int, unified: bool
+) -> bool:
+    """Whether a sliding-window cache is smaller than the context (``n_swa`` 0: none, or
+    --swa-full). llama_kv_cache_iswa sizes it GGML_PAD(min(n_ctx, n_swa * n_seq_max (one
+    sequence's when not unified) + n_ubatch), 256) cells."""
+    if n_swa <= 0:
+        return False
+    want = n_swa * (n_seq_max if unified else 1) + n_ubatch
+    return -(-min(n_ctx, want) // 256) * 256 < n_ctx
+
+
 def _wants_scratch(model: L.llama_model_p, opts: ModelOptions) -> bool:
     """Whether to allocate --cache-reuse's scratch sequence (``scratch_seq``: the sequence
     id slots/cache_reuse.py parks chunks in; -1: none): only under unified KV and where
@@ -386,6 +398,9 @@ class LlamaBackend(SeqMemory):
             n_ctx_seq = min(n_ctx_seq, opts.n_ctx_slot_cap)
         self.n_ctx_slot = _slot_context(n_ctx_seq, self.n_ctx_train)
         self.n_swa, self.is_recurrent, self.kv_kinds = memory_layout(self.model, opts.swa_full)
+        self.window_cache_slides = window_cache_slides(
+            self.n_swa, self.n_ctx, L.llama_n_seq_max(self.ctx), self.n_ubatch, opts.kv_unified
+        )
         # K/V ggml types of every layer (a state of others is refused); --context-shift
         self.kv_type_ids = (KV_TYPES[opts.type_k], KV_TYPES[opts.type_v])
         self.can_shift = bool(L.llama_memory_can_shift(self.mem))

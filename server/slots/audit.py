@@ -59,11 +59,14 @@ def kv_problems(
     caches: Sequence[CacheCells],
     n_tokens: Sequence[int | None],
     others: Mapping[int, Sequence[int]] | None = None,
+    window_slides: bool = False,
 ) -> list[str]:
     """Cell-count problems of a whole KV cache: ``n_tokens[s]`` is slot s's token count, or
     None for a slot whose tokens are changing (a decode in flight) and so not checked.
     ``others``: sequences beyond the slots and the positions they hold, one cell each (the
-    --cache-reuse scratch sequence's parked chunks)."""
+    --cache-reuse scratch sequence's parked chunks). ``window_slides``: the window cache is
+    smaller than the context (``Backend.window_cache_slides``), so none of its cells may
+    belong to several sequences (llama.cpp would never reuse them; SlotStore.copy_prefix)."""
     problems: list[str] = []
     extra = others or {}
     for c in caches:
@@ -76,6 +79,9 @@ def kv_problems(
                 problems += _other_problems(s, sorted(by_seq[s]), extra[s], c.kind)
             elif not 0 <= s < len(n_tokens):
                 problems.append(f"{len(by_seq[s])} {c.kind}-cache cells belong to no slot")
+        shared = sum(len(seqs) > 1 for seqs in c.seqs) if c.kind == "swa" and window_slides else 0
+        if shared:
+            problems.append(f"{shared} swa-cache cells belong to several sequences")
         for s, n in enumerate(n_tokens):
             if n is None:
                 continue

@@ -98,6 +98,9 @@ class Backend(SeqMemory, Protocol):
     n_vocab: int
     kv_unified: bool
     is_recurrent: bool
+    # the sliding-window cache is smaller than the context: cells that slid out of a window
+    # are reused, and only those one sequence owns (llama.cpp's find_slot)
+    window_cache_slides: bool
 
     @property
     def batch(self) -> Batch:

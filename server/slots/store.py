@@ -178,11 +178,16 @@ class SlotStore:
         everything): the slot takes a private copy of all its cells (its state saved, its
         sequence cleared, the state set back: new cells, its alone; needs room for them).
         False when that failed (the slot is then empty)."""
-        if self.shared_until(slot) <= p0:
-            return True
-        data = self.b.state_get(slot.id)
-        self.b.seq_clear(slot.id)
-        return self.b.state_set(slot.id, data) == len(data)
+        return self.shared_until(slot) <= p0 or self._own_copy(slot, partial=False)
+
+    def _own_copy(self, slot: Slot, partial: bool) -> bool:
+        """Give the slot cells of its own for those it shares (``partial``: its window
+        cells only): its state read, its sequence cleared (in those caches), the state set
+        back: new cells, its alone (needs room for them). False when that failed."""
+        data = self.b.state_get(slot.id, partial=partial)
+        if not partial:
+            self.b.seq_clear(slot.id)  # (a partial load clears the window cache itself)
+        return self.b.state_set(slot.id, data, partial=partial) == len(data)
 
     # ---- --cache-reuse (slots/cache_reuse.py) ------------------------------------
 
@@ -265,6 +270,17 @@ class SlotStore:
         self.b.seq_cp(src.id, dst.id, 0, n)
         if self.b.seq_pos_max(dst.id) != n - 1:
             log.warning("slot %d: seq_cp from slot %d did not give %d tokens", dst.id, src.id, n)
+            self.clear(dst)
+            return 0
+        # seq_cp shared the source's window cells too. llama.cpp reuses a cell that slid out
+        # of the window only while one sequence owns it, and sizes the window cache for one
+        # window per slot (when smaller than the context): shared window cells would stay
+        # until every owner dropped them, and the cache filled ("no room left") while the
+        # slots held a common prefix. So the copy takes its window as its own; the
+        # full-attention cells stay shared.
+        own = not self.b.window_cache_slides or self._own_copy(dst, partial=True)
+        if not own or self.b.seq_pos_max(dst.id) != n - 1:
+            log.warning("slot %d: its copied window could not be made its own", dst.id)
             self.clear(dst)
             return 0
         dst.tokens = src.tokens[:n]
@@ -475,7 +491,7 @@ class SlotStore:
         caches = self.b.kv_cells()
         if caches is not None:
             n_tokens: list[int | None] = [len(s.tokens) for s in self.slots]
-            problems += kv_problems(caches, n_tokens, others)
+            problems += kv_problems(caches, n_tokens, others, self.b.window_cache_slides)
         if self.dft is not None:
             problems += self.dft.problems()
         problems += self.blocks.check_integrity()

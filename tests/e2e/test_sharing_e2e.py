@@ -55,3 +55,38 @@ def test_concurrent_requests_compute_the_shared_prompt_once(make_server):
     s.assert_integrity()
     for i, p in enumerate(prompts):
         assert_agrees_with_cold(s, p, out[i])
+
+
+def test_agents_sharing_a_long_system_prompt_over_few_slots(make_server):
+    """Workload 16 in small: conversations sharing a system prompt several windows long take
+    turns over fewer slots, each turn adding a tool result. Every turn answers (no "no room
+    left": prefix sharing must not pile up sliding-window cells that several sequences own,
+    which llama.cpp never reuses), and the KV cache stays consistent."""
+    s = make_server("-np", "4", "-c", "16384", "--cache-ram", "64", "--metrics")
+    system = "System: you are an agent. " + long_text(1900, seed=11)
+    assert len(s.tokenize(system)) > 4 * 512
+    convs = [f"{system}\nUser: task {i}: {long_text(30, seed=100 + i)}\nCall:" for i in range(8)]
+    errors: list[str] = []
+
+    def turn(i: int, t: int) -> None:
+        r = httpx.post(
+            s.url + "/completion",
+            json={"prompt": convs[i], "n_predict": 8, "temperature": 0, "ignore_eos": True},
+            timeout=600,
+        )
+        if r.status_code != 200:
+            errors.append(f"conversation {i} turn {t}: {r.status_code} {r.text[:200]}")
+            return
+        convs[i] += r.json()["content"] + f"\nResult: {long_text(220, seed=1000 * t + i)}\nCall:"
+
+    for t in range(3):
+        for group in (range(0, 4), range(4, 8)):
+            ts = [threading.Thread(target=turn, args=(i, t)) for i in group]
+            for th in ts:
+                th.start()
+            for th in ts:
+                th.join()
+        assert not errors, errors
+        s.wait_idle()
+        s.assert_integrity()
+    assert metric(s, "llamaslot_prefix_shared_tokens_total") > 0

@@ -8,6 +8,7 @@ import struct
 import pytest
 
 from server.llama.kv_state import StateFormatError, read_caches
+from server.llama.backend import window_cache_slides
 from server.slots.audit import kv_problems, seq_state_problem
 from server.types import CacheCells
 
@@ -93,6 +94,27 @@ def test_kv_problems_count_cells_per_slot_and_find_cells_of_no_slot():
     full.pos.append(3)
     full.seqs.append((7,))
     assert "1 full-cache cells belong to no slot" in kv_problems([full], [10, 10])
+
+
+def test_shared_window_cells_are_a_problem_only_where_the_window_cache_slides():
+    swa = CacheCells("swa")
+    for p in range(10):  # slots 0 and 1 share a 10-token prefix's window cells
+        swa.pos.append(p)
+        swa.seqs.append((0, 1))
+    assert kv_problems([swa], [10, 10]) == []
+    got = kv_problems([swa], [10, 10], window_slides=True)
+    assert got == ["10 swa-cache cells belong to several sequences"]
+
+
+def test_window_cache_slides_where_llama_cpp_makes_it_smaller_than_the_context():
+    # GGML_PAD(min(n_ctx, n_swa * n_seq_max + n_ubatch), 256) cells against n_ctx
+    assert window_cache_slides(512, 32768, 4, 512, True)  # 2,560 cells
+    assert window_cache_slides(512, 8192, 4, 512, True)
+    assert not window_cache_slides(512, 2560, 4, 512, True)  # as large as the context
+    assert not window_cache_slides(512, 512, 2, 512, True)
+    assert not window_cache_slides(0, 8192, 4, 512, True)  # no window, or --swa-full
+    assert window_cache_slides(512, 8192, 4, 512, False)  # one sequence's: 1,024 cells
+    assert not window_cache_slides(300, 1024, 1, 512, True)  # 812 padded to 1,024
 
 
 def test_engine_integrity_sees_cells_no_slot_accounts_for():

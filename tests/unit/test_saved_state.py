@@ -61,8 +61,8 @@ def test_one_restore_entry_point_and_no_removed_shape_or_path():
 def test_states_reach_llama_cpp_only_through_the_store():
     """Loading a whole sequence state (``state_set``) happens in SlotStore._load alone (and
     a checkpoint's partial state in resume_at_checkpoint; the draft's in draft_kv.py). The
-    context shift's private copy (``_own_cells_from``) sets back the slot's own live state,
-    never a saved one."""
+    private copies (``_own_copy``: a context shift's, a shared prefix's window) set back the
+    slot's own live state, never a saved one."""
     where = []
     for name, tree in _trees():
         if not name.startswith("slots/"):
@@ -76,7 +76,7 @@ def test_states_reach_llama_cpp_only_through_the_store():
     mine = sorted({w for w in where if w[0] == "slots/store.py"})
     assert mine == [
         ("slots/store.py", "_load"),
-        ("slots/store.py", "_own_cells_from"),
+        ("slots/store.py", "_own_copy"),
         ("slots/store.py", "resume_at_checkpoint"),
     ]
     assert {w[0] for w in where} <= {"slots/store.py", "slots/draft_kv.py"}
