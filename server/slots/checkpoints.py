@@ -90,6 +90,24 @@ class CheckpointPolicy:
         have.sort(key=lambda x: x.n_tokens)
 
 
+def restored_serves(
+    n_tokens: int, n_lcp: int, checkpoints: list[Checkpoint] | None, n_swa: int, recurrent: bool
+) -> bool:
+    """Whether a state saved at ``n_tokens`` tokens, once restored, serves a prompt that
+    shares ``n_lcp`` of them (see the top of this module): always with full attention; with
+    a window, a cut at its own length (the window behind it intact) or at one of its
+    ``checkpoints`` (None: not known yet, a file's until it is read). A cache entry that
+    shares only a system prompt with another conversation serves nothing of it: restoring
+    it would only replace what the slot holds."""
+    if n_swa <= 0 and not recurrent:
+        return True
+    if recurrent and n_lcp >= n_tokens:
+        return True
+    if not recurrent and window_intact(max(0, n_tokens - n_swa), n_lcp, n_swa):
+        return True
+    return checkpoints is not None and any(0 < c.n_tokens <= n_lcp for c in checkpoints)
+
+
 def file_checkpoints(
     have: list[Checkpoint], n_tokens: int, n_swa: int, recurrent: bool = False
 ) -> list[Checkpoint]:

@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..cache.disk import DiskTier
+from ..cache.disk import DiskHit, DiskTier
 from ..cache.disk_files import BadFile, DiskEntry, EntryChanged
 from ..cache.prefix_index import Match
 from ..cache.prompt_cache import PromptCache
@@ -48,8 +48,11 @@ def load(
     entry; a refused state leaves the slot empty, a file that could not be read leaves the
     slot as it was. ``match``: the prompt's walk down the prefix index (the RAM lookup's)."""
     hit = disk.find(prompt, tenant, slot.tokens, own=slot.tenant == tenant, match=match)
-    if hit is None:
-        return False
+    return hit is not None and load_hit(store, disk, slot, hit, tenant)
+
+
+def load_hit(store: SlotStore, disk: DiskTier, slot: Slot, hit: DiskHit, tenant: str) -> bool:
+    """Restore the entry ``disk.find`` chose into ``slot`` (see ``load``)."""
     t0 = time.perf_counter()
     if hit.pending is not None:
         # the target state and checkpoints (its draft state is not restored from the queue)

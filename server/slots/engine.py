@@ -146,7 +146,7 @@ class Engine:
 
     @property
     def disk(self) -> DiskTier | None:
-        """The tier under the RAM cache: consulted when the RAM cache misses."""
+        """The tier under the RAM cache: looked at with it (the longer match is restored)."""
         return self.runner.disk
 
     @property

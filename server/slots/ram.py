@@ -8,7 +8,7 @@ true.
 from __future__ import annotations
 
 from ..cache.prefix_index import Match
-from ..cache.prompt_cache import PromptCache
+from ..cache.prompt_cache import LoadChoice, PromptCache
 from ..cache.tenancy import is_private
 from .slot import Slot
 from .store import SlotStore
@@ -44,15 +44,25 @@ def load(
 ) -> bool:
     """Restore ``tenant``'s best cache entry for ``prompt`` into ``slot``; True when one was
     loaded (the slot's tokens are then that tenant's). ``match``: the prompt's walk down
-    the prefix index, when the caller has one (it serves the disk tier's lookup too).
+    the prefix index, when the caller has one (it serves the disk tier's lookup too)."""
+    choice = find(cache, slot, prompt, tenant, match)
+    return choice is not None and take(store, cache, slot, choice)
 
-    The entry is removed from the cache when loaded; a failed restore leaves it there and the
-    slot empty.
-    """
+
+def find(
+    cache: PromptCache, slot: Slot, prompt: list[int], tenant: str, match: Match | None
+) -> LoadChoice | None:
+    """``tenant``'s best cache entry for ``prompt`` on ``slot`` (DESIGN §7's rule); a miss
+    is counted."""
     choice = cache.find(slot.tokens, prompt, tenant, own=slot.tenant == tenant, match=match)
     if choice is None:
         cache.counters.misses += 1
-        return False
+    return choice
+
+
+def take(store: SlotStore, cache: PromptCache, slot: Slot, choice: LoadChoice) -> bool:
+    """Restore the chosen entry into ``slot``: removed from the cache when loaded; a failed
+    restore leaves it there and the slot empty."""
     # our own memory: trusted (the slot takes the entry's tenant with it)
     return cache.take(choice, lambda e: store.restore(slot, e, trusted=True).ok) is not None
 

@@ -19,8 +19,10 @@ from typing import TypeVar
 
 from ..cache.disk import DiskTier
 from ..cache.prompt_cache import PromptCache
+from ..cache.saved import Extras, SavedState
 from . import disk_glue, ram
 from .cache_reuse import CacheReuse
+from .checkpoints import restored_serves
 from .executor import Executor
 from .plan import (
     CacheIdle,
@@ -120,13 +122,31 @@ class Runner:
         raise TypeError(f"not a memory operation: {op!r}")
 
     def _restore(self, op: Restore) -> bool:
-        """The RAM cache's best entry, else the disk tier's (the tier under RAM)."""
+        """The best entry of the RAM cache and the disk tier under it: the disk's when it
+        shares more of the prompt (RAM's weaker hit, e.g. another conversation holding only
+        the system prompt, must not hide a conversation's own state on disk), else RAM's.
+        The disk is not looked at when RAM's entry holds the whole prompt but its last
+        token."""
         assert self.cache is not None
         s, prompt, tenant = op.slot, op.prompt, op.tenant
-        loaded = ram.load(self.store, self.cache, s, prompt, tenant, op.match)
-        if not loaded and self.disk is not None:
-            loaded = disk_glue.load(self.store, self.disk, s, prompt, tenant, op.match)
-        return loaded
+        choice = ram.find(self.cache, s, prompt, tenant, op.match)
+        if choice is not None and not self._serves(self.cache.entries[choice.index], choice.n_lcp):
+            choice = None
+        if self.disk is not None and (choice is None or choice.n_lcp < len(prompt) - 1):
+            hit = self.disk.find(prompt, tenant, s.tokens, own=s.tenant == tenant, match=op.match)
+            if hit is not None and not self._serves(hit.pending or hit.entry, hit.n_lcp):
+                hit = None
+            if hit is not None and (choice is None or hit.n_lcp > choice.n_lcp):
+                return disk_glue.load_hit(self.store, self.disk, s, hit, tenant)
+        return choice is not None and ram.take(self.store, self.cache, s, choice)
+
+    def _serves(self, state: SavedState | None, n_lcp: int) -> bool:
+        """Whether ``state`` restored serves ``n_lcp`` of the prompt (``restored_serves``;
+        a file's checkpoints are not known before it is read)."""
+        assert state is not None
+        known = state.extras is Extras.GIVEN
+        ckpts = state.checkpoints if known else None
+        return restored_serves(len(state.tokens), n_lcp, ckpts, self.b.n_swa, self.b.is_recurrent)
 
     def _embed_decode(self) -> int:
         """Decode the batch for embeddings; once more after freeing idle KV on no room."""

@@ -290,9 +290,11 @@ class SlotStore:
 
     def snapshot(self, slot: Slot) -> SavedState:
         """The slot's whole state, still in its KV cache (``InSlot``: ``SavedState.read``
-        copies it), for the RAM cache or the disk tier; the slot keeps it too. Every
-        checkpoint goes along: a restored state holds only its last window (see
-        checkpoints.py). The lists are the slot's own: a copy read is the cache's."""
+        copies it), for the RAM cache or the disk tier; the slot keeps it too. Of the
+        checkpoints, those a slot file carries go along (``file_checkpoints``: the one
+        serving a regenerated answer and the next turn; each costs a window of state, and
+        with all of them an agent's conversation took 54 MiB of the RAM cache instead of
+        24). The token list is the slot's own: a copy read is the cache's."""
         size = self.b.state_size(slot.id)
         dft, read_draft = self.dft, None
         n_dft = dft.state_size(slot) if dft is not None else 0
@@ -301,7 +303,10 @@ class SlotStore:
         where = InSlot(
             slot.id, size + n_dft, lambda: self.b.state_get(slot.id, size=size), read_draft
         )
-        return SavedState(slot.tokens, where, b"", slot.checkpoints, tenant=slot.tenant)
+        ckpts = file_checkpoints(
+            slot.checkpoints, len(slot.tokens), self.b.n_swa, self.b.is_recurrent
+        )
+        return SavedState(slot.tokens, where, b"", ckpts, tenant=slot.tenant)
 
     def save_state(self, slot: Slot, buffers: StateBuffers) -> SavedState | None:
         """The slot's state copied into a buffer of ``buffers`` (reused memory: one copy, no

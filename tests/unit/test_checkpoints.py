@@ -125,18 +125,20 @@ def _evicted_conversation(max_tokens: int = 8, **kw):
     return e, prompt, held
 
 
-def test_ram_cache_entry_keeps_every_checkpoint():
+def test_ram_cache_entry_keeps_the_checkpoint_a_slot_file_keeps():
+    # the slot held checkpoints at 600 (the user message), 868, 996 and 1000; the entry
+    # carries the one serving both a regenerated answer and the next turn (file_checkpoints)
     e, prompt, held = _evicted_conversation()
-    assert [x.n_tokens for x in e.cache.entries[0].checkpoints] == [600, 868, 996, 1000]
+    assert [x.n_tokens for x in e.cache.entries[0].checkpoints] == [996]
 
 
-def test_follow_up_after_ram_load_cut_in_the_answer_resumes_at_the_prompt_end():
+def test_follow_up_after_ram_load_cut_in_the_answer_resumes_before_the_prompt_end():
     e, prompt, held = _evicted_conversation()
     # the client's follow-up keeps 3 of the 7 decoded answer tokens, then differs
     t, c = task(held[:1003] + [5, 6, 7], max_tokens=2)
     run(e, t)
     assert e.cache.counters.loads == 1
-    assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (1000, 6)
+    assert (c.result.timings.cache_n, c.result.timings.prompt_n) == (996, 10)
     assert e.stats.checkpoints_restored == 1
 
 

@@ -53,6 +53,17 @@ def test_similarity_pick_with_low_keep_is_saved_first():
     assert c.by == "similarity" and c.lcp == 10 and c.save_first  # f_keep = 10/40 < 0.5
 
 
+def test_similarity_pick_losing_many_tokens_is_saved_first():
+    # f_keep 0.9, but 300 tokens (>= SAVE_LOST_TOKENS) would be lost: saved first
+    system = list(range(2700))
+    slots = views((True, system + [-5] * 300, 0.0))
+    c = choose_slot(slots, system + [-6] * 40, -1, 0.1)
+    assert (c.by, c.lcp, c.save_first) == ("similarity", 2700, True)
+    slots = views((True, system + [-5] * 255, 0.0))  # 255 lost: kept as llama-server does
+    c = choose_slot(slots, system + [-6] * 40, -1, 0.1)
+    assert (c.by, c.lcp, c.save_first) == ("similarity", 2700, False)
+
+
 def test_no_idle_slot():
     assert choose_slot(views((False, [], 0.0)), [1], -1, 0.1) is None
 

@@ -143,6 +143,35 @@ def test_the_disk_tier_hands_its_file_untrusted(handed, alive, tmp_path):  # noq
     assert e.slots[0].tokens == first == tokens
 
 
+def test_a_longer_match_on_disk_beats_a_weaker_ram_entry(alive, tmp_path):  # noqa: F811
+    """Agents sharing a system prompt: the RAM cache holds another conversation (it shares
+    only the system prompt), the disk this conversation's own state. Both tiers are looked
+    at, and the disk's longer match is restored."""
+    from server.slots import ram
+
+    check = FileCheck(0, 4096, 1000, "m")
+    disk = DiskTier(tmp_path, 1 << 30, check, sync_scan_s=10.0)
+    e, b = engine_of(n_seq=1, cache=PromptCache(-1, 0), disk=disk)
+    disk.check = FileCheck(b.state_file_version, 4096, b.n_vocab, "m")
+    e.opts.cache_idle_slots = False
+    disk.start()
+    try:
+        system = list(range(1, 61))
+        fill(e, 0, prompt=system + list(range(200, 240)))
+        mine = list(e.slots[0].tokens)
+        assert disk_glue.spill(e.store, None, disk) == 1 and disk.flush(10)
+        e.store.clear(e.slots[0])
+        fill(e, 0, prompt=system + list(range(300, 340)))
+        assert ram.save(e.store, e.cache, e.slots[0])
+        e.store.clear(e.slots[0])
+        t, c = task(mine + [5], max_tokens=1, id_slot=0)
+        run(e, t)
+    finally:
+        disk.close()
+    assert c.result.timings.cache_n == len(mine)
+    assert e.cache.counters.loads == 0  # the RAM entry stayed where it was
+
+
 @pytest.mark.parametrize("known", [True, False], ids=["kv-layout", "unknown-layout"])
 def test_a_slot_file_is_handed_untrusted(handed, alive, tmp_path, known):  # noqa: F811
     e, b = engine_of(known)
