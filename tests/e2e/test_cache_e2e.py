@@ -35,11 +35,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run_conversations(server, n_words: int, edit: bool = False) -> tuple[str, dict]:
-    """Four conversations through two slots; returns conversation 0's follow-up and response.
+    """Three conversations through two slots (the third takes conversation 0's, the least
+    recently used); returns conversation 0's follow-up and response.
     With ``edit`` the follow-up keeps only the first half of the answer's text, so it leaves
     the cached tokens inside the answer instead of at their end."""
     first = {}
-    for i in range(4):
+    for i in range(3):
         first[i] = complete(server, conv_prompt(i, n_words))
     answer = first[0]["content"]
     if edit:
@@ -59,12 +60,14 @@ def test_follow_up_restores_from_ram(make_server, size, edit):
     n_follow = len(s.tokenize(follow))
     assert size == "short" or n_prompt > 1500
     # the slot held prompt + 15 decoded tokens; the follow-up re-tokenizes the answer, so
-    # the reuse ends where the tokens first differ: never before the end of the prompt,
-    # unless the answer's first piece merged with the prompt's last token when re-tokenized
-    # (what greedy writes differs between CPUs): then at most the 4 tokens back to the
-    # checkpoint before the prompt's end are recomputed
+    # the reuse ends where the tokens first differ (the answer's first piece may merge with
+    # the prompt's last token when re-tokenized: what greedy writes differs between CPUs).
+    # A restored window serves a cut only at its own length or at a checkpoint, and the
+    # entry carries the one 4 tokens before the prompt's end (file_checkpoints: another
+    # window of state would save 4 tokens), so at most those 4 tokens before the cut or
+    # the prompt's end are recomputed, never more
     alike = common_prefix(s.tokenize(conv_prompt(0, n_words)), s.tokenize(follow))
-    assert r["tokens_cached"] >= (n_prompt if alike >= n_prompt else alike - 4), alike
+    assert r["tokens_cached"] >= min(n_prompt, alike) - 4, alike
     assert r["tokens_cached"] >= 0.9 * n_follow
     assert r["tokens_cached"] + r["timings"]["prompt_n"] == n_follow
     info = s.client.get("/cache").json()

@@ -56,9 +56,10 @@ def entries(d: Path) -> list[str]:
 
 
 def test_entry_evicted_from_ram_is_served_from_disk(make_server, tmp_path):
-    # 36 MiB of RAM holds the long conversation (~36 MB with its checkpoints) but not it and
-    # a short one (~3.5 MB): saving the first short one evicts it to disk.
-    s = make_server("-np", "1", "--cache-ram", "36", "--cache-disk", str(tmp_path), "--metrics")
+    # 21 MiB of RAM holds the long conversation (19.4 MiB: its state and the one checkpoint
+    # an entry carries) but not it and a short one (3.3 MiB): saving the first short one
+    # evicts it to disk.
+    s = make_server("-np", "1", "--cache-ram", "21", "--cache-disk", str(tmp_path), "--metrics")
     first = complete(s, conv(0))
     complete(s, conv(1, 150))
     complete(s, conv(2, 150))

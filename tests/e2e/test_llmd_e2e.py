@@ -190,7 +190,10 @@ def test_events_follow_slots_ram_and_disk_then_a_restart_clears(
     sub, port = sub_endpoint
     disk = tmp_path / "disk"
     disk.mkdir()
-    args = ("-np", "1", "--cache-ram", "36", "--cache-disk", str(disk), "--cache-disk-mib", "38",
+    # a long conversation's entry is 19.4 MiB (its state and one checkpoint), a short one's
+    # 3.3: RAM holds a long one but not it and a short one; the disk a long and a short one
+    # but not a long and two short ones
+    args = ("-np", "1", "--cache-ram", "21", "--cache-disk", str(disk), "--cache-disk-mib", "24",
             "--slot-save-path", str(tmp_path), "--kv-events-endpoint", f"tcp://127.0.0.1:{port}",
             "-a", "gemma")  # fmt: skip
     s = make_server(*args)
