@@ -132,6 +132,15 @@ async def stream_native(
         "cache_prompt": True,
         "stream": True,
     }
+    try:
+        return await _stream_once(client, url, body)
+    except httpx.RemoteProtocolError:
+        # a kept-alive connection the server had closed (llama-server's HTTP library closes
+        # one after 100 requests): nothing was sent back, the request never ran; once more
+        return await _stream_once(client, url, body)
+
+
+async def _stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamResult:
     t0 = time.perf_counter()
     ttft: float | None = None
     parts: list[str] = []
