@@ -96,7 +96,8 @@ def restored_serves(
     """Whether a state saved at ``n_tokens`` tokens, once restored, serves a prompt that
     shares ``n_lcp`` of them (see the top of this module): always with full attention; with
     a window, a cut at its own length (the window behind it intact) or at one of its
-    ``checkpoints`` (None: not known yet, a file's until it is read). A cache entry that
+    ``checkpoints``. None: not known yet (a file's, until it is read), taken as serving, as
+    a file on disk may carry the checkpoint a regenerated answer needs. A RAM entry that
     shares only a system prompt with another conversation serves nothing of it: restoring
     it would only replace what the slot holds."""
     if n_swa <= 0 and not recurrent:
@@ -105,7 +106,7 @@ def restored_serves(
         return True
     if not recurrent and window_intact(max(0, n_tokens - n_swa), n_lcp, n_swa):
         return True
-    return checkpoints is not None and any(0 < c.n_tokens <= n_lcp for c in checkpoints)
+    return checkpoints is None or any(0 < c.n_tokens <= n_lcp for c in checkpoints)
 
 
 def file_checkpoints(

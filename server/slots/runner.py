@@ -142,7 +142,7 @@ class Runner:
 
     def _serves(self, state: SavedState | None, n_lcp: int) -> bool:
         """Whether ``state`` restored serves ``n_lcp`` of the prompt (``restored_serves``;
-        a file's checkpoints are not known before it is read)."""
+        a file's checkpoints are not known before it is read: taken as serving)."""
         assert state is not None
         known = state.extras is Extras.GIVEN
         ckpts = state.checkpoints if known else None

@@ -1,6 +1,6 @@
 """Context checkpoints on a sliding-window model, against the fake backend."""
 
-from server.slots.checkpoints import CheckpointPolicy, file_checkpoints
+from server.slots.checkpoints import CheckpointPolicy, file_checkpoints, restored_serves
 from server.types import Checkpoint
 
 from .helpers import make_engine, run, task
@@ -228,3 +228,15 @@ def test_a_slot_file_carries_no_checkpoint_its_state_covers():
     # no window, no cut needs one; a recurrent state holds only its latest
     assert file_checkpoints([_ck(300)], 400, 0) == []
     assert [c.n_tokens for c in file_checkpoints([_ck(300)], 400, 0, recurrent=True)] == [300]
+
+
+def test_a_restored_state_serves_its_own_length_or_a_checkpoint():
+    ck = [Checkpoint(996, 896, 995, b"")]
+    assert restored_serves(1008, 1008, [], 100, False)  # its own length
+    assert restored_serves(1008, 1007, [], 100, False)  # the last token re-evaluated
+    assert not restored_serves(1008, 900, [], 100, False)  # another conversation's prefix
+    assert restored_serves(1008, 999, ck, 100, False)  # a regenerated answer: the checkpoint
+    assert not restored_serves(1008, 990, ck, 100, False)  # before the checkpoint
+    assert restored_serves(1008, 999, None, 100, False)  # a file's: not known, taken
+    assert restored_serves(1008, 10, [], 0, False)  # full attention: any prefix
+    assert restored_serves(50, 40, [], 100, False)  # a state within one window
