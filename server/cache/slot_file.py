@@ -2,8 +2,9 @@
 
 Layout, little-endian:
   body      u32 'ggsq' magic, u32 version, u32 n_tokens, n_tokens x i32, state bytes
-            (exactly what llama_state_seq_save_file writes; the state bytes are those of
-            llama_state_seq_get_data without its 8-byte header)
+            (what llama_state_seq_save_file writes: the state bytes are those of
+            llama_state_seq_get_data without its 8-byte header, the window section holding
+            a checkpoint's older cells too when widened: ``widened_body``)
   SCKP      u32 magic, u32 version 1, u32 count, per checkpoint: i64 n_tokens, i32 pos_min,
             i32 pos_max, then data_tgt, data_dft, data_spec as (u64 length, bytes)
   SDFT      only with a draft model: u32 magic, u32 version 1, two (u64 length, bytes) buffers
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..llama.ggml_types import cache_type_name
+from ..llama.state_bytes import WindowShape, widen
 from ..types import Checkpoint, StateBuf
 from . import file_io, image_file
 from .saved import Extras, FileBuf, InSlot, SavedState
@@ -477,6 +479,22 @@ def image_block(tokens: list[int], projector: bytes | None) -> bytes:
         raise SlotFileError(f"the slot cannot be saved: {e}", 500) from None
 
 
+def widened_body(
+    state: memoryview, checkpoints: list[Checkpoint], window: WindowShape | None
+) -> tuple[list[bytes | memoryview], list[Checkpoint]]:
+    """The body's state bytes (``state`` without its 8-byte header) as pieces, and the
+    checkpoints still to write in SCKP. The newest checkpoint, when it has no draft state
+    and its window joins the state's, is written as the few cells it adds to the state's
+    window (``widen``: a restore serves its cut from the window itself, and
+    rebuilds it for later snapshots) instead of a whole window's copy."""
+    if window is not None and checkpoints and not checkpoints[-1].data_dft:
+        with memoryview(checkpoints[-1].data) as raw, raw.cast("B") as ck:
+            wide = widen(state, window.n_caches, ck, window.max_cells)
+        if wide is not None:
+            return [wide[0][8:], *wide[1:]], checkpoints[:-1]
+    return [state[8:]], checkpoints
+
+
 def temp_for(path: Path) -> Path:
     """A new temporary file beside ``path`` (same directory, so the final rename is atomic)."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".slot", dir=path.parent)
@@ -497,27 +515,33 @@ def write_file(
     images: bytes = b"",
     nbytes: int | None = None,
     parts: dict[str, float] | None = None,
+    window: WindowShape | None = None,
 ) -> int:
     """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header +
     state bytes, the first ``nbytes`` of ``state``; None: all of it): the body byte for byte
     what llama_state_seq_save_file writes, then the appendices, the SIMG block naming its
     ``images`` and, with a ``tenant``, the STNT footer; durable (file_io.write_durable:
     fdatasync, atomic rename, directory fsync). Returns the file's size; ``parts`` gets
-    the milliseconds of "write", "sync" and "rename"."""
+    the milliseconds of "prepare" (the pieces and the temporary file), "write", "sync"
+    and "rename". With a ``window`` (a sliding-window
+    model), the newest checkpoint goes into the state's window (``widened_body``)."""
+    laps = file_io.Laps(parts)
     with memoryview(state) as whole, whole.cast("B") as flat:
         mv = flat[: len(flat) if nbytes is None else nbytes]
         if len(mv) < 8 or struct.unpack_from("<I", mv, 0)[0] != STATE_HEADER_MAGIC:
             raise SlotFileError("unexpected sequence state layout", 500)
+        body, checkpoints = widened_body(mv, checkpoints, window)
         pieces: list[bytes | memoryview] = [
             struct.pack("<III", GGSQ_MAGIC, version, len(tokens)),
             array("i", tokens).tobytes(),
-            mv[8:],
+            *body,
             *appendix_parts(checkpoints, draft, kv_types),
             images,
             *tenant_parts(tenant),
         ]
         tmp = temp_for(path)
+        laps.lap("prepare")
         try:
-            return file_io.write_durable(tmp, path, pieces, file_io.Laps(parts))
+            return file_io.write_durable(tmp, path, pieces, laps)
         finally:
             mv.release()

@@ -21,40 +21,19 @@ import struct
 import numpy as np
 
 from ..types import CacheCells
+from .state_bytes import I32, U32, U64, Reader, StateFormatError
 
-_U32 = struct.Struct("<I")
-_I32 = struct.Struct("<i")
-_U64 = struct.Struct("<Q")
+__all__ = ["StateFormatError", "read_caches"]
+
 _CELL = struct.Struct("<iI")
 _EXT = 12  # llama_kv_cell_ext: x, y, tok
-
-
-class StateFormatError(ValueError):
-    """The bytes do not follow llama_kv_cache's state layout."""
-
-
-class _Reader:
-    def __init__(self, buf: bytes | bytearray | memoryview, pos: int, end: int) -> None:
-        self.buf, self.pos, self.end = buf, pos, end
-
-    def take(self, st: struct.Struct) -> int:
-        if self.pos + st.size > self.end:
-            raise StateFormatError("truncated state")
-        (v,) = st.unpack_from(self.buf, self.pos)
-        self.pos += st.size
-        return v
-
-    def skip(self, n: int) -> None:
-        if n < 0 or self.pos + n > self.end:
-            raise StateFormatError("truncated state")
-        self.pos += n
 
 
 # One cell record of one sequence, without ext: the common case, read in one numpy pass.
 _ONE_SEQ = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
 
 
-def _cells(r: _Reader, count: int, ext: bool, out: CacheCells) -> None:
+def _cells(r: Reader, count: int, ext: bool, out: CacheCells) -> None:
     if not ext and r.pos + count * _ONE_SEQ.itemsize <= r.end:
         recs = np.frombuffer(r.buf, _ONE_SEQ, count, r.pos)
         if bool((recs["n_seq"] == 1).all()):
@@ -69,36 +48,36 @@ def _cells(r: _Reader, count: int, ext: bool, out: CacheCells) -> None:
         r.pos += _CELL.size + (_EXT if ext else 0)
         if n_seq > 256:
             raise StateFormatError(f"cell with {n_seq} sequence ids")
-        seqs = tuple(r.take(_I32) for _ in range(n_seq))
+        seqs = tuple(r.take(I32) for _ in range(n_seq))
         out.pos.append(pos)
         out.seqs.append(seqs)
 
 
-def _skip_rows(r: _Reader, count: int, out: CacheCells) -> None:
+def _skip_rows(r: Reader, count: int, out: CacheCells) -> None:
     """Skip a stream's K rows, then its V rows (row-major or transposed), noting each
     layer's K and V type in ``out`` (llama.cpp writes them before the rows)."""
-    v_trans, n_layer = r.take(_U32), r.take(_U32)
+    v_trans, n_layer = r.take(U32), r.take(U32)
     if v_trans > 1 or n_layer > 4096:
         raise StateFormatError("implausible layer header")
     for _ in range(n_layer):
-        out.k_types.add(r.take(_I32))
-        r.skip(count * r.take(_U64))
+        out.k_types.add(r.take(I32))
+        r.skip(count * r.take(U64))
     for _ in range(n_layer):
-        out.v_types.add(r.take(_I32))
+        out.v_types.add(r.take(I32))
         if v_trans:
-            el, n_embd = r.take(_U32), r.take(_U32)
+            el, n_embd = r.take(U32), r.take(U32)
             r.skip(count * el * n_embd)
         else:
-            r.skip(count * r.take(_U64))
+            r.skip(count * r.take(U64))
 
 
-def _cache(r: _Reader, kind: str, ext: bool) -> CacheCells:
+def _cache(r: Reader, kind: str, ext: bool) -> CacheCells:
     out = CacheCells(kind)
-    n_stream = r.take(_U32)
+    n_stream = r.take(U32)
     if not 1 <= n_stream <= 256:
         raise StateFormatError(f"{n_stream} streams")
     for _ in range(n_stream):
-        count = r.take(_U32)
+        count = r.take(U32)
         if count:
             _cells(r, count, ext, out)
             _skip_rows(r, count, out)
@@ -119,10 +98,10 @@ def read_caches(
     end = len(buf) if end is None else end
     last: StateFormatError | None = None
     for ext in (False, True):
-        r = _Reader(buf, start, end)
+        r = Reader(buf, start, end)
         try:
             if whole_context:
-                r.skip(r.take(_U32))  # the architecture name
+                r.skip(r.take(U32))  # the architecture name
             else:
                 r.skip(8)  # llama_state_seq_get_data's magic and source sequence id
             return [_cache(r, k, ext) for k in kinds], r.pos

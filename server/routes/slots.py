@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,6 +18,7 @@ from ..api.json_body import parse_json_body
 from ..api.schemas import SlotActionBody
 from ..cache import file_io, slot_file, tenancy
 from ..cache.saved import InBuffer
+from ..llama.state_bytes import WindowShape
 from ..service.state import ServerState, tenant_of
 from ..slots.commands import (
     AttachAppendices,
@@ -24,14 +27,22 @@ from ..slots.commands import (
     CountSlotFile,
     EraseSlot,
     Failed,
+    GiveCheckpoint,
     Refused,
     RestoreSlot,
     SaveSlot,
+    SlotRestored,
     SlotSaved,
     StateLoaded,
 )
 from ..slots.engine import Engine, EngineDead
-from ..slots.file_plan import RestorePlan, parse_after_state, plan_restore
+from ..slots.file_plan import (
+    RestorePlan,
+    parse_after_state,
+    plan_restore,
+    window_checkpoint,
+    window_of,
+)
 from ..slots.model_api import ModelBackend
 from ..slots.slot import Slot
 from .common import generation_settings, state_of
@@ -175,8 +186,9 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         name = _filename(await request.body())
         path = slot_file.resolve(st.settings.slot_save_path, name)
         if action == "save":
-            version = st.require_backend().state_file_version
-            return await _save(engine, sid, path, name, who, projector_key(st), version)
+            b = st.require_backend()
+            file = _FileSpec(b.state_file_version, projector_key(st), window_of(b))
+            return await _save(engine, sid, path, name, who, file)
         return await _restore(st, engine, sid, path, name, who)
     except slot_file.SlotFileError as e:
         _record(engine, failures=1)
@@ -189,8 +201,18 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[
         raise APIError(500, f"slot file I/O failed: {e.strerror or e}") from None
 
 
+@dataclass(frozen=True)
+class _FileSpec:
+    """How this server writes a slot file: llama.cpp's state-file version, the loaded
+    projector's key (its images name it), the window shape a checkpoint widens."""
+
+    version: int
+    key: bytes | None
+    window: WindowShape | None
+
+
 async def _save(
-    engine: Engine, sid: int, path: Path, name: str, who: Caller, key: bytes | None, version: int
+    engine: Engine, sid: int, path: Path, name: str, who: Caller, file: _FileSpec
 ) -> dict[str, object]:
     """The engine copies the state into a reused buffer (SaveSlot); the file is written,
     made durable and renamed off the engine thread, then the buffer is given back."""
@@ -199,7 +221,8 @@ async def _save(
     # llama.cpp's copy of the state, and the wait for the engine (queue and thread hops)
     parts: dict[str, float] = {"state": saved.state_ms}
     parts["engine_wait"] = (time.perf_counter() - t0) * 1e3 - saved.state_ms
-    written = await asyncio.to_thread(_write, path, saved, key, version, parts)
+    parts["hop"] = time.perf_counter()  # until the worker thread starts (``_write``)
+    written = await asyncio.to_thread(_write, path, saved, file, parts)
     _record(engine, saves=1, bytes_written=written)
     return {
         "id_slot": sid,
@@ -210,22 +233,21 @@ async def _save(
     }
 
 
-def _write(
-    path: Path, saved: SlotSaved, key: bytes | None, version: int, parts: dict[str, float]
-) -> int:
+def _write(path: Path, saved: SlotSaved, file: _FileSpec, parts: dict[str, float]) -> int:
     """The slot file: body, appendices, SIMG block naming its images, STNT footer, then
     fdatasync and rename (slot_file.write_file), in one worker trip; the file's size. The
     state's buffer is given back once written (dropped on failure: never reused while a
     write may still read it)."""
+    parts["hop"] = (time.perf_counter() - parts["hop"]) * 1e3
     s = saved.state
     where = s.data
     assert isinstance(where, InBuffer)
-    images = slot_file.image_block(s.tokens, key)
+    images = slot_file.image_block(s.tokens, file.key)
     n = slot_file.write_file(
         path,
         s.tokens,
         where.buf,
-        version,
+        file.version,
         s.checkpoints,
         s.data_dft,
         s.kv_types,
@@ -233,6 +255,7 @@ def _write(
         images,
         nbytes=where.end,
         parts=parts,
+        window=file.window,
     )
     file_io.BUFFERS.give(where.buf)
     return n
@@ -241,6 +264,61 @@ def _write(
 def projector_key(st: ServerState) -> bytes | None:
     """The loaded projector's key (--mmproj), which a slot file's images must name."""
     return st.projector.key if st.projector is not None else None
+
+
+# tasks run after their request's answer, referenced until done (the loop keeps only weak ones)
+_AFTER_ANSWER: set[asyncio.Task] = set()
+
+
+def _background(work: Coroutine[object, object, None]) -> None:
+    task = asyncio.ensure_future(work)
+    _AFTER_ANSWER.add(task)
+    task.add_done_callback(_AFTER_ANSWER.discard)
+
+
+async def _give_window_checkpoint(
+    engine: Engine,
+    sid: int,
+    parsed: slot_file.ParsedFile,
+    plan: RestorePlan,
+    shape: WindowShape,
+    who: Caller,
+) -> None:
+    """Cut a widened window's checkpoint out of the restored file's buffer (a worker
+    thread) and give it to the slot (GiveCheckpoint), so a later snapshot of the slot, or
+    a cut once its window has moved on, has it as a file's SCKP checkpoint gave it; then
+    give the buffer back. Failures only lose the checkpoint (logged)."""
+    try:
+        ckpt = await asyncio.to_thread(window_checkpoint, parsed, plan, shape)
+        slot_file.release(parsed)
+        if ckpt is not None:
+            await _run(engine, GiveCheckpoint(sid, list(parsed.tokens), ckpt, who))
+    except Exception as e:  # noqa: BLE001 - after the answer: nobody to tell but the log
+        log.warning("slot %d: the restored window's checkpoint was not kept: %s", sid, e)
+
+
+async def _load(
+    engine: Engine,
+    sid: int,
+    parsed: slot_file.ParsedFile,
+    plan: RestorePlan,
+    who: Caller,
+    keep: int,
+    parts: dict[str, float],
+) -> SlotRestored | Refused | Failed:
+    """The engine loads the proven state (RestoreSlot), then, when its end was known only
+    once loaded, the appendices parsed off the engine thread (AttachAppendices)."""
+    t = time.perf_counter()
+    loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
+    parts["load"] = (time.perf_counter() - t) * 1e3
+    if not isinstance(loaded, StateLoaded):
+        return loaded
+    t = time.perf_counter()
+    pos = parsed.state_off + loaded.consumed
+    app = await asyncio.to_thread(parse_after_state, parsed, pos, keep)
+    got = await _run(engine, AttachAppendices(sid, list(parsed.tokens), app, who))
+    parts["appendices"] = (time.perf_counter() - t) * 1e3
+    return got
 
 
 def _read_and_plan(
@@ -294,18 +372,15 @@ async def _restore(
         projector_key(st),
         parts,
     )
-    t = time.perf_counter()
-    loaded = await _run(engine, RestoreSlot(sid, parsed, plan, who))
-    parts["load"] = (time.perf_counter() - t) * 1e3
-    if isinstance(loaded, StateLoaded):  # the state alone: its appendices start where it ended
-        t = time.perf_counter()
-        pos = parsed.state_off + loaded.consumed
-        app = await asyncio.to_thread(parse_after_state, parsed, pos, keep)
-        loaded = await _run(engine, AttachAppendices(sid, list(parsed.tokens), app, who))
-        parts["appendices"] = (time.perf_counter() - t) * 1e3
-    # the engine has loaded the state and the checkpoints are copied out: the buffer is
-    # free for the next save or restore (a cancelled request drops it instead)
-    slot_file.release(parsed)
+    loaded = await _load(engine, sid, parsed, plan, who, keep, parts)
+    shape = window_of(b)
+    if plan.window_checkpoint and shape is not None and isinstance(loaded, SlotRestored):
+        # after the answer: the slot serves the cut from its widened window already
+        _background(_give_window_checkpoint(engine, sid, parsed, plan, shape, who))
+    else:
+        # the engine has loaded the state and the checkpoints are copied out: the buffer
+        # is free for the next save or restore (a cancelled request drops it instead)
+        slot_file.release(parsed)
     got = _unwrap(engine, loaded)
     for w in got.warnings:
         log.warning("slot %d restore from %s: %s", sid, name, w)

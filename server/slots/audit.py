@@ -41,6 +41,8 @@ def _swa_problem(pos: list[int], n: int, n_swa: int, loading: bool) -> str | Non
         return f"the window cache holds {_describe(pos)} for {n} tokens"
     if loading and n_swa > 0 and not window_intact(min(pos), n, n_swa):
         return f"the window cache starts at {min(pos)}, after the window of token {n}"
+    if loading and max(pos) - min(pos) + 1 != len(pos):
+        return f"the window cache holds {_describe(pos)}, not one run of positions"
     return None
 
 

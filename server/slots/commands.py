@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..cache import file_io, slot_file, tenancy
 from ..cache.saved import Extras, InSlot, SavedState
+from ..types import Checkpoint
 from . import disk_glue, ram
 from .file_plan import RestorePlan, saved_state
 from .slot import Slot
@@ -234,6 +235,31 @@ class AttachAppendices:
         if not host.store.restore(s, state, trusted=False).ok:
             return Failed(REFUSED_STATE)
         return SlotRestored(len(self.tokens), state.warnings)
+
+
+@dataclass(frozen=True)
+class GiveCheckpoint:
+    """Give a restored slot the checkpoint its widened window serves
+    (``file_plan.window_checkpoint``, cut out off the engine thread), if it still holds the
+    file's tokens up to it; a request using the slot meanwhile is not waited for (it
+    reads its window, not this). True when given."""
+
+    target: int
+    tokens: list[int]
+    checkpoint: Checkpoint
+    caller: Caller
+
+    @property
+    def slot(self) -> int:
+        return -1  # between any two steps: never waits for a request on the slot
+
+    def run(self, host: Host) -> bool:
+        s = host.store.slots[self.target]
+        n = self.checkpoint.n_tokens
+        if s.tenant != self.caller.tenant or len(s.tokens) < n or s.tokens[:n] != self.tokens[:n]:
+            return False
+        host.store.give_checkpoint(s, self.checkpoint)
+        return True
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from ..cache import slot_file
 from ..cache.saved import Extras, InBuffer, SavedState
+from ..llama.state_bytes import WindowShape, narrow, window_shape
+from ..types import CacheCells, Checkpoint
 from .audit import kv_type_problem, seq_state_problem
 from .backend_api import Backend
 
@@ -21,6 +23,8 @@ class RestorePlan:
     known: bool
     state_end: int
     appendices: SavedState | None  # the state's extras alone (slot_file.parse_appendices)
+    # a widened window's checkpoint (widen): the cut it serves, 0 for none
+    window_checkpoint: int = 0
 
 
 def plan_restore(
@@ -52,7 +56,37 @@ def plan_restore(
         raise slot_file.SlotFileError(
             f"the slot file's KV cache does not fit this server: {problem}"
         )
-    return RestorePlan(True, end, app)
+    return RestorePlan(True, end, app, _window_checkpoint(caches, app, backend.n_swa))
+
+
+def _window_checkpoint(caches: list[CacheCells], app: SavedState, n_swa: int) -> int:
+    """The checkpoint a widened window serves (its oldest cell's position + n_swa; proven
+    contiguous by seq_state_problem), unless the file carries it in SCKP; 0 for none."""
+    swa = caches[-1] if caches and caches[-1].kind == "swa" else None
+    if swa is None or n_swa <= 0 or len(swa.pos) <= n_swa:
+        return 0
+    n = min(swa.pos) + n_swa
+    return 0 if any(c.n_tokens == n for c in app.checkpoints) else n
+
+
+def window_of(backend: Backend) -> WindowShape | None:
+    """The model's window shape, for widening a saved state (None: nothing to widen)."""
+    return window_shape(backend.kv_kinds, backend.n_swa, backend.n_ubatch)
+
+
+def window_checkpoint(
+    parsed: slot_file.ParsedFile, plan: RestorePlan, shape: WindowShape
+) -> Checkpoint | None:
+    """The checkpoint a widened window serves, cut out of the file's buffer (a window's
+    copy, so a restored slot's later snapshot carries it as the file did); None when the
+    plan found none or the cells are not all there. Any thread: it only reads the buffer,
+    which must not be given back before it returns."""
+    n = plan.window_checkpoint
+    if not n or not plan.known:
+        return None
+    with memoryview(parsed.buf) as whole, whole[parsed.state_off : plan.state_end] as state:
+        data = narrow(state, shape.n_caches, n, shape.n_swa)
+    return None if data is None else Checkpoint(n, n - shape.n_swa, n - 1, data)
 
 
 def parse_after_state(

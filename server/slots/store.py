@@ -235,6 +235,10 @@ class SlotStore:
         self.ckpt.insert(slot.checkpoints, c)
         return c
 
+    def give_checkpoint(self, slot: Slot, c: Checkpoint) -> None:
+        """Keep ``c`` (taken of this slot's tokens, elsewhere) as the policy keeps its own."""
+        self.ckpt.insert(slot.checkpoints, c)
+
     def resume_at_checkpoint(self, slot: Slot, index: int) -> int:
         """Restore checkpoint ``index`` and cut the slot to it; returns the tokens kept (0 when
         the restore failed and the slot was cleared)."""

@@ -235,7 +235,7 @@ def test_write_file_reports_the_time_of_each_part_and_leaves_no_temporary(tmp_pa
     path = tmp_path / "s.bin"
     parts: dict[str, float] = {}
     n = sf.write_file(path, [1, 2], state_buf(), VERSION, [], tenant="t", parts=parts)
-    assert set(parts) == {"write", "sync", "rename"} and min(parts.values()) >= 0
+    assert set(parts) == {"prepare", "write", "sync", "rename"} and min(parts.values()) >= 0
     assert path.stat().st_size == n and [p.name for p in tmp_path.iterdir()] == ["s.bin"]
 
 

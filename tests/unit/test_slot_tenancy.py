@@ -174,7 +174,7 @@ def test_save_and_restore_report_the_time_of_each_part(tmp_path):
         _fill(c.app.state.server.engine, list(range(10, 110)), 0)
         t = c.post("/slots/0?action=save", json={"filename": "f.bin"}).json()["timings"]
         parts = t["save_parts_ms"]
-        assert set(parts) == {"state", "engine_wait", "write", "sync", "rename"}
+        assert set(parts) == {"state", "engine_wait", "hop", "prepare", "write", "sync", "rename"}
         assert min(parts.values()) >= 0 and sum(parts.values()) <= t["save_ms"]
         t = c.post("/slots/1?action=restore", json={"filename": "f.bin"}).json()["timings"]
         parts = t["restore_parts_ms"]
