@@ -16,6 +16,7 @@ write another format: callers get None for them.
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import numpy as np
@@ -38,7 +39,11 @@ def _cells(r: Reader, count: int, ext: bool, out: CacheCells) -> None:
         recs = np.frombuffer(r.buf, _ONE_SEQ, count, r.pos)
         if bool((recs["n_seq"] == 1).all()):
             out.pos.extend(recs["pos"].tolist())
-            out.seqs.extend((s,) for s in recs["seq"].tolist())
+            seqs = recs["seq"]
+            if count and bool((seqs == seqs[0]).all()):  # a one-sequence state: one tuple
+                out.seqs.extend(itertools.repeat((int(seqs[0]),), count))
+            else:
+                out.seqs.extend((s,) for s in seqs.tolist())
             r.pos += count * _ONE_SEQ.itemsize
             return
     for _ in range(count):
