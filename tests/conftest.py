@@ -12,14 +12,13 @@ KINDS = ("unit", "e2e", "deploy")
 # Files whose tests measure latencies or race a watcher against the server: a second worker's
 # load would make them flaky, so ./test.sh runs them alone (marker ``serial``), after the rest.
 # A file with only a few such tests marks those itself (``@pytest.mark.serial``:
-# test_security_e2e, test_tenancy_e2e) and its other tests run on the workers.
+# test_security_e2e, test_tenancy_e2e, test_disk_cache_e2e, test_llmd_e2e) and its other
+# tests run on the workers.
 SERIAL = {
     "test_constraint_safety_e2e.py",
     "test_cors_proxy_e2e.py",
     "test_disk_races_e2e.py",
     "test_slot_tenancy_e2e.py",
-    "test_llmd_e2e.py",
-    "test_disk_cache_e2e.py",
     "test_backpressure.py",
     "test_disk_races.py",
     "test_slot_tenancy.py",
@@ -33,6 +32,8 @@ SERIAL = {
 # last, where one worker may still run one while the other has nothing left). Longest first,
 # the files left at the end are short ones. Every other file keeps its place after these.
 SLOWEST_FIRST = (
+    "test_disk_cache_e2e.py",
+    "test_llmd_e2e.py",
     "test_webui_e2e.py",
     "test_slots_e2e.py",
     "test_kv_options_e2e.py",

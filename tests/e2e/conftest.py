@@ -14,7 +14,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .forked_server import Adopted, Template
+
 ROOT = Path(__file__).resolve().parents[2]
+# this worker's template process: test servers are forked from it (forked_server.py)
+TEMPLATE = Template(ROOT)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _template() -> Iterator[None]:
+    yield
+    TEMPLATE.close()
+
+
 # Threads per server: 2 (the machine's cores) when tests run one at a time; test.sh sets 1
 # when two pytest workers run servers side by side, so that no decode waits on a thread the
 # other worker's server holds (ggml's threads spin at their barriers).
@@ -62,8 +74,12 @@ class ServerProc:
         self.args = list(args)
         full_env = {**os.environ, **(env or {})}
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--port", str(self.port), "-t", THREADS, *args],
+        flags = ["--port", str(self.port), "-t", THREADS, *args]
+        # forked from this worker's template process (forked_server.py), or, with extra
+        # environment variables (some are read at import), started the plain way
+        forked = TEMPLATE.fork(flags, self.log.fileno()) if not env else None
+        self.proc: subprocess.Popen | Adopted = forked or subprocess.Popen(
+            [sys.executable, "-m", "server", *flags],
             cwd=ROOT,
             env=full_env,
             stdout=self.log,

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import llama_cpp
+import pytest
 from openai import OpenAI
 
 from .conftest import ServerProc, assert_agrees_with_cold, first_token, long_text
@@ -168,6 +169,7 @@ def test_hostile_files_are_skipped_counted_and_never_loaded(make_server, tmp_pat
     assert disk_info(s)["counters"]["bad_files"] == n_bad + 1
 
 
+@pytest.mark.serial  # races a kill against a slowed write: runs alone
 def test_sigkill_during_a_write_leaves_no_entry(make_server, tmp_path):
     slow = {"LLAMA_SLOT_TEST_DISK_WRITE_DELAY_S": "0.5"}
     # 1 MiB of RAM holds nothing: every saved state goes straight to the disk writer

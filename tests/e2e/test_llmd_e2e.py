@@ -56,6 +56,7 @@ def complete(s: ServerProc, prompt: str, n: int = 4, slot: int = -1) -> dict:
 # ---------------------------------------------------------------- protocol metrics
 
 
+@pytest.mark.serial  # catches a moment of 2 running and 2 waiting: runs alone
 def test_protocol_metrics_under_load_and_kv_use(make_server, tmp_path):
     s = make_server(
         "--metrics", "-np", "2", "-c", "2048", "--slot-save-path", str(tmp_path),
@@ -302,7 +303,7 @@ def _rss_mb(pid: int) -> float:
     return int(line.split()[1]) / 1024
 
 
-@pytest.mark.serial
+@pytest.mark.serial  # the server's memory, measured: runs alone
 def test_oversize_subscriptions_leave_the_server_flat(make_server, sub_endpoint):
     """A raw ZMTP peer's 1 MiB subscriptions (four rounds of 50) once grew the server by
     150 MB for good; each is now refused at its frame's header (ZMQ_MAXMSGSIZE) and the
