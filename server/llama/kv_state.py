@@ -39,11 +39,11 @@ def _cells(r: Reader, count: int, ext: bool, out: CacheCells) -> None:
         recs = np.frombuffer(r.buf, _ONE_SEQ, count, r.pos)
         if bool((recs["n_seq"] == 1).all()):
             out.pos.extend(recs["pos"].tolist())
-            seqs = recs["seq"]
-            if count and bool((seqs == seqs[0]).all()):  # a one-sequence state: one tuple
-                out.seqs.extend(itertools.repeat((int(seqs[0]),), count))
+            ids = recs["seq"]
+            if count and bool((ids == ids[0]).all()):  # a one-sequence state: one tuple
+                out.seqs.extend(itertools.repeat((int(ids[0]),), count))
             else:
-                out.seqs.extend((s,) for s in seqs.tolist())
+                out.seqs.extend((s,) for s in ids.tolist())
             r.pos += count * _ONE_SEQ.itemsize
             return
     for _ in range(count):
