@@ -75,9 +75,11 @@ class ServerProc:
         full_env = {**os.environ, **(env or {})}
         self.log = open(self.log_path, "w")
         flags = ["--port", str(self.port), "-t", THREADS, *args]
-        # forked from this worker's template process (forked_server.py), or, with extra
-        # environment variables (some are read at import), started the plain way
-        forked = TEMPLATE.fork(flags, self.log.fileno()) if not env else None
+        # forked from this worker's template process (forked_server.py), or started the
+        # plain way: with extra environment variables (some are read at import), and a
+        # router (it forks its own template from itself, which the router tests look for)
+        router = "--models-dir" in args or "--models-preset" in args
+        forked = None if env or router else TEMPLATE.fork(flags, self.log.fileno())
         self.proc: subprocess.Popen | Adopted = forked or subprocess.Popen(
             [sys.executable, "-m", "server", *flags],
             cwd=ROOT,
