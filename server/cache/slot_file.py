@@ -518,8 +518,8 @@ def write_file(
     window: WindowShape | None = None,
 ) -> int:
     """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header +
-    state bytes, the first ``nbytes`` of ``state``; None: all of it): the body byte for byte
-    what llama_state_seq_save_file writes, then the appendices, the SIMG block naming its
+    state bytes, the first ``nbytes`` of ``state``; None: all of it): the body what
+    llama_state_seq_save_file writes (its window widened, below), then the appendices, the SIMG block naming its
     ``images`` and, with a ``tenant``, the STNT footer; durable (file_io.write_durable:
     fdatasync, atomic rename, directory fsync). Returns the file's size; ``parts`` gets
     the milliseconds of "prepare" (the pieces and the temporary file), "write", "sync"

@@ -149,16 +149,9 @@ def _sections(buf: memoryview, n_caches: int, end: int) -> list[_Section] | None
     return None
 
 
-def _rows(buf: memoryview, s: _Section, layer: int, idx: np.ndarray) -> bytes:
-    """Layer ``layer``'s rows of the cells ``idx`` (record order), gathered."""
-    at, size = s.layers[layer]
-    rows = np.frombuffer(buf, np.dtype((np.void, size)), s.count, at + _LAYER_HEAD)
-    return rows[idx].tobytes()
-
-
-def _records(buf: memoryview, s: _Section, idx: np.ndarray) -> bytes:
-    recs = np.frombuffer(buf, np.dtype((np.void, s.rec)), s.count, s.meta)
-    return recs[idx].tobytes()
+def _items(buf: memoryview | bytearray, start: int, size: int, count: int) -> np.ndarray:
+    """The ``count`` items of ``size`` bytes at ``start`` in ``buf`` (a view, no copy)."""
+    return np.frombuffer(buf, np.dtype((np.void, size)), count, start)
 
 
 def _same_layout(a: _Section, b: _Section) -> bool:
@@ -187,22 +180,18 @@ def widen(
     have = np.sort(old.pos[idx])
     if not len(idx) or win.count + len(idx) > max_cells or not _same_layout(win, old):
         return None
-    if (
-        have[-1] != first - 1
-        or have[-1] - have[0] != len(have) - 1
-        or len(np.unique(have)) != len(have)
-    ):
+    if not np.array_equal(have, np.arange(first - len(have), first)):
         return None  # a gap or repeats between the two windows: not one window
     pieces: list[bytes | memoryview] = [
         state[: win.count_at],
         struct.pack("<I", win.count + len(idx)),
         state[win.meta : win.meta + win.count * win.rec],
-        _records(checkpoint, old, idx),
+        _items(checkpoint, old.meta, old.rec, old.count)[idx].tobytes(),
         state[win.layers_at : win.layers[0][0]],
     ]
-    for layer, (at, size) in enumerate(win.layers):
+    for (at, size), (ck_at, _) in zip(win.layers, old.layers, strict=True):
         pieces.append(state[at : at + _LAYER_HEAD + win.count * size])
-        pieces.append(_rows(checkpoint, old, layer, idx))
+        pieces.append(_items(checkpoint, ck_at + _LAYER_HEAD, size, old.count)[idx].tobytes())
     pieces.append(state[win.end :])
     return pieces
 
@@ -245,8 +234,5 @@ def _take_into(
 ) -> int:
     """Copy the ``size``-byte items ``idx`` of the ``count`` at ``start`` in ``buf`` into
     ``out`` at ``at`` (no intermediate copy); the offset after them."""
-    kind = np.dtype((np.void, size))
-    src = np.frombuffer(buf, kind, count, start)
-    dst = np.frombuffer(out, kind, len(idx), at)
-    np.take(src, idx, axis=0, out=dst)
+    np.take(_items(buf, start, size, count), idx, axis=0, out=_items(out, at, size, len(idx)))
     return at + len(idx) * size

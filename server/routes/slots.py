@@ -221,8 +221,7 @@ async def _save(
     # llama.cpp's copy of the state, and the wait for the engine (queue and thread hops)
     parts: dict[str, float] = {"state": saved.state_ms}
     parts["engine_wait"] = (time.perf_counter() - t0) * 1e3 - saved.state_ms
-    parts["hop"] = time.perf_counter()  # until the worker thread starts (``_write``)
-    written = await asyncio.to_thread(_write, path, saved, file, parts)
+    written = await asyncio.to_thread(_write, path, saved, file, parts, time.perf_counter())
     _record(engine, saves=1, bytes_written=written)
     return {
         "id_slot": sid,
@@ -233,12 +232,14 @@ async def _save(
     }
 
 
-def _write(path: Path, saved: SlotSaved, file: _FileSpec, parts: dict[str, float]) -> int:
+def _write(
+    path: Path, saved: SlotSaved, file: _FileSpec, parts: dict[str, float], sent: float
+) -> int:
     """The slot file: body, appendices, SIMG block naming its images, STNT footer, then
     fdatasync and rename (slot_file.write_file), in one worker trip; the file's size. The
     state's buffer is given back once written (dropped on failure: never reused while a
-    write may still read it)."""
-    parts["hop"] = (time.perf_counter() - parts["hop"]) * 1e3
+    write may still read it). ``sent``: when the trip was asked for (``parts["hop"]``)."""
+    parts["hop"] = (time.perf_counter() - sent) * 1e3
     s = saved.state
     where = s.data
     assert isinstance(where, InBuffer)

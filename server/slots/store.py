@@ -232,11 +232,11 @@ class SlotStore:
         c = Checkpoint(
             len(slot.tokens), self.b.seq_pos_min(slot.id), self.b.seq_pos_max(slot.id), data
         )
-        self.ckpt.insert(slot.checkpoints, c)
+        self.give_checkpoint(slot, c)
         return c
 
     def give_checkpoint(self, slot: Slot, c: Checkpoint) -> None:
-        """Keep ``c`` (taken of this slot's tokens, elsewhere) as the policy keeps its own."""
+        """Keep ``c`` (a checkpoint of this slot's tokens) as the policy keeps checkpoints."""
         self.ckpt.insert(slot.checkpoints, c)
 
     def resume_at_checkpoint(self, slot: Slot, index: int) -> int:
