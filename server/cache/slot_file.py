@@ -41,7 +41,7 @@ from pathlib import Path
 from ..llama.ggml_types import cache_type_name
 from ..llama.state_bytes import WindowShape, widen
 from ..types import Checkpoint, StateBuf
-from . import file_io, image_file
+from . import durable, file_io, image_file
 from .saved import Extras, FileBuf, InSlot, SavedState
 
 log = logging.getLogger("server.slotfile")
@@ -140,19 +140,10 @@ def file_buffer(size: int) -> FileBuf:
 
 
 def pread_into(fd: int, buf: FileBuf) -> int:
-    """Fill ``buf`` from the start of the file ``fd``; the kernel writes straight into it (one
-    copy, no intermediate bytes). Returns the bytes read: fewer than ``len(buf)`` when the
-    file ended first."""
-    mv, pos = memoryview(buf), 0
-    try:
-        while pos < len(mv):
-            n = os.preadv(fd, [mv[pos:]], pos)  # a single read stops at ~2 GiB: loop
-            if n == 0:
-                break
-            pos += n
-    finally:
-        mv.release()
-    return pos
+    """Fill ``buf`` from the start of the file ``fd`` (file_io.pread_into: the kernel
+    writes straight into it, a large file in parallel parts). Returns the bytes read:
+    fewer than ``len(buf)`` when the file ended first."""
+    return file_io.pread_into(fd, buf)
 
 
 def read_file(
@@ -160,9 +151,19 @@ def read_file(
 ) -> ParsedFile:
     """Read and bound-check the body header and tokens (not the state: llama.cpp checks it)."""
     try:
-        size = path.stat().st_size
+        fd = durable.open_locked(path)  # shared lock: never recycled while we read it
     except FileNotFoundError:
         raise SlotFileError(f"slot file {path.name!r} not found", 404) from None
+    try:
+        return _read_fd(fd, n_ctx, n_vocab, seq, version, projector)
+    finally:
+        os.close(fd)
+
+
+def _read_fd(
+    fd: int, n_ctx: int, n_vocab: int, seq: int, version: int, projector: bytes | None
+) -> ParsedFile:
+    size = os.fstat(fd).st_size
     if size < 12:
         raise SlotFileError("slot file is truncated (no header)")
     # Read into our own buffer, never mapped: a file that another process (a replica sharing
@@ -172,8 +173,7 @@ def read_file(
     pooled = file_io.BUFFERS.take(size)
     buf = pooled if len(pooled) == size else memoryview(pooled)[:size]
     try:
-        with open(path, "rb") as f:
-            got = pread_into(f.fileno(), buf)
+        got = pread_into(fd, buf)
         if got < size:
             raise SlotFileError(f"slot file changed while read ({got} of {size} bytes)")
         return _parse(buf, size, n_ctx, n_vocab, seq, version, projector, pooled)
@@ -520,7 +520,7 @@ def write_file(
     """Write a slot file from a state buffer (llama_state_seq_get_data's: 8-byte header +
     state bytes, the first ``nbytes`` of ``state``; None: all of it): the body what
     llama_state_seq_save_file writes (its window widened, below), then the appendices, the SIMG block naming its
-    ``images`` and, with a ``tenant``, the STNT footer; durable (file_io.write_durable:
+    ``images`` and, with a ``tenant``, the STNT footer; durable (durable.write_durable:
     fdatasync, atomic rename, directory fsync). Returns the file's size; ``parts`` gets
     the milliseconds of "prepare" (the pieces and the temporary file), "write", "sync"
     and "rename". With a ``window`` (a sliding-window
@@ -542,6 +542,6 @@ def write_file(
         tmp = temp_for(path)
         laps.lap("prepare")
         try:
-            return file_io.write_durable(tmp, path, pieces, laps)
+            return durable.write_durable(tmp, path, pieces, laps)
         finally:
             mv.release()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import file_io
+from server.cache import durable, file_io
 from server.cache import slot_file as sf
 from server.types import Checkpoint
 
@@ -164,6 +164,8 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "s.bin"
     sf.write_file(path, [1, 2], state_buf(), VERSION, [])
     before = path.read_bytes()
+    # the swap fails (as where renameat2 is refused), then the plain rename
+    monkeypatch.setattr(durable, "_RENAMEAT2", lambda *a: -1)
     monkeypatch.setattr(sf.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("crash")))
     with pytest.raises(OSError):
         sf.write_file(path, [9, 9, 9], state_buf(), VERSION, [])
@@ -281,11 +283,13 @@ def test_a_failed_write_leaves_neither_file_nor_temporary(tmp_path, monkeypatch)
     state = random_state(9 << 20)
     sf.write_file(path, [1], state, VERSION, [])  # several 4 MiB chunks
     assert path.read_bytes()[16:] == state[8:] + sf.encode_checkpoints([])
+    durable.SPARES.wait()  # a spare was written for the next save: that one takes it
 
     def full(fd, data):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "writev", full)
     with pytest.raises(OSError):
-        sf.write_file(tmp_path / "t.bin", [1], state_buf(), VERSION, [])
-    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]
+        sf.write_file(tmp_path / "t.bin", [1], random_state(2 << 20), VERSION, [])
+    assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]  # the spare went with it

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from server.api import responses as api_responses
 from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
 from server.api.tools.plan import plan_chat
 from server.routes import anthropic, common, native, openai, responses
@@ -286,6 +287,8 @@ def _named_stream(route: str, case: str, mp: pytest.MonkeyPatch) -> Any:
             plan_chat(tpl, **NAMED_CASES[case]), "m ü", False, 9
         )  # type: ignore[arg-type]
     mp.setattr(responses, "new_id", lambda prefix: prefix + "1")
+    # a fixed clock: two streams straddling a second would differ in created_at
+    mp.setattr(api_responses, "time", SimpleNamespace(time=lambda: 1_700_000_000.5))
     return lambda: responses._ResponseStream(plan_chat(tpl, **NAMED_CASES[case]), "m ü")  # type: ignore[arg-type]
 
 
