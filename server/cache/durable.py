@@ -27,6 +27,7 @@ import ctypes.util
 import errno
 import fcntl
 import os
+import queue
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -222,36 +223,52 @@ def write_durable(
 
 
 class SpareMaker:
-    """Writes a directory's spare in a background thread at the lowest priority, one
-    directory at a time: zeros (``write_zeros``), then renamed to SPARE_NAME unless a spare
-    appeared meanwhile. Best effort: an error leaves no spare and no file."""
+    """Writes directories' spares on one background thread at the lowest priority (started
+    at the first need; a queue hand-off costs a save ~20 us where a thread start cost
+    0.4 ms): zeros (``write_zeros``), then renamed to SPARE_NAME unless a spare appeared
+    meanwhile. Best effort: an error leaves no spare and no file."""
 
     def __init__(self) -> None:
         self._busy: set[Path] = set()
+        self._todo: queue.SimpleQueue[tuple[Path, int]] = queue.SimpleQueue()
         self._idle = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     def refill(self, directory: Path, size: int) -> None:
-        """Start writing ``directory``'s spare of ``size`` bytes (whole MiB), unless it has
-        one, one is being written, or the file is too small to gain from one."""
+        """Have ``directory``'s spare of ``size`` bytes (whole MiB) written, unless it has
+        one, one is on the way, or the file is too small to gain from one."""
         if size < SPARE_MIN or (directory / SPARE_NAME).exists():
             return
         with self._idle:
             if directory in self._busy:
                 return
             self._busy.add(directory)
-        threading.Thread(target=self._run, args=(directory, size), daemon=True).start()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="spares", daemon=True)
+                self._thread.start()
+        self._todo.put((directory, size))
 
     def wait(self, timeout: float = 30.0) -> bool:
         """Block until no spare is being written (tests); False on timeout."""
         with self._idle:
             return self._idle.wait_for(lambda: not self._busy, timeout)
 
-    def _run(self, directory: Path, size: int) -> None:
+    def _serve(self) -> None:
+        # the lowest priority, for this thread alone: it must not slow the requests that
+        # follow a save (a restore reads on every core)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while True:
+            directory, size = self._todo.get()
+            try:
+                self._make(directory, size)
+            finally:
+                with self._idle:
+                    self._busy.discard(directory)
+                    self._idle.notify_all()
+
+    def _make(self, directory: Path, size: int) -> None:
         tmp: Path | None = None
         try:
-            # the lowest priority for this thread alone: it must not slow the requests that
-            # follow a save (a restore reads on every core)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             fd, name = tempfile.mkstemp(prefix=".tmp-spare-", suffix=".slot", dir=directory)
             tmp = Path(name)
             os.close(fd)
@@ -264,9 +281,6 @@ class SpareMaker:
         finally:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
-            with self._idle:
-                self._busy.discard(directory)
-                self._idle.notify_all()
 
 
 SPARES = SpareMaker()
@@ -276,12 +290,14 @@ def write_zeros(path: Path, size: int) -> None:
     """``size`` bytes of zeros (rounded up to whole MiB) written to ``path`` through the page
     cache and fdatasync'd: its blocks are then allocated on the device and its pages stay
     cached (clean, reclaimable), so a save overwriting it reuses both."""
-    size = -(-size // _ZERO_CHUNK) * _ZERO_CHUNK
+    total = -(-size // _ZERO_CHUNK) * _ZERO_CHUNK
     zeros = bytes(_ZERO_CHUNK)
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        for off in range(0, size, _ZERO_CHUNK):
-            os.pwrite(fd, zeros, off)
+        off = 0
+        while off < total:  # the same MiB again and again: few calls, the GIL released
+            k = min(-(-(total - off) // _ZERO_CHUNK), _IOV_MAX)
+            off += os.pwritev(fd, [zeros] * k, off)  # after a short write: past total, harmless
         os.fdatasync(fd)
     finally:
         os.close(fd)
