@@ -300,7 +300,10 @@ def _foreign(sample: Sample) -> float:
 async def measure_once(
     ctx: Ctx, wid: int, sp: ServerProcess, rep: int, meter: ForeignCpu, settle_s: float
 ) -> Sample:
-    """Wait for a quiet machine, run one sample and record the foreign CPU load during it."""
+    """Wait for a quiet machine, run one sample and record the foreign CPU load during it.
+    Foreign is everything but ``sp``: the other servers too, whose background work (ours
+    writes a slot directory's spare after a pause) must not run during ``sp``'s sample."""
+    meter.pids = lambda: [sp.proc.pid]  # asked at each mark: a restart changes the pid
     if settle_s > 0:
         waited = await meter.settle(NOISY_CORES, settle_s)
         if waited >= settle_s:
@@ -349,7 +352,7 @@ async def drive(
     results: Results,
     pacing: Pacing,
 ) -> None:
-    meter = ForeignCpu(lambda: [p.proc.pid for p in procs])  # pids change on restarts
+    meter = ForeignCpu(lambda: [p.proc.pid for p in procs])  # measure_once narrows it to one
     async with make_client() as client:
         for sp in procs:
             await warmup(client, sp)

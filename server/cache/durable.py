@@ -30,6 +30,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -131,6 +132,7 @@ def open_locked(path: Path) -> int:
     closed), checked to still be the file at ``path`` once locked: a save may have swapped
     it out to become a spare meanwhile, and a spare is only written under an exclusive lock.
     Raises FileNotFoundError when there is no file."""
+    touched()
     for _ in range(8):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -196,6 +198,7 @@ def write_durable(
     "write", "sync" and "rename". Without a file replaced, a new spare of this size is
     written in the background."""
     laps = laps or Laps(None)
+    touched()
     try:
         fd = _open_for_write(tmp)
         try:
@@ -217,9 +220,22 @@ def write_durable(
     finally:
         os.close(dfd)
     laps.lap("rename")
+    touched()
     if not recycled:
         SPARES.refill(path.parent, written)
     return written
+
+
+# A spare is written once slot-file saves and restores have paused this long: writing
+# 19 MiB into new page-cache pages next to a restore made the restore 2-4x slower here
+# (the pages were faulted in by the virtual machine's host meanwhile).
+QUIET_S = 0.25
+LAST_IO = [0.0]  # time.monotonic() of the last save or restore's file access
+
+
+def touched() -> None:
+    """Note a slot file's access now: the spare waits for a pause (QUIET_S)."""
+    LAST_IO[0] = time.monotonic()
 
 
 class SpareMaker:
@@ -259,6 +275,8 @@ class SpareMaker:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             directory, size = self._todo.get()
+            while (left := LAST_IO[0] + QUIET_S - time.monotonic()) > 0:
+                time.sleep(left)  # after the slot files' traffic pauses (see QUIET_S)
             try:
                 self._make(directory, size)
             finally:

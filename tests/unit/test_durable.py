@@ -14,6 +14,11 @@ from server.cache import slot_file as sf
 MIB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def no_pause(monkeypatch):
+    monkeypatch.setattr(durable, "QUIET_S", 0.0)  # spares written at once: tests wait for them
+
+
 def save(path: Path, data: bytes) -> int:
     """write_durable as a slot save calls it: pieces that do not end on page boundaries."""
     n = durable.write_durable(sf.temp_for(path), path, [data[:3], memoryview(data)[3:]])
