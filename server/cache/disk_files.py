@@ -38,7 +38,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import image_file, slot_file
+from . import file_io, image_file, slot_file
 from .saved import Extras, OnDisk, SavedState
 
 MiB = 1024 * 1024
@@ -267,9 +267,9 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def _pread_into(fd: int, buf: bytearray) -> None:
-    """Fill ``buf`` from the file's start (``slot_file.pread_into``); EntryChanged when the
+    """Fill ``buf`` from the file's start (``file_io.pread_into``); EntryChanged when the
     file ends first (another process truncated it)."""
-    got = slot_file.pread_into(fd, buf)
+    got = file_io.pread_into(fd, buf)
     if got < len(buf):
         raise EntryChanged(f"truncated while read ({got} of {len(buf)} bytes)")
 

@@ -132,7 +132,7 @@ def open_locked(path: Path) -> int:
     closed), checked to still be the file at ``path`` once locked: a save may have swapped
     it out to become a spare meanwhile, and a spare is only written under an exclusive lock.
     Raises FileNotFoundError when there is no file."""
-    touched()
+    SPARES.touch()
     for _ in range(8):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -198,7 +198,7 @@ def write_durable(
     "write", "sync" and "rename". Without a file replaced, a new spare of this size is
     written in the background."""
     laps = laps or Laps(None)
-    touched()
+    SPARES.touch()
     try:
         fd = _open_for_write(tmp)
         try:
@@ -220,7 +220,7 @@ def write_durable(
     finally:
         os.close(dfd)
     laps.lap("rename")
-    touched()
+    SPARES.touch()
     if not recycled:
         SPARES.refill(path.parent, written)
     return written
@@ -230,12 +230,6 @@ def write_durable(
 # 19 MiB into new page-cache pages next to a restore made the restore 2-4x slower here
 # (the pages were faulted in by the virtual machine's host meanwhile).
 QUIET_S = 0.25
-LAST_IO = [0.0]  # time.monotonic() of the last save or restore's file access
-
-
-def touched() -> None:
-    """Note a slot file's access now: the spare waits for a pause (QUIET_S)."""
-    LAST_IO[0] = time.monotonic()
 
 
 class SpareMaker:
@@ -249,6 +243,11 @@ class SpareMaker:
         self._todo: queue.SimpleQueue[tuple[Path, int]] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
+        self.last_io = 0.0  # time.monotonic() of the last save or restore's file access
+
+    def touch(self) -> None:
+        """Note a slot file's access now: a spare waits for a pause (QUIET_S)."""
+        self.last_io = time.monotonic()
 
     def refill(self, directory: Path, size: int) -> None:
         """Have ``directory``'s spare of ``size`` bytes (whole MiB) written, unless it has
@@ -275,7 +274,7 @@ class SpareMaker:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             directory, size = self._todo.get()
-            while (left := LAST_IO[0] + QUIET_S - time.monotonic()) > 0:
+            while (left := self.last_io + QUIET_S - time.monotonic()) > 0:
                 time.sleep(left)  # after the slot files' traffic pauses (see QUIET_S)
             try:
                 self._make(directory, size)

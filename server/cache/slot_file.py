@@ -139,13 +139,6 @@ def file_buffer(size: int) -> FileBuf:
     return file_io.new_buffer(size)
 
 
-def pread_into(fd: int, buf: FileBuf) -> int:
-    """Fill ``buf`` from the start of the file ``fd`` (file_io.pread_into: the kernel
-    writes straight into it, a large file in parallel parts). Returns the bytes read:
-    fewer than ``len(buf)`` when the file ended first."""
-    return file_io.pread_into(fd, buf)
-
-
 def read_file(
     path: Path, n_ctx: int, n_vocab: int, seq: int, version: int, projector: bytes | None = None
 ) -> ParsedFile:
@@ -173,7 +166,7 @@ def _read_fd(
     pooled = file_io.BUFFERS.take(size)
     buf = pooled if len(pooled) == size else memoryview(pooled)[:size]
     try:
-        got = pread_into(fd, buf)
+        got = file_io.pread_into(fd, buf)  # in parallel parts when large
         if got < size:
             raise SlotFileError(f"slot file changed while read ({got} of {size} bytes)")
         return _parse(buf, size, n_ctx, n_vocab, seq, version, projector, pooled)

@@ -190,13 +190,13 @@ def test_a_file_truncated_while_read_is_an_error_not_a_sigbus(tmp_path, monkeypa
     one mid-restore (issue 25: a mapped disk entry died of SIGBUS) is a short read, a 400."""
     path = tmp_path / "s.bin"
     sf.write_file(path, [5, 6, 7], state_buf(), VERSION, [])
-    real = sf.pread_into
+    real = file_io.pread_into
 
     def truncating(fd: int, buf: bytearray) -> int:
         os.truncate(path, 20)  # another writer, between the size check and the read
         return real(fd, buf)
 
-    monkeypatch.setattr(sf, "pread_into", truncating)
+    monkeypatch.setattr(file_io, "pread_into", truncating)
     with pytest.raises(sf.SlotFileError, match="changed while read") as e:
         sf.read_file(path, n_ctx=100, n_vocab=1000, seq=2, version=VERSION)
     assert e.value.status == 400
@@ -207,10 +207,10 @@ def test_pread_into_fills_the_buffer_and_reports_short_files(tmp_path):
     path.write_bytes(bytes(range(256)) * 3)
     buf = bytearray(768)
     with open(path, "rb") as f:
-        assert sf.pread_into(f.fileno(), buf) == 768
+        assert file_io.pread_into(f.fileno(), buf) == 768
     assert bytes(buf) == bytes(range(256)) * 3
     with open(path, "rb") as f:
-        assert sf.pread_into(f.fileno(), bytearray(1000)) == 768
+        assert file_io.pread_into(f.fileno(), bytearray(1000)) == 768
 
 
 def test_a_large_file_is_read_into_private_huge_page_memory(tmp_path):
