@@ -127,6 +127,31 @@ def _write_all(fd: int, pieces: Sequence[bytes | memoryview]) -> int:
     return pos
 
 
+# How long a reader waits for a file's exclusive lock: ours is held only while a spare is
+# written (milliseconds); another program's could be held for ever, and a restore's worker
+# thread must not wait for it that long.
+LOCK_WAIT_S = 5.0
+
+
+def _lock_shared(fd: int, deadline: float) -> None:
+    """A shared flock on ``fd``, polled until ``deadline`` (then OSError EAGAIN). A file
+    system without locks: none taken (nothing is recycled there for our own readers)."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(
+                    errno.EAGAIN, "the slot file stays locked by another writer"
+                ) from None
+            time.sleep(0.001)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            return
+
+
 def open_locked(path: Path) -> int:
     """An fd of the file at ``path`` with a shared flock held (released when the fd is
     closed), checked to still be the file at ``path`` once locked: a save may have swapped
@@ -136,11 +161,7 @@ def open_locked(path: Path) -> int:
     for _ in range(8):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-            except OSError as e:  # a file system without locks: nothing is recycled there
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
-                    raise
+            _lock_shared(fd, time.monotonic() + LOCK_WAIT_S)
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
                 return fd
         except BaseException:

@@ -79,7 +79,7 @@ def test_open_locked_follows_a_swap_between_open_and_lock(tmp_path: Path, monkey
     real, swaps = durable.fcntl.flock, []
 
     def swap_then_lock(fd: int, op: int) -> None:
-        if op == durable.fcntl.LOCK_SH and not swaps:
+        if op & durable.fcntl.LOCK_SH and not swaps:
             swaps.append(1)  # a save swaps a new file in after this reader opened the old one
             save(a, payload(MIB, 2))
         real(fd, op)
@@ -125,3 +125,18 @@ def test_pread_into_reads_in_parts_and_counts_a_short_file(tmp_path: Path, monke
         longer = bytearray(12 * MIB)  # the file ends inside the last part
         assert file_io.pread_into(fh.fileno(), longer) == len(data)
         assert longer[: len(data)] == data
+
+
+def test_a_reader_waits_a_bounded_time_for_a_file_locked_by_another_writer(
+    tmp_path: Path, monkeypatch
+):
+    a = tmp_path / "a.bin"
+    save(a, payload(MIB, 1))
+    monkeypatch.setattr(durable, "LOCK_WAIT_S", 0.05)
+    with open(a, "rb") as other:
+        durable.fcntl.flock(other.fileno(), durable.fcntl.LOCK_EX)  # another program's lock
+        with pytest.raises(OSError) as e:
+            durable.open_locked(a)
+        assert e.value.errno == durable.errno.EAGAIN
+    fd = durable.open_locked(a)  # released: the reader gets it
+    os.close(fd)
