@@ -57,7 +57,7 @@ _START_WRITEBACK = _libc(
 
 SPARE_NAME = ".spare.slot"  # a dot name: no request can name it (slot_file.validate_filename)
 SPARE_MIN = 1 << 20  # smaller files gain little from a spare: none is written for them
-_ZERO_CHUNK = 1 << 20  # a spare is whole MiB of zeros
+_ZERO_CHUNK = 1 << 20  # a spare's zeros are written a MiB a slice
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -271,7 +271,7 @@ class SpareMaker:
         self.last_io = time.monotonic()
 
     def refill(self, directory: Path, size: int) -> None:
-        """Have ``directory``'s spare of ``size`` bytes (whole MiB) written, unless it has
+        """Have ``directory``'s spare of ``size`` bytes written, unless it has
         one, one is on the way, or the file is too small to gain from one."""
         if size < SPARE_MIN or (directory / SPARE_NAME).exists():
             return
@@ -325,17 +325,19 @@ SPARES = SpareMaker()
 
 
 def write_zeros(path: Path, size: int) -> None:
-    """``size`` bytes of zeros (rounded up to whole MiB) written to ``path`` through the page
-    cache and fdatasync'd: its blocks are then allocated on the device and its pages stay
-    cached (clean, reclaimable), so a save overwriting it reuses both."""
-    total = -(-size // _ZERO_CHUNK) * _ZERO_CHUNK
-    zeros = bytes(_ZERO_CHUNK)
+    """``size`` bytes of zeros written to ``path`` through the page cache and fdatasync'd:
+    its blocks are then allocated on the device and its pages stay cached (clean,
+    reclaimable), so a save overwriting it reuses both. Exactly ``size``: the next save is
+    most often the same slot's state again, as large, and a spare of its size needs no
+    ftruncate (0.4 ms here, and a heavier fdatasync after it)."""
+    zeros = memoryview(bytes(_ZERO_CHUNK))
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         off = 0
-        while off < total:  # the same MiB again and again: few calls, the GIL released
-            k = min(-(-(total - off) // _ZERO_CHUNK), _IOV_MAX)
-            off += os.pwritev(fd, [zeros] * k, off)  # after a short write: past total, harmless
+        while off < size:  # the same MiB again and again: few calls, the GIL released
+            left = size - off
+            iov = [zeros] * min(left // _ZERO_CHUNK, _IOV_MAX) or [zeros[:left]]
+            off += os.pwritev(fd, iov, off)
         os.fdatasync(fd)
     finally:
         os.close(fd)

@@ -26,6 +26,7 @@ caller writes the checkpoint whole, as before.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,18 +183,29 @@ def widen(
         return None
     if not np.array_equal(have, np.arange(first - len(have), first)):
         return None  # a gap or repeats between the two windows: not one window
+    pick = _picker(checkpoint, idx)
     pieces: list[bytes | memoryview] = [
         state[: win.count_at],
         struct.pack("<I", win.count + len(idx)),
         state[win.meta : win.meta + win.count * win.rec],
-        _items(checkpoint, old.meta, old.rec, old.count)[idx].tobytes(),
+        pick(old.meta, old.rec, old.count),
         state[win.layers_at : win.layers[0][0]],
     ]
     for (at, size), (ck_at, _) in zip(win.layers, old.layers, strict=True):
         pieces.append(state[at : at + _LAYER_HEAD + win.count * size])
-        pieces.append(_items(checkpoint, ck_at + _LAYER_HEAD, size, old.count)[idx].tobytes())
+        pieces.append(pick(ck_at + _LAYER_HEAD, size, old.count))
     pieces.append(state[win.end :])
     return pieces
+
+
+def _picker(buf: memoryview, idx: np.ndarray) -> Callable[[int, int, int], bytes | memoryview]:
+    """``pick(start, size, count)``: items ``idx`` of the ``count`` of ``size`` bytes at
+    ``start`` in ``buf``. A run of consecutive items (a checkpoint's cells below a window
+    usually are) is one view of ``buf``, no copy; others are gathered."""
+    lo, hi = int(idx[0]), int(idx[-1]) + 1  # idx ascends, no repeats (flatnonzero's)
+    if hi - lo == len(idx):
+        return lambda start, size, count: buf[start + lo * size : start + hi * size]
+    return lambda start, size, count: _items(buf, start, size, count)[idx].tobytes()
 
 
 def narrow(state: memoryview, n_caches: int, n_tokens: int, n_swa: int) -> bytearray | None:

@@ -39,12 +39,12 @@ def test_a_save_replacing_a_file_writes_into_the_spare_and_keeps_the_old_one_as_
 ):
     a, spare = tmp_path / "a.bin", tmp_path / durable.SPARE_NAME
     assert save(a, payload(MIB + 5, 1)) == MIB + 5
-    # no file was replaced: a spare of whole MiB of zeros was written for the next save
+    # no file was replaced: a spare of zeros, as large, was written for the next save
     assert names(tmp_path) == sorted([durable.SPARE_NAME, "a.bin"])
-    assert spare.read_bytes() == bytes(2 * MIB)
+    assert spare.read_bytes() == bytes(MIB + 5)
     first, blank = os.stat(a).st_ino, os.stat(spare).st_ino
     save(a, payload(MIB + 7, 2))
-    assert a.read_bytes() == payload(MIB + 7, 2)  # a larger spare is cut to the file
+    assert a.read_bytes() == payload(MIB + 7, 2)  # a smaller spare grows
     assert os.stat(a).st_ino == blank  # written into the spare's blocks
     assert os.stat(spare).st_ino == first  # the replaced file is the next spare
     assert names(tmp_path) == sorted([durable.SPARE_NAME, "a.bin"])  # no temporary left
@@ -106,11 +106,20 @@ def test_small_files_get_no_spare(tmp_path: Path):
     assert names(tmp_path) == ["a.bin"]
 
 
-def test_write_zeros_rounds_up_to_whole_mib(tmp_path: Path):
+@pytest.mark.parametrize("size", [MIB, MIB + 1, 3 * MIB - 4095, 1100 * MIB // 1024])
+def test_write_zeros_writes_exactly_size(tmp_path: Path, size: int):
     z = tmp_path / "z"
-    z.touch()
-    durable.write_zeros(z, MIB + 1)
-    assert z.read_bytes() == bytes(2 * MIB)
+    z.write_bytes(b"x" * 7)
+    durable.write_zeros(z, size)
+    assert z.read_bytes() == bytes(size)
+
+
+def test_a_larger_spare_is_cut_to_the_file(tmp_path: Path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    save(a, payload(3 * MIB, 1))
+    save(a, payload(3 * MIB, 2))  # the first version is the spare: 3 MiB
+    save(b, payload(MIB + 9, 3))
+    assert b.read_bytes() == payload(MIB + 9, 3) and a.read_bytes() == payload(3 * MIB, 2)
 
 
 @pytest.mark.parametrize("readers", [1, 3])

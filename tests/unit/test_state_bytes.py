@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import struct
 
+import pytest
+
 from server.cache import slot_file
 from server.llama.kv_state import read_caches
 from server.llama.state_bytes import narrow, widen, window_shape
@@ -68,11 +70,19 @@ def _joined(pieces: list) -> bytes:
     return b"".join(bytes(p) for p in pieces)
 
 
-def test_widen_adds_the_checkpoints_older_cells_to_the_window():
-    wide = _joined(widen(memoryview(STATE), 2, memoryview(CKPT), max_cells=64))
+# the same window, its older cells not side by side in the ring (gathered, not one view)
+SCATTERED = [58, 59, *range(60, 96), 56, 57]
+
+
+@pytest.mark.parametrize(
+    ("ckpt", "added"),
+    [(CKPT, [56, 57, 58, 59]), (HEADER + _cache(SCATTERED), [58, 59, 56, 57])],
+)
+def test_widen_adds_the_checkpoints_older_cells_to_the_window(ckpt: bytes, added: list[int]):
+    wide = _joined(widen(memoryview(STATE), 2, memoryview(ckpt), max_cells=64))
     caches, end = read_caches(wide, ("full", "swa"))
     assert end == len(wide) and caches[0].pos == list(range(100))
-    assert caches[1].pos == STATE_WINDOW + [56, 57, 58, 59]  # the state's cells, then the added
+    assert caches[1].pos == STATE_WINDOW + added  # the state's cells, then the added
     rows = _rows_by_pos(wide, 2)
     assert all(rows[("k", lay, p)] == _k(lay, p) for lay in range(N_LAYER) for p in range(56, 100))
     assert all(rows[("v", lay, p)] == _v(lay, p) for lay in range(N_LAYER) for p in range(56, 100))
