@@ -14,6 +14,13 @@ projector (its file's hash and the token limits): the same picture in other byte
 PNG encoder, a JPEG re-save that decodes equal) is the same image. ``EmbeddingCache``
 keeps embeddings by identity (bounded RAM), so an image is encoded once.
 
+A client re-sends the same bytes with every turn of a conversation. Their identity is then
+known from the bytes alone (``KnownBytes``: a hash of the bytes to the identity and size),
+and while the cache holds the embeddings, a follow-up neither decodes the image nor hashes
+its pixels (a 2048x1536 PNG: ~30 ms here): libmtmd tokenizes the prompt with a blank stand-in
+of the same size in its place (its chunks depend on the size only), and no stand-in is ever
+encoded (``_StandInMissed``: the prompt is tokenized again from the real pixels).
+
 ``decode_embeddings`` puts an image's embeddings into the llama context at given positions
 (a llama_batch with ``embd``): it is a memory operation, called by the backend's
 ``decode_image`` on the runner's behalf only (tests/unit/test_one_phase.py).
@@ -135,6 +142,50 @@ class EmbeddingCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def holds(self, identity: bytes) -> bool:
+        """Whether the embeddings of ``identity`` are cached (not counted as a hit or miss)."""
+        with self.lock:
+            return identity in self._items
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What decoding an image's bytes told: its identity and size in pixels."""
+
+    identity: bytes
+    nx: int
+    ny: int
+
+
+class KnownBytes:
+    """Images' bytes already decoded, by a hash of the bytes: their ``Decoded``. Bounded
+    (least recently used out); the same bytes always decode to the same pixels."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[bytes, Decoded] = OrderedDict()
+
+    @staticmethod
+    def key(data: bytes) -> bytes:
+        return hashlib.blake2b(data, digest_size=16).digest()
+
+    def get(self, key: bytes) -> Decoded | None:
+        got = self._items.get(key)
+        if got is not None:
+            self._items.move_to_end(key)
+        return got
+
+    def put(self, key: bytes, decoded: Decoded) -> None:
+        self._items[key] = decoded
+        self._items.move_to_end(key)
+        while len(self._items) > self.MAX_ENTRIES:
+            self._items.popitem(last=False)
+
+
+class _StandInMissed(Exception):
+    """A stand-in's embeddings left the cache before they were taken: tokenize again."""
+
 
 def _file_hash(path: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
@@ -167,6 +218,7 @@ class Projector:
             raise ValueError(f"could not load the projector {opts.path} for this model")
         self.ctx = ctx
         self.cache = EmbeddingCache(opts.cache_bytes)
+        self.known = KnownBytes()  # under ``lock``
         self.lock = threading.Lock()
         self.vision = bool(M.mtmd_support_vision(ctx))
         self.audio = bool(M.mtmd_support_audio(ctx))
@@ -201,20 +253,35 @@ class Projector:
         if n_markers != len(images):
             raise MediaError(f"the prompt has {n_markers} media markers for {len(images)} images")
         with self.lock:
-            bitmaps: list[M.mtmd_bitmap_p] = []
-            chunks = None
             try:
-                for i, data in enumerate(images):
-                    bitmaps.append(self._bitmap(i, data))
-                chunks = self._chunks(text, bitmaps)
-                return self._pieces(chunks)
-            finally:
-                if chunks is not None:
-                    M.mtmd_input_chunks_free(chunks)
-                for b in bitmaps:
-                    M.mtmd_bitmap_free(b)
+                return self._tokenize(text, images, stand_ins=True)
+            except _StandInMissed:
+                return self._tokenize(text, images, stand_ins=False)
 
-    def _bitmap(self, i: int, data: bytes) -> M.mtmd_bitmap_p:
+    def _tokenize(self, text: str, images: list[bytes], stand_ins: bool) -> list[Piece]:
+        bitmaps: list[M.mtmd_bitmap_p] = []
+        chunks = None
+        standing: set[bytes] = set()  # identities whose bitmap is a blank stand-in
+        try:
+            for i, data in enumerate(images):
+                key = KnownBytes.key(data)
+                known = self.known.get(key) if stand_ins else None
+                if known is not None and self.cache.holds(known.identity):
+                    bitmaps.append(_stand_in(known))
+                    standing.add(known.identity)
+                    continue
+                bmp, decoded = self._bitmap(i, data)
+                bitmaps.append(bmp)
+                self.known.put(key, decoded)
+            chunks = self._chunks(text, bitmaps)
+            return self._pieces(chunks, standing)
+        finally:
+            if chunks is not None:
+                M.mtmd_input_chunks_free(chunks)
+            for b in bitmaps:
+                M.mtmd_bitmap_free(b)
+
+    def _bitmap(self, i: int, data: bytes) -> tuple[M.mtmd_bitmap_p, Decoded]:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         bmp = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False, _NO_VIDEO)
         if not bmp:
@@ -225,8 +292,9 @@ class Projector:
         nx, ny = M.mtmd_bitmap_get_nx(bmp), M.mtmd_bitmap_get_ny(bmp)
         n = M.mtmd_bitmap_get_n_bytes(bmp)
         px = ctypes.string_at(M.mtmd_bitmap_get_data(bmp), n)
-        M.mtmd_bitmap_set_id(bmp, self.identity(px, nx, ny).hex().encode())
-        return bmp
+        decoded = Decoded(self.identity(px, nx, ny), nx, ny)
+        M.mtmd_bitmap_set_id(bmp, decoded.identity.hex().encode())
+        return bmp, decoded
 
     def _chunks(self, text: str, bitmaps: list[M.mtmd_bitmap_p]) -> M.mtmd_input_chunks_p:
         raw = text.encode()
@@ -241,9 +309,10 @@ class Projector:
             raise MediaError("an image could not be preprocessed for the projector")
         return chunks
 
-    def _pieces(self, chunks: M.mtmd_input_chunks_p) -> list[Piece]:
+    def _pieces(self, chunks: M.mtmd_input_chunks_p, standing: set[bytes]) -> list[Piece]:
         """Text runs as token lists, images as EncodedImages: the embedding cache's where it
-        has them, the others encoded (``_encode_missing``: batched up to batch_max_tokens)."""
+        has them, the others encoded (``_encode_missing``: batched up to batch_max_tokens).
+        ``standing``: images whose chunk holds a blank stand-in, never to be encoded."""
         out: list[Piece] = []
         images: list[tuple[int, M.mtmd_input_chunk_p, bytes]] = []  # (index in out, ...)
         for i in range(M.mtmd_input_chunks_size(chunks)):
@@ -271,6 +340,8 @@ class Projector:
             non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
             if embd is not None and embd.shape[0] == M.mtmd_input_chunk_get_n_tokens(c):
                 found[identity] = EncodedImage(identity, embd, non_causal, encoded=False)
+            elif identity in standing:
+                raise _StandInMissed
             else:
                 missing.append((c, identity))
         found.update(self._encode_missing(missing))
@@ -324,6 +395,17 @@ class Projector:
             cache.counters.encode_ms += ms
         non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
         return EncodedImage(identity, embd, non_causal, encoded=True, encode_ms=ms)
+
+
+def _stand_in(known: Decoded) -> M.mtmd_bitmap_p:
+    """A blank bitmap of ``known``'s size named by its identity: libmtmd cuts a prompt into
+    the same chunks for it (their token counts follow the image's size, not its pixels)."""
+    n = known.nx * known.ny * 3
+    bmp = M.mtmd_bitmap_init(known.nx, known.ny, (ctypes.c_uint8 * n)())
+    if not bmp:
+        raise MediaError("the image could not be prepared")
+    M.mtmd_bitmap_set_id(bmp, known.identity.hex().encode())
+    return bmp
 
 
 def decode_embeddings(

@@ -62,6 +62,58 @@ def test_identity_is_the_pixels_not_the_bytes_and_the_cache_encodes_once(loaded)
     assert cache.counters.hits - hits == 1 and cache.counters.encoded - encoded == 2
 
 
+def _decodes(p: Projector, monkeypatch) -> list[int]:
+    """Count the projector's image decodes (libmtmd's helper, called by ``_bitmap``)."""
+    from server.llama import mtmd
+
+    calls: list[int] = []
+    real = mtmd.M.mtmd_helper_bitmap_init_from_buf
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(mtmd.M, "mtmd_helper_bitmap_init_from_buf", counted)
+    return calls
+
+
+def test_bytes_sent_again_are_not_decoded_while_their_embeddings_are_cached(loaded, monkeypatch):
+    _, p = loaded
+    decodes = _decodes(p, monkeypatch)
+    data = png(pixels(11))
+    first = p.tokenize(prompt(p), [data])
+    again = p.tokenize(prompt(p) + "and again?", [data])
+    assert len(decodes) == 1  # the second turn used a blank stand-in of the same size
+    a, b = first[1], again[1]
+    assert isinstance(a, EncodedImage) and isinstance(b, EncodedImage)
+    assert a.identity == b.identity and not b.encoded and np.array_equal(a.embd, b.embd)
+    assert first[0] == again[0]  # the same chunks: the text before the image
+    # other bytes of the same pixels: decoded once, then known too
+    other = png(pixels(11), compress=1)
+    assert p.tokenize(prompt(p), [other])[1].identity == a.identity  # type: ignore[union-attr]
+    assert len(decodes) == 2
+
+
+def test_a_stand_in_is_never_encoded(loaded, monkeypatch):
+    """Bytes known but their embeddings gone from the cache: decoded again and encoded from
+    their pixels; cached under a wrong shape: the stand-in is dropped and the prompt
+    tokenized again from the real pixels."""
+    _, p = loaded
+    data = png(pixels(12))
+    a = p.tokenize(prompt(p), [data])[1]
+    assert isinstance(a, EncodedImage)
+    p.cache._items.pop(a.identity)  # evicted
+    p.cache.nbytes -= a.embd.nbytes
+    decodes = _decodes(p, monkeypatch)
+    b = p.tokenize(prompt(p), [data])[1]
+    assert len(decodes) == 1 and isinstance(b, EncodedImage) and b.encoded
+    assert np.array_equal(a.embd, b.embd)  # from the real pixels, not a blank
+    p.cache.put(a.identity, a.embd[:3])  # held, but not what this projector gives
+    c = p.tokenize(prompt(p), [data])[1]
+    assert len(decodes) == 2 and isinstance(c, EncodedImage) and c.encoded
+    assert np.array_equal(a.embd, c.embd)
+
+
 def test_bad_images_raise_media_errors(loaded):
     _, p = loaded
     with pytest.raises(MediaError, match="could not be decoded"):
