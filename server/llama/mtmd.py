@@ -17,9 +17,11 @@ keeps embeddings by identity (bounded RAM), so an image is encoded once.
 A client re-sends the same bytes with every turn of a conversation. Their identity is then
 known from the bytes alone (``KnownBytes``: a hash of the bytes to the identity and size),
 and while the cache holds the embeddings, a follow-up neither decodes the image nor hashes
-its pixels (a 2048x1536 PNG: ~30 ms here): libmtmd tokenizes the prompt with a blank stand-in
-of the same size in its place (its chunks depend on the size only), and no stand-in is ever
-encoded (``_StandInMissed``: the prompt is tokenized again from the real pixels).
+its pixels (a 2048x1536 PNG: ~30 ms here): libmtmd tokenizes the prompt with a stand-in in
+its place, a placeholder bitmap of the same size (no pixels: nothing to preprocess; the
+chunks depend on the size only), and no stand-in is ever encoded (``_StandInMissed``: the
+prompt is tokenized again from the real pixels, as it is when a projector's preprocessing
+refuses a placeholder).
 
 ``decode_embeddings`` puts an image's embeddings into the llama context at given positions
 (a llama_batch with ``embd``): it is a memory operation, called by the backend's
@@ -184,7 +186,8 @@ class KnownBytes:
 
 
 class _StandInMissed(Exception):
-    """A stand-in's embeddings left the cache before they were taken: tokenize again."""
+    """A stand-in's embeddings left the cache before they were taken, or its projector's
+    preprocessing refused a placeholder: tokenize again from the pixels."""
 
 
 def _file_hash(path: str) -> bytes:
@@ -261,7 +264,7 @@ class Projector:
     def _tokenize(self, text: str, images: list[bytes], stand_ins: bool) -> list[Piece]:
         bitmaps: list[M.mtmd_bitmap_p] = []
         chunks = None
-        standing: set[bytes] = set()  # identities whose bitmap is a blank stand-in
+        standing: set[bytes] = set()  # identities whose bitmap is a placeholder stand-in
         try:
             for i, data in enumerate(images):
                 key = KnownBytes.key(data)
@@ -273,7 +276,12 @@ class Projector:
                 bmp, decoded = self._bitmap(i, data)
                 bitmaps.append(bmp)
                 self.known.put(key, decoded)
-            chunks = self._chunks(text, bitmaps)
+            try:
+                chunks = self._chunks(text, bitmaps)
+            except MediaError:
+                if standing:  # a preprocessor that wants pixels: from the real ones
+                    raise _StandInMissed from None
+                raise
             return self._pieces(chunks, standing)
         finally:
             if chunks is not None:
@@ -312,7 +320,7 @@ class Projector:
     def _pieces(self, chunks: M.mtmd_input_chunks_p, standing: set[bytes]) -> list[Piece]:
         """Text runs as token lists, images as EncodedImages: the embedding cache's where it
         has them, the others encoded (``_encode_missing``: batched up to batch_max_tokens).
-        ``standing``: images whose chunk holds a blank stand-in, never to be encoded."""
+        ``standing``: images whose chunk holds a placeholder stand-in, never to be encoded."""
         out: list[Piece] = []
         images: list[tuple[int, M.mtmd_input_chunk_p, bytes]] = []  # (index in out, ...)
         for i in range(M.mtmd_input_chunks_size(chunks)):
@@ -398,10 +406,11 @@ class Projector:
 
 
 def _stand_in(known: Decoded) -> M.mtmd_bitmap_p:
-    """A blank bitmap of ``known``'s size named by its identity: libmtmd cuts a prompt into
-    the same chunks for it (their token counts follow the image's size, not its pixels)."""
-    n = known.nx * known.ny * 3
-    bmp = M.mtmd_bitmap_init(known.nx, known.ny, (ctypes.c_uint8 * n)())
+    """A placeholder bitmap (no pixels: libmtmd's token-counting bitmap, whose
+    preprocessing only sets sizes) of ``known``'s size, named by its identity: libmtmd cuts
+    a prompt into the same chunks for it (their token counts follow the image's size, not
+    its pixels). Its chunk cannot be encoded, and never is."""
+    bmp = M.mtmd_bitmap_init(known.nx, known.ny, None)
     if not bmp:
         raise MediaError("the image could not be prepared")
     M.mtmd_bitmap_set_id(bmp, known.identity.hex().encode())

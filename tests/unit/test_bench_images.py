@@ -27,17 +27,26 @@ async def _words(text: str) -> list[str]:  # a tokenizer: one piece per word
 
 
 def test_w17_runs_both_servers_on_the_same_projector() -> None:
+    """Two configurations: -mm at llama-server's own verbosity (its timings), and -mm-lv4
+    whose log times llama-server's encodes (it answers slower at that verbosity)."""
     w = WORKLOADS[17]
     base = [
         ServerSpec(LLAMA_SERVER, ["llama-server", "-m", "m.gguf"]),
         ServerSpec(OURS, [sys.executable, "-m", "server", "-m", "m.gguf"]),
     ]
-    llama, ours = variant_specs(base, w.variants, not w.variants_only, Path("/tmp/run"))
+    specs = variant_specs(base, w.variants, not w.variants_only, Path("/tmp/run"))
+    llama, llama_log, ours, ours_log = specs
     assert (llama.name, ours.name) == (images.LLAMA_MM, images.OURS_MM)
+    assert (llama_log.name, ours_log.name) == (images.LLAMA_LOG, images.OURS_LOG)
     proj = str(images.PROJECTOR)
-    assert llama.argv[-4:] == ["--mmproj", proj, "-lv", "4"]  # its encode log is level 4
+    assert llama.argv[-2:] == ["--mmproj", proj] and "-lv" not in llama.argv
+    assert ours.argv[-3:] == ["--mmproj", proj, "--metrics"]  # its encode time
+    assert llama_log.argv[-4:] == ["--mmproj", proj, "-lv", "4"]  # its encode log is level 4
     # ours: the same file, --metrics for its encode time, its own log level (the last wins)
-    assert ours.argv[-7:] == ["--mmproj", proj, "-lv", "4", "--metrics", "-lv", "3"]
+    assert ours_log.argv[-7:] == ["--mmproj", proj, "-lv", "4", "--metrics", "-lv", "3"]
+    ratios = {(r.num, r.key) for r in w.variant_ratios}
+    assert (images.OURS_MM, "conv_ttft_later_ms") in ratios
+    assert (images.OURS_LOG, "encode_ms") in ratios
     assert images.PROJECTOR.is_file()  # written when the workload was imported
     assert "8 questions" in w.describe(QUICK) and "16 questions" in w.describe(FULL)
 
@@ -88,14 +97,21 @@ def test_encode_time_from_llama_server_log_and_from_our_metrics(tmp_path: Path) 
         assert req.url.path == "/metrics"
         return httpx.Response(200, text=metrics)
 
-    async def both() -> tuple[images.Encodes, images.Encodes]:
+    async def three() -> tuple[images.Encodes, images.Encodes, images.Encodes]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
-            llama = ServerProcess(ServerSpec(images.LLAMA_MM, []), 1, None, log)  # type: ignore[arg-type]
+            traced = ServerSpec(images.LLAMA_LOG, ["llama-server", "-lv", "4"])
+            llama = ServerProcess(traced, 1, None, log)  # type: ignore[arg-type]
+            plain = ServerProcess(ServerSpec(images.LLAMA_MM, []), 1, None, log)  # type: ignore[arg-type]
             ours = ServerProcess(ServerSpec(images.OURS_MM, []), 2, None, log)  # type: ignore[arg-type]
-            return await images.encodes(c, llama), await images.encodes(c, ours)
+            return (
+                await images.encodes(c, llama),
+                await images.encodes(c, plain),
+                await images.encodes(c, ours),
+            )
 
-    llama, ours = asyncio.run(both())
+    llama, plain, ours = asyncio.run(three())
     assert llama.count == 2.0 and llama.ms == pytest.approx(2316.568 + 41.5)
+    assert (plain.count, plain.ms) == (None, None)  # no trace log: not known
     assert (ours.count, ours.ms) == (2.0, 62.5)
 
 
