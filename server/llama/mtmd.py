@@ -46,6 +46,7 @@ import numpy as np
 from llama_cpp import mtmd_cpp as M
 
 from ..types import EncodedImage, MediaError
+from .mtmd_text import TextTokens
 
 log = logging.getLogger("server.llama.mtmd")
 
@@ -228,6 +229,11 @@ class Projector:
         self.mrope = bool(M.mtmd_decode_use_mrope(ctx))
         self.marker = _MARKER
         self.n_embd = int(L.llama_model_n_embd(model))
+        vocab = L.llama_model_get_vocab(model)
+        self.texts = TextTokens(vocab)  # the text between markers, tokenized once per text
+        # what mtmd_tokenize adds with add_special (ours always): BOS first, EOS last
+        self._bos = [L.llama_vocab_bos(vocab)] if L.llama_vocab_get_add_bos(vocab) else []
+        self._eos = [L.llama_vocab_eos(vocab)] if L.llama_vocab_get_add_eos(vocab) else []
         limits = f"{opts.image_min_tokens}:{opts.image_max_tokens}".encode()
         self.key = hashlib.blake2b(_file_hash(opts.path) + limits, digest_size=16).digest()
         if self.mrope:
@@ -263,7 +269,7 @@ class Projector:
 
     def _tokenize(self, text: str, images: list[bytes], stand_ins: bool) -> list[Piece]:
         bitmaps: list[M.mtmd_bitmap_p] = []
-        chunks = None
+        held: list[M.mtmd_input_chunks_p] = []  # libmtmd's chunks of each image, freed last
         standing: set[bytes] = set()  # identities whose bitmap is a placeholder stand-in
         try:
             for i, data in enumerate(images):
@@ -277,14 +283,14 @@ class Projector:
                 bitmaps.append(bmp)
                 self.known.put(key, decoded)
             try:
-                chunks = self._chunks(text, bitmaps)
+                layout = self._layout(text, bitmaps, held)
             except MediaError:
                 if standing:  # a preprocessor that wants pixels: from the real ones
                     raise _StandInMissed from None
                 raise
-            return self._pieces(chunks, standing)
+            return self._pieces(layout, standing)
         finally:
-            if chunks is not None:
+            for chunks in held:
                 M.mtmd_input_chunks_free(chunks)
             for b in bitmaps:
                 M.mtmd_bitmap_free(b)
@@ -304,33 +310,60 @@ class Projector:
         M.mtmd_bitmap_set_id(bmp, decoded.identity.hex().encode())
         return bmp, decoded
 
-    def _chunks(self, text: str, bitmaps: list[M.mtmd_bitmap_p]) -> M.mtmd_input_chunks_p:
-        raw = text.encode()
-        it = M.mtmd_input_text(raw, len(raw), True, True)
-        arr = (M.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+    def _layout(
+        self, text: str, bitmaps: list[M.mtmd_bitmap_p], held: list[M.mtmd_input_chunks_p]
+    ) -> list[list[int] | M.mtmd_input_chunk_p]:
+        """``text`` (one marker per bitmap) cut as ``mtmd_tokenize`` cuts it
+        (server/llama/mtmd_text.py): runs of text ids, from ``self.texts``, and each image's
+        media chunk, its begin and end text joined to the runs around it; BOS first and EOS
+        last as the model wants. The images' chunk lists go to ``held`` (the caller frees
+        them once their chunks are read)."""
+        out: list[list[int] | M.mtmd_input_chunk_p] = []
+        run: list[int] = [*self._bos]
+        for i, part in enumerate(text.split(self.marker)):
+            run.extend(self.texts.ids(part))
+            if i == len(bitmaps):
+                break
+            chunks = self._image_chunks(bitmaps[i])
+            held.append(chunks)
+            for j in range(M.mtmd_input_chunks_size(chunks)):
+                c = M.mtmd_input_chunks_get(chunks, j)
+                if M.mtmd_input_chunk_get_type(c) == CHUNK_TEXT:
+                    run.extend(_chunk_ids(c))
+                    continue
+                if run:
+                    out.append(run)
+                out.append(c)
+                run = []
+        run.extend(self._eos)
+        if run:
+            out.append(run)
+        return out
+
+    def _image_chunks(self, bitmap: M.mtmd_bitmap_p) -> M.mtmd_input_chunks_p:
+        """libmtmd's chunks for one image alone: its begin text, media chunk(s), end text."""
+        part = M.mtmd_input_part(None, bitmap)
+        parts = (ctypes.POINTER(M.mtmd_input_part) * 1)(ctypes.pointer(part))
         chunks = M.mtmd_input_chunks_init()
-        ret = M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(it), arr, len(bitmaps))
-        if ret != 0:
+        if M.mtmd_tokenize_from_parts(self.ctx, chunks, parts, 1, False) != 0:
             M.mtmd_input_chunks_free(chunks)
-            if ret == 1:
-                raise MediaError("the prompt's media markers do not match its images")
             raise MediaError("an image could not be preprocessed for the projector")
         return chunks
 
-    def _pieces(self, chunks: M.mtmd_input_chunks_p, standing: set[bytes]) -> list[Piece]:
+    def _pieces(
+        self, layout: list[list[int] | M.mtmd_input_chunk_p], standing: set[bytes]
+    ) -> list[Piece]:
         """Text runs as token lists, images as EncodedImages: the embedding cache's where it
         has them, the others encoded (``_encode_missing``: batched up to batch_max_tokens).
         ``standing``: images whose chunk holds a placeholder stand-in, never to be encoded."""
         out: list[Piece] = []
         images: list[tuple[int, M.mtmd_input_chunk_p, bytes]] = []  # (index in out, ...)
-        for i in range(M.mtmd_input_chunks_size(chunks)):
-            c = M.mtmd_input_chunks_get(chunks, i)
+        for c in layout:
+            if isinstance(c, list):
+                out.append(c)
+                continue
             kind = M.mtmd_input_chunk_get_type(c)
-            if kind == CHUNK_TEXT:
-                n = ctypes.c_size_t()
-                toks = M.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
-                out.append([toks[j] for j in range(n.value)])
-            elif kind == CHUNK_IMAGE:
+            if kind == CHUNK_IMAGE:
                 n_tokens = M.mtmd_input_chunk_get_n_tokens(c)
                 if M.mtmd_input_chunk_get_n_pos(c) != n_tokens:
                     raise MediaError("this projector's image positions are not supported")
@@ -403,6 +436,13 @@ class Projector:
             cache.counters.encode_ms += ms
         non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
         return EncodedImage(identity, embd, non_causal, encoded=True, encode_ms=ms)
+
+
+def _chunk_ids(c: M.mtmd_input_chunk_p) -> list[int]:
+    """A text chunk's token ids."""
+    n = ctypes.c_size_t()
+    toks = M.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+    return toks[: n.value]
 
 
 def _stand_in(known: Decoded) -> M.mtmd_bitmap_p:

@@ -114,6 +114,67 @@ def test_a_stand_in_is_never_encoded(loaded, monkeypatch):
     assert np.array_equal(a.embd, c.embd)
 
 
+def _whole_prompt(p: Projector, text: str, images: list[bytes]) -> list[object]:
+    """libmtmd's own cut of the whole prompt (mtmd_tokenize): text ids, and per image
+    ("image", its token count)."""
+    import ctypes
+
+    from llama_cpp import mtmd_cpp as M
+
+    bitmaps = [p._bitmap(i, data)[0] for i, data in enumerate(images)]
+    raw = text.encode()
+    it = M.mtmd_input_text(raw, len(raw), True, True)
+    arr = (M.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+    chunks = M.mtmd_input_chunks_init()
+    try:
+        assert M.mtmd_tokenize(p.ctx, chunks, ctypes.byref(it), arr, len(bitmaps)) == 0
+        out: list[object] = []
+        for i in range(M.mtmd_input_chunks_size(chunks)):
+            c = M.mtmd_input_chunks_get(chunks, i)
+            if M.mtmd_input_chunk_get_type(c) == 0:
+                n = ctypes.c_size_t()
+                toks = M.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+                out += toks[: n.value]
+            else:
+                out.append(("image", M.mtmd_input_chunk_get_n_tokens(c)))
+        return out
+    finally:
+        M.mtmd_input_chunks_free(chunks)
+        for b in bitmaps:
+            M.mtmd_bitmap_free(b)
+
+
+def test_the_text_runs_and_images_are_the_ids_mtmd_tokenize_gives(loaded):
+    """The prompt's text is tokenized run by run (each run once: TextTokens) and libmtmd
+    asked for the images alone: the same ids as mtmd_tokenize on the whole prompt, with the
+    image first, last, twice in a row, between special tokens, and in the cached runs of a
+    second turn."""
+    _, p = loaded
+    m = p.marker
+    a, b = png(pixels(21)), png(pixels(22))
+    long = "A long system prompt about a picture. " * 40
+    cases = [
+        (f"<start_of_turn>user\n{long}\n\n{m}\nwhat?<end_of_turn>\n<start_of_turn>model\n", [a]),
+        (f"{m} describe it", [a]),
+        (f"describe {m}", [b]),
+        (f"two: {m}{m} and  spaces\t{m}<end_of_turn>", [a, b, a]),
+        ("", []),
+        (f"<start_of_turn>user\n{long}{m}x<end_of_turn>\n<start_of_turn>model\nok", [b]),
+    ]
+    for text, images in cases:
+        for _turn in range(2):  # the second time from the cached runs (and stand-ins)
+            pieces = p.tokenize(text, images)
+            got: list[object] = []
+            for x in pieces:
+                if isinstance(x, list):
+                    got += x
+                else:
+                    got.append(("image", x.n_tokens))
+            assert got == _whole_prompt(p, text, images), text[:40]
+            assert all(not isinstance(x, list) or x for x in pieces)  # no empty runs
+    assert p.texts.hits > 0 and p.texts.misses > 0
+
+
 def test_bad_images_raise_media_errors(loaded):
     _, p = loaded
     with pytest.raises(MediaError, match="could not be decoded"):
