@@ -34,7 +34,6 @@ from .executor import Executor
 from .kv_watch import SlotWatcher
 from .options import EngineOptions
 from .placement import Placer
-from .plan import CacheIdle
 from .preempt import Preemption
 from .runner import Runner
 from .sampling import ParallelSampling
@@ -69,9 +68,6 @@ class Engine:
         self.b = backend
         self.opts = opts
         self.waiting: collections.deque[Task] = collections.deque()
-        # idle slots a launch left due for the RAM cache (--cache-idle-slots): saved after
-        # the step's decode and its events' delivery (``_cache_idle``)
-        self._idle_due: tuple[Slot, ...] = ()
         self.stats = EngineStats()
         self.ckpt = CheckpointPolicy(
             enabled=opts.ctx_checkpoints > 0 and (backend.n_swa > 0 or backend.is_recurrent),
@@ -320,22 +316,11 @@ class Engine:
                 self.stats.on_step(time.perf_counter() - t0)
         finally:
             self.runner.reap_reuse()
-            self._cache_idle()
             if self.kv_watch is not None:
                 self.kv_watch.sync(self.slots)
             if flush or not decoded:  # no decode ahead to piggyback on
                 self._flush()
         return decoded
-
-    def _cache_idle(self) -> None:
-        """Save the idle slots a launch left due (--cache-idle-slots) once the launched
-        tasks' batch has run and its events are delivered: their first tokens do not wait
-        for the copies, which run while the HTTP side sends."""
-        if not self._idle_due:
-            return
-        due, self._idle_due = self._idle_due, ()
-        self._flush()
-        self.runner.run(CacheIdle(due))
 
     def _send(self, task: Task, ev: Event) -> None:
         """Queue an event for its task; see ``_flush`` for when it is delivered."""
@@ -399,8 +384,6 @@ class Engine:
         admission = self.scheduler.admit(self.waiting, self.slots, self.sharing.locator)
         self.waiting = admission.deferred
         placed = self.runner.drive(self.placer.place(admission.placements))
-        if placed.cache_idle:
-            self._idle_due = placed.cache_idle
         for p in admission.placements:
             t = p.task
             if p.slot.task is t:

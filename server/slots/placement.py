@@ -22,7 +22,7 @@ from .budget import BudgetTracker
 from .cache_reuse import CacheReuse
 from .locator import Match
 from .options import EngineOptions
-from .plan import CopyPrefix, Cut, Ops, ParkChunks, Placed, Placement, Restore, ResumeAt
+from .plan import CacheIdle, CopyPrefix, Cut, Ops, ParkChunks, Placed, Placement, Restore, ResumeAt
 from .policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
 from .preempt import Preemption
 from .reuse import ReuseChunk
@@ -62,17 +62,15 @@ class Placer:
         self.preemption = preemption
 
     def place(self, placements: list[Placement]) -> Ops[Placed]:
-        """Start every placement in order. Returns the failures, the slots whose first
-        progress event is due, and, once per admission pass that launched a task, the slots
-        left idle that go to the RAM cache (--cache-idle-slots): the engine saves them
-        after the step's decode, so the launched tasks' first tokens do not wait for the
-        copies (a decode short of KV room frees idle slots itself, saved first)."""
+        """Start every placement in order; then, once per admission pass, the slots left
+        idle go to the RAM cache (--cache-idle-slots). Returns the failures and the slots
+        whose first progress event is due, for the engine to send."""
         out = Placed()
         for p in placements:
             yield from self._place(p, out)
         launched = len(out.failed) < len(placements)
         if launched and self.cache is not None and self.opts.cache_idle_slots:
-            out.cache_idle = tuple(s for s in self.store.slots if s.idle and s.tokens)
+            yield CacheIdle()
         return out
 
     def _place(self, p: Placement, out: Placed) -> Ops[None]:

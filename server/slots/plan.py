@@ -41,14 +41,11 @@ class Placement:
 
 @dataclass
 class Placed:
-    """What placing an admission's tasks gave, for the engine: the tasks that failed to
-    start (with their errors), the started slots whose tasks want prompt progress, and the
-    idle slots due for the RAM cache (--cache-idle-slots; the engine saves them after the
-    step's decode, not before it: ``Engine.step``)."""
+    """What placing an admission's tasks gave, for the engine to send: the tasks that failed
+    to start (with their errors) and the started slots whose tasks want prompt progress."""
 
     failed: list[tuple[Task, TaskError]] = field(default_factory=list)
     progress: list[Slot] = field(default_factory=list)
-    cache_idle: tuple[Slot, ...] = ()
 
 
 @dataclass
@@ -218,10 +215,7 @@ class CopyPrefix:
 
 @dataclass(frozen=True, slots=True)
 class CacheIdle:
-    """--cache-idle-slots: save ``slots`` (the slots idle when a task launched; those still
-    idle) to the RAM cache, cleared in unified KV."""
-
-    slots: tuple[Slot, ...]
+    """--cache-idle-slots: save every idle slot to the RAM cache (cleared in unified KV)."""
 
 
 @dataclass(frozen=True, slots=True)

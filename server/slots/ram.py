@@ -7,8 +7,6 @@ true.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from ..cache.prefix_index import Match
 from ..cache.prompt_cache import LoadChoice, PromptCache
 from ..cache.tenancy import is_private
@@ -69,12 +67,10 @@ def take(store: SlotStore, cache: PromptCache, slot: Slot, choice: LoadChoice) -
     return cache.take(choice, lambda e: store.restore(slot, e, trusted=True).ok) is not None
 
 
-def cache_idle_slots(
-    store: SlotStore, cache: PromptCache, unified: bool, slots: Iterable[Slot]
-) -> None:
-    """--cache-idle-slots: save each of ``slots`` still idle; in unified KV also clear it
-    (its cells go back to the shared pool)."""
-    for s in slots:
+def cache_idle_slots(store: SlotStore, cache: PromptCache, unified: bool) -> None:
+    """--cache-idle-slots: save every idle slot; in unified KV also clear it (its cells go
+    back to the shared pool)."""
+    for s in store.slots:
         if s.idle and s.tokens:
             save(store, cache, s)
             if unified:

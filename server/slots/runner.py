@@ -108,7 +108,7 @@ class Runner:
             return self.reuse.park(op.slot, op.chunks, op.n_past)
         if isinstance(op, CacheIdle):
             assert self.cache is not None
-            ram.cache_idle_slots(store, self.cache, self.b.kv_unified, op.slots)
+            ram.cache_idle_slots(store, self.cache, self.b.kv_unified)
             return 0
         if isinstance(op, EvictIdle):
             ram.evict_idle(store, self.cache, op.slot)

@@ -58,25 +58,6 @@ def test_idle_slots_are_saved_and_cleared_on_launch_in_unified_mode():
     assert c3.result.timings.cache_n == len(held)
 
 
-def test_idle_slots_are_saved_after_the_launched_tasks_decode():
-    """--cache-idle-slots copies idle slots after the step's batch, not before it: the
-    launched task's first token does not wait for the copies; by the step's end the idle
-    slot is saved and cleared all the same."""
-    e, b = cached_engine(n_seq=2)
-    run(e, task(range(1, 60), max_tokens=2)[0])
-    idle = next(s for s in e.slots if s.tokens)
-    held = list(idle.tokens)
-    t, c = task([800] * 30, max_tokens=2)
-    e.waiting.append(t)
-    b.memory_calls.clear()
-    e.step()
-    names = [name for name, _ in b.memory_calls]
-    assert "decode" in names and names[-1] in ("seq_rm", "seq_clear"), names
-    assert names.index("decode") < len(names) - 1  # the clear came after the decode
-    assert idle.tokens == [] and [x.tokens for x in e.cache.entries] == [held]
-    assert all(phase == "runner" for _, phase in b.memory_calls)
-
-
 def test_failed_restore_keeps_entry_and_slot_starts_cold():
     e, b = cached_engine(n_seq=1)
     e.opts.cache_idle_slots = False
