@@ -64,7 +64,11 @@ def take(store: SlotStore, cache: PromptCache, slot: Slot, choice: LoadChoice) -
     """Restore the chosen entry into ``slot``: removed from the cache when loaded; a failed
     restore leaves it there and the slot empty."""
     # our own memory: trusted (the slot takes the entry's tenant with it)
-    return cache.take(choice, lambda e: store.restore(slot, e, trusted=True).ok) is not None
+    got = cache.take(choice, lambda e: store.restore(slot, e, trusted=True).ok)
+    if got is None:
+        return False
+    store.recycle(got)  # out of the cache and loaded: its bytes are the next copy's
+    return True
 
 
 def cache_idle_slots(store: SlotStore, cache: PromptCache, unified: bool) -> None:

@@ -31,6 +31,7 @@ from .draft_kv import DraftKV, DraftMemory
 from .policy import window_intact
 from .reuse import ReuseChunk
 from .slot import Slot
+from .spare import Spare
 
 log = logging.getLogger("server.slots.store")
 
@@ -84,6 +85,8 @@ class SlotStore:
             s.seq.watch = functools.partial(self.blocks.changed, s.id)
         # a draft model's sequences, which follow the slots' (slots/draft_kv.py)
         self.dft = DraftKV(draft, most_drafted + 1, backend.n_seq) if draft is not None else None
+        # a restored RAM entry's bytes, for the next state copied out (slots/spare.py)
+        self.spare = Spare()
 
     # ---- reading ------------------------------------------------------------------
 
@@ -304,13 +307,22 @@ class SlotStore:
         n_dft = dft.state_size(slot) if dft is not None else 0
         if dft is not None and n_dft:
             read_draft = lambda: dft.state(slot)  # noqa: E731
-        where = InSlot(
-            slot.id, size + n_dft, lambda: self.b.state_get(slot.id, size=size), read_draft
-        )
+        where = InSlot(slot.id, size + n_dft, lambda: self._copy_out(slot.id, size), read_draft)
         ckpts = file_checkpoints(
             slot.checkpoints, len(slot.tokens), self.b.n_swa, self.b.is_recurrent
         )
         return SavedState(slot.tokens, where, b"", ckpts, tenant=slot.tenant)
+
+    def _copy_out(self, seq: int, size: int) -> StateBuf:
+        """Sequence ``seq``'s state (``size`` bytes) in memory of ours: the spare's pages
+        when it has room (slots/spare.py), else new memory."""
+        got = self.spare.copy(size, lambda buf, n: self.b.state_get_into(seq, buf, n))
+        return got if got is not None else self.b.state_get(seq, size=size)
+
+    def recycle(self, state: SavedState) -> None:
+        """``state`` was restored from our memory and nothing reads it any more (a RAM
+        entry taken): its bytes may become the spare the next copy lands in."""
+        self.spare.give(state.data)
 
     def save_state(self, slot: Slot, buffers: StateBuffers) -> SavedState | None:
         """The slot's state copied into a buffer of ``buffers`` (reused memory: one copy, no
