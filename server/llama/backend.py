@@ -31,7 +31,7 @@ from .lora import LoraAdapters
 from .memory import SeqMemory, memory_layout
 from .mtmd import decode_embeddings
 from .params import KV_TYPES, load_model
-from .vocab import SpecialToken, special_tokens
+from .vocab import SpecialToken, special_tokens, tokenize
 
 log = logging.getLogger("server.llama")
 
@@ -470,15 +470,7 @@ class LlamaBackend(SeqMemory):
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (L.llama_token * cap)()
-        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (L.llama_token * cap)()
-            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
+        return tokenize(self.vocab, text, add_special, parse_special)
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
         if not special:

@@ -14,30 +14,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import llama_cpp as L
-
-
-def tokenize_run(vocab: L.llama_vocab_p, text: str) -> list[int]:
-    """``text`` alone as libmtmd tokenizes a run between markers: special tokens parsed,
-    nothing added (its ``mtmd_tokenize_text_internal``)."""
-    data = text.encode()
-    if not data:
-        return []
-    cap = len(data) + 1
-    buf = (L.llama_token * cap)()
-    n = L.llama_tokenize(vocab, data, len(data), buf, cap, False, True)
-    if n < 0:  # never for SPM or BPE vocabularies (a token covers a byte at least)
-        cap = -n
-        buf = (L.llama_token * cap)()
-        n = L.llama_tokenize(vocab, data, len(data), buf, cap, False, True)
-    return buf[:n]
+from .vocab import tokenize
 
 
 class TextTokens:
     """Token ids of text runs by their text, least recently used out within ``max_chars``
     characters of text. Thread-safe; the ids lists are shared: never change one."""
 
-    def __init__(self, vocab: L.llama_vocab_p, max_chars: int = 4 << 20) -> None:
+    def __init__(self, vocab: object, max_chars: int = 4 << 20) -> None:
         self.vocab = vocab
         self.max_chars = max_chars
         self.chars = 0
@@ -54,7 +38,9 @@ class TextTokens:
                 self.hits += 1
                 return got
             self.misses += 1
-        ids = tokenize_run(self.vocab, text)
+        # a run alone as libmtmd tokenizes it (mtmd_tokenize_text_internal): special
+        # tokens parsed, nothing added
+        ids = tokenize(self.vocab, text, False, True)
         if len(text) <= self.max_chars:
             self._put(text, ids)
         return ids
@@ -68,6 +54,3 @@ class TextTokens:
             while self.chars > self.max_chars:
                 gone, _ = self._items.popitem(last=False)
                 self.chars -= len(gone)
-
-    def __len__(self) -> int:
-        return len(self._items)

@@ -1,12 +1,27 @@
-"""The vocabulary's special tokens, as llama.cpp's tokenizer cuts a text at them
-(``llama_vocab::impl::cache_special_tokens``: control, user-defined and unknown tokens).
-Read once per model by ``Backend.special_tokens`` for ``service.tokenizer``'s cuts."""
+"""The vocabulary: ``tokenize`` (llama_tokenize, the one wrapper of it), and the special
+tokens, as llama.cpp's tokenizer cuts a text at them
+(``llama_vocab::impl::cache_special_tokens``: control, user-defined and unknown tokens),
+read once per model by ``Backend.special_tokens`` for ``service.tokenizer``'s cuts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import llama_cpp as L
+
+
+def tokenize(vocab: object, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    """``text``'s token ids (llama_tokenize; a second call with the size it asks for when
+    the first buffer is short)."""
+    data = text.encode("utf-8")
+    cap = len(data) + 8
+    buf = (L.llama_token * cap)()
+    n = L.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:
+        cap = -n
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    return buf[:n]
 
 
 @dataclass(frozen=True)
