@@ -30,6 +30,7 @@ from .logits import check_pick, check_row
 from .lora import LoraAdapters
 from .memory import SeqMemory, memory_layout
 from .mtmd import decode_embeddings
+from .own_thread import run_on_own_thread
 from .params import KV_TYPES, load_model
 from .vocab import SpecialToken, special_tokens, tokenize
 
@@ -762,7 +763,13 @@ class LlamaBackend(SeqMemory):
     def warmup(self) -> None:
         """llama-server's --warmup: decode BOS and EOS once and clear the memory, so the first
         request does not pay for first-use costs (buffer allocation, page faults, graph
-        setup). Before the engine starts (the loader thread owns the context then)."""
+        setup). Before the engine starts (the loader thread owns the context then). The
+        decode runs on a thread of its own (server.llama.own_thread: libgomp's pools)."""
+        ret = run_on_own_thread(self._warmup_decode, "warmup")
+        if ret != 0:
+            log.warning("warm-up decode failed (%d)", ret)
+
+    def _warmup_decode(self) -> int:
         vocab = self.vocab
         toks = [t for t in (L.llama_vocab_bos(vocab), L.llama_vocab_eos(vocab)) if t >= 0] or [0]
         self.batch.clear()
@@ -771,8 +778,7 @@ class LlamaBackend(SeqMemory):
         self.batch.clear()
         L.llama_memory_clear(self.mem, True)
         L.llama_synchronize(self.ctx)
-        if ret != 0:
-            log.warning("warm-up decode failed (%d)", ret)
+        return ret
 
     def free_context(self) -> None:
         """Sleep level 1: the context and its KV cache freed, the model (weights) kept;

@@ -31,6 +31,7 @@ refuses a placeholder).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -47,6 +48,7 @@ from llama_cpp import mtmd_cpp as M
 
 from ..types import EncodedImage, MediaError
 from .mtmd_text import TextTokens
+from .own_thread import run_on_own_thread
 
 log = logging.getLogger("server.llama.mtmd")
 
@@ -217,7 +219,10 @@ class Projector:
         cp.batch_max_tokens = opts.batch_max_tokens
         self._marker_c = _MARKER.encode()  # libmtmd copies it; kept alive anyway
         cp.media_marker = self._marker_c
-        ctx = M.mtmd_init_from_file(opts.path.encode(), model, cp)
+        # its warm-up encodes: on a thread of its own (own_thread: libgomp's pools)
+        ctx = run_on_own_thread(
+            lambda: M.mtmd_init_from_file(opts.path.encode(), model, cp), "projector-load"
+        )
         if not ctx:
             raise ValueError(f"could not load the projector {opts.path} for this model")
         self.ctx = ctx
@@ -407,7 +412,9 @@ class Projector:
                     j += 1
                 j = max(j, i + 1)  # the first always goes in (an empty batch is an error)
                 t0 = time.perf_counter()
-                if M.mtmd_batch_encode(batch) != 0:
+                # a thread of its own: a pool kept on this one would slow every decode
+                encode = functools.partial(M.mtmd_batch_encode, batch)
+                if run_on_own_thread(encode, "image-encode") != 0:
                     raise MediaError("the image could not be encoded")
                 ms = (time.perf_counter() - t0) * 1e3 / (j - i)
                 for c, identity in missing[i:j]:

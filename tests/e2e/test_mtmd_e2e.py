@@ -5,6 +5,9 @@ cache encodes an image once, and an image's embeddings decode into the context."
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -211,3 +214,35 @@ def test_an_image_prompt_knows_where_its_last_user_turn_starts(loaded):
     n_head = sum(len(x) if isinstance(x, list) else x.n_tokens for x in head)
     assert out.user_start == n_head and out.tokens[out.images[0].start] < 0
     assert all(t >= 0 for t in out.tokens[out.user_start :])
+
+
+def _os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_an_encode_leaves_no_openmp_threads_behind(loaded, tmp_path):
+    """Encodes run on a thread of their own (server.llama.own_thread): libgomp keeps a
+    worker pool for each thread that ran a parallel region, and more pools than CPUs
+    throttle every decode's barriers. Encodes of a 2-thread projector on a long-lived
+    worker thread (as a request's preparation pool) leave the process with as many OS
+    threads as before (encoded on that thread, its pool's worker would stay)."""
+    b, _ = loaded
+    path = write_gemma3_mmproj(tmp_path / "mmproj2.gguf")
+    p = Projector(ProjectorOptions(str(path), n_threads=2, use_gpu=False), b.model)
+    prep = ThreadPoolExecutor(1)
+    try:
+        prep.submit(lambda: None).result()  # the worker thread exists before the count
+        before = _os_threads()
+        for k in range(3):
+            img = prep.submit(p.tokenize, prompt(p), [png(pixels(40 + k))]).result()[1]
+            assert isinstance(img, EncodedImage) and img.encoded
+        # an exited thread's pool is freed by its TLS destructor, a moment after the join
+        deadline = time.monotonic() + 10
+        while _os_threads() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _os_threads() == before
+    finally:
+        prep.shutdown()
+        p.close()
