@@ -227,7 +227,7 @@ def test_an_encode_leaves_no_openmp_threads_behind(loaded, tmp_path):
     worker pool for each thread that ran a parallel region, and more pools than CPUs
     throttle every decode's barriers. Encodes of a 2-thread projector on a long-lived
     worker thread (as a request's preparation pool) leave the process with as many OS
-    threads as before (encoded on that thread, its pool's worker would stay)."""
+    threads as before at most (encoded on that thread, its pool's worker would stay)."""
     b, _ = loaded
     path = write_gemma3_mmproj(tmp_path / "mmproj2.gguf")
     p = Projector(ProjectorOptions(str(path), n_threads=2, use_gpu=False), b.model)
@@ -242,7 +242,7 @@ def test_an_encode_leaves_no_openmp_threads_behind(loaded, tmp_path):
         deadline = time.monotonic() + 10
         while _os_threads() > before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _os_threads() == before
+        assert _os_threads() <= before  # others may end meanwhile, none may stay
     finally:
         prep.shutdown()
         p.close()
