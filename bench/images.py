@@ -3,10 +3,18 @@ about one picture, side by side with llama-server on the same projector.
 
 No vision model is on PyPI: the projector is a random ``gemma3`` one for the default model
 (Gemma 3 270M, ``n_embd`` 640), written once with the ``gguf`` package by
-``tests/mmproj_gen.py`` (the tests' writer) into the bench cache, larger than the tests' so
-that an encode takes measurable milliseconds: 224-pixel images, 14-pixel patches pooled by 2
-(64 image tokens), a 4-block SigLIP-style encoder of width 256. The answers mean nothing;
-the decoded pixels, chunks, positions, embeddings and caches are real, in both servers.
+``tests/mmproj_gen.py`` (the tests' writer) into the bench cache: 224-pixel images, 14-pixel
+patches pooled by 2 (64 image tokens), and a SigLIP-style encoder of one of two sizes:
+
+- ``SIGLIP_B`` (the -mm configurations): 12 blocks of width 768, SigLIP-B's proportions,
+  the smallest vision tower real models ship (SmolVLM's; Gemma 3, Pixtral and Qwen-VL use
+  towers of 400-700M parameters at larger images, an encode there costs several times more).
+  One encode takes ~360 ms on a 2-core machine.
+- ``TOY`` (-mm-toy): 4 blocks of width 256, ~30 ms an encode. With an encode that cheap a
+  follow-up's time is its decode in both servers; the configuration shows that bound.
+
+The answers mean nothing; the decoded pixels, chunks, positions, embeddings and caches are
+real, in both servers.
 
 Both servers take the same requests: llama-server's ``/completion`` with
 ``{"prompt": {"prompt_string", "multimodal_data"}}`` (its ``/v1/completions`` answers a JSON
@@ -56,6 +64,9 @@ from .servers import CACHE_ROOT, LLAMA_SERVER, OURS, ServerProcess
 MM_SUFFIX = "-mm"  # server name suffix of this workload's configurations
 LLAMA_MM = LLAMA_SERVER + MM_SUFFIX
 OURS_MM = OURS + MM_SUFFIX
+TOY_SUFFIX = "-mm-toy"  # the same on the toy encoder
+LLAMA_TOY = LLAMA_SERVER + TOY_SUFFIX
+OURS_TOY = OURS + TOY_SUFFIX
 # the configurations with llama-server's trace log (-lv 4), read for its encode times only:
 # at that verbosity llama-server answers ~10 % slower (turn-2+ TTFT 227 against 206 ms,
 # two alternating repeats), so its timings come from the plain -mm configuration
@@ -66,8 +77,28 @@ OURS_LOG = OURS + LOG_SUFFIX
 # The bench projector's geometry: (224 / 14 / 2) ** 2 = 64 tokens an image.
 IMAGE_SIZE, PATCH, SCALE = 224, 14, 2
 N_IMAGE_TOKENS = (IMAGE_SIZE // PATCH // SCALE) ** 2
-PROJECTOR = CACHE_ROOT / "bench" / f"mmproj-gemma3-{IMAGE_SIZE}p{PATCH}s{SCALE}-w256b4.gguf"
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """The bench projector's vision tower: its width, feed-forward width, heads, blocks."""
+
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_block: int
+
+    def path(self) -> Path:
+        """Its file in the bench cache (named by its geometry: another size, another file)."""
+        name = f"mmproj-gemma3-{IMAGE_SIZE}p{PATCH}s{SCALE}-w{self.n_embd}b{self.n_block}.gguf"
+        return CACHE_ROOT / "bench" / name
+
+
+SIGLIP_B = Encoder(n_embd=768, n_ff=3072, n_head=12, n_block=12)
+TOY = Encoder(n_embd=256, n_ff=1024, n_head=4, n_block=4)
+PROJECTOR = SIGLIP_B.path()
 MM_FLAGS = ("--mmproj", str(PROJECTOR))
+TOY_FLAGS = ("--mmproj", str(TOY.path()))
 OURS_MM_FLAGS = ("--metrics",)  # ours reports its encode time on /metrics
 
 # llama-server at -lv 4: its slot logs "encoding mtmd batch" before the CLIP encode and
@@ -81,19 +112,21 @@ _OURS_METRIC = re.compile(
 )
 
 
-def ensure_projector(path: Path = PROJECTOR) -> Path:
-    """Write the bench projector at ``path`` unless it is there (seeded: always the same
-    file); a temporary name then a rename, so a concurrent run never reads half a file.
+def ensure_projector(encoder: Encoder = SIGLIP_B, path: Path | None = None) -> Path:
+    """Write the bench projector with ``encoder`` at ``path`` (default: its file in the
+    bench cache) unless it is there (seeded: always the same file); a temporary name then a
+    rename, so a concurrent run never reads half a file.
     Needs the ``gguf`` package (a dev dependency); without it the file stays missing and
     both servers fail to start, which the runner reports as n/a."""
+    path = path or encoder.path()
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         write_gemma3_mmproj(
-            tmp, n_embd=256, n_ff=1024, n_head=4, n_block=4, image_size=IMAGE_SIZE,
-            patch=PATCH, scale=SCALE,
+            tmp, n_embd=encoder.n_embd, n_ff=encoder.n_ff, n_head=encoder.n_head,
+            n_block=encoder.n_block, image_size=IMAGE_SIZE, patch=PATCH, scale=SCALE,
         )  # fmt: skip
     except ImportError:
         return path

@@ -27,15 +27,16 @@ async def _words(text: str) -> list[str]:  # a tokenizer: one piece per word
 
 
 def test_w17_runs_both_servers_on_the_same_projector() -> None:
-    """Two configurations: -mm at llama-server's own verbosity (its timings), and -mm-lv4
-    whose log times llama-server's encodes (it answers slower at that verbosity)."""
+    """Three configurations: -mm at llama-server's own verbosity (its timings), -mm-lv4
+    whose log times llama-server's encodes (it answers slower at that verbosity), both on
+    the SigLIP-B-sized projector, and -mm-toy on the toy one."""
     w = WORKLOADS[17]
     base = [
         ServerSpec(LLAMA_SERVER, ["llama-server", "-m", "m.gguf"]),
         ServerSpec(OURS, [sys.executable, "-m", "server", "-m", "m.gguf"]),
     ]
     specs = variant_specs(base, w.variants, not w.variants_only, Path("/tmp/run"))
-    llama, llama_log, ours, ours_log = specs
+    llama, llama_log, llama_toy, ours, ours_log, ours_toy = specs
     assert (llama.name, ours.name) == (images.LLAMA_MM, images.OURS_MM)
     assert (llama_log.name, ours_log.name) == (images.LLAMA_LOG, images.OURS_LOG)
     proj = str(images.PROJECTOR)
@@ -44,16 +45,22 @@ def test_w17_runs_both_servers_on_the_same_projector() -> None:
     assert llama_log.argv[-4:] == ["--mmproj", proj, "-lv", "4"]  # its encode log is level 4
     # ours: the same file, --metrics for its encode time, its own log level (the last wins)
     assert ours_log.argv[-7:] == ["--mmproj", proj, "-lv", "4", "--metrics", "-lv", "3"]
+    toy = str(images.TOY.path())
+    assert toy != proj and llama_toy.argv[-2:] == ["--mmproj", toy]
+    assert ours_toy.argv[-3:] == ["--mmproj", toy, "--metrics"]
+    assert (llama_toy.name, ours_toy.name) == (images.LLAMA_TOY, images.OURS_TOY)
     ratios = {(r.num, r.key) for r in w.variant_ratios}
     assert (images.OURS_MM, "conv_ttft_later_ms") in ratios
     assert (images.OURS_LOG, "encode_ms") in ratios
-    assert images.PROJECTOR.is_file()  # written when the workload was imported
+    assert (images.OURS_TOY, "conv_ttft_later_ms") in ratios
+    # written when the workload was imported
+    assert images.PROJECTOR.is_file() and images.TOY.path().is_file()
     assert "8 questions" in w.describe(QUICK) and "16 questions" in w.describe(FULL)
 
 
 def test_the_projector_matches_the_default_model_and_gives_64_tokens(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    path = images.ensure_projector(tmp_path / "p.gguf")
+    path = images.ensure_projector(images.TOY, tmp_path / "p.gguf")  # the small one: quick
     r = gguf.GGUFReader(str(path))
 
     def u32(key: str) -> int:
@@ -66,7 +73,8 @@ def test_the_projector_matches_the_default_model_and_gives_64_tokens(tmp_path: P
     assert (size // patch // scale) ** 2 == images.N_IMAGE_TOKENS == 64
     proj = next(t for t in r.tensors if t.name == "mm.input_projection.weight")
     assert list(proj.shape)[0] == 640  # ggml's first dimension: Gemma 3 270M's n_embd
-    assert images.ensure_projector(path) == path  # there: not written again
+    assert images.ensure_projector(images.TOY, path) == path  # there: not written again
+    assert images.SIGLIP_B.path() == images.PROJECTOR != images.TOY.path()
 
 
 def test_images_are_seeded_pngs() -> None:
