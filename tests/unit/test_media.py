@@ -10,7 +10,14 @@ import struct
 import pytest
 
 from server.api.errors import APIError
-from server.api.media import MediaInput, MediaLimits, check_image, image_bytes, image_size
+from server.api.media import (
+    MediaInput,
+    MediaLimits,
+    check_image,
+    decode_base64,
+    image_bytes,
+    image_size,
+)
 from server.api.prompts import multimodal_prompt
 from server.llama.mtmd import media_marker
 from tests.mmproj_gen import pixels, png, png_header_only
@@ -136,3 +143,22 @@ def test_media_types_svg_and_the_multimodal_prompt_form(monkeypatch):
     monkeypatch.delenv("LLAMA_MEDIA_MARKER")
     a, b = media_marker(), media_marker()
     assert a != b and a.startswith("<__media_") and a.endswith("__>")
+
+
+def test_every_base64_form_decodes_to_the_same_bytes_and_bad_ones_are_refused():
+    """The canonical form takes a fast path (binascii's strict mode); wrapped lines,
+    URL-safe letters and missing padding take the general one, to the same bytes."""
+    data = bytes(range(256)) * 3 + b"\x00\xff"  # every byte, and a length not /3
+    canon = base64.b64encode(data).decode()
+    forms = [
+        canon,
+        canon.rstrip("="),
+        "\n".join(canon[i : i + 76] for i in range(0, len(canon), 76)),
+        " " + canon + "\r\n",
+        base64.urlsafe_b64encode(data).decode(),
+        base64.urlsafe_b64encode(data).decode().rstrip("="),
+    ]
+    assert all(decode_base64(f, LIMITS, "x") == data for f in forms)
+    for bad in (canon[:-4] + "!!==", "=" + canon, canon + "=A", "é" + canon, canon[:-1] + "*"):
+        with pytest.raises(APIError, match="not valid base64"):
+            decode_base64(bad, LIMITS, "x")
