@@ -13,8 +13,10 @@ patches pooled by 2 (64 image tokens), and a SigLIP-style encoder of one of two 
 - ``TOY`` (-mm-toy): 4 blocks of width 256, ~30 ms an encode. With an encode that cheap a
   follow-up's time is its decode in both servers; the configuration shows that bound.
 
-The answers mean nothing; the decoded pixels, chunks, positions, embeddings and caches are
-real, in both servers.
+The -mm configurations are sent photo-like 1024x768 PNGs (~1.6 MB, what a chat client sends
+for a picture: ``photo_b64``), the -mm-toy ones 256-pixel noise PNGs (``image_b64``): the
+toy configurations run the workload as it was first measured. The answers mean nothing; the
+decoded pixels, chunks, positions, embeddings and caches are real, in both servers.
 
 Both servers take the same requests: llama-server's ``/completion`` with
 ``{"prompt": {"prompt_string", "multimodal_data"}}`` (its ``/v1/completions`` answers a JSON
@@ -43,17 +45,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import json
 import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from tests.mmproj_gen import pixels, png, write_gemma3_mmproj
 
@@ -145,10 +150,50 @@ class ImageShape:
     words: int  # per question
 
 
+def _seed(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
+
+
 def image_b64(key: str) -> str:
-    """A seeded 256-pixel RGB PNG (noise: libmtmd resizes it to the projector's 224), base64."""
-    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
-    return base64.b64encode(png(pixels(seed, 256))).decode()
+    """A seeded 256-pixel RGB PNG (noise: libmtmd resizes it to the projector's 224), base64:
+    the -mm-toy configurations' image."""
+    return base64.b64encode(png(pixels(_seed(key), 256))).decode()
+
+
+PHOTO_W, PHOTO_H = 1024, 768
+
+
+def photo(seed: int, w: int = PHOTO_W, h: int = PHOTO_H) -> np.ndarray:
+    """A seeded photo-like RGB image (uint8, (h, w, 3)): smooth colour fields (a random
+    grid every 64 pixels, interpolated) with sensor-like noise, so its PNG has a photo's
+    size (~1.6 MB at 1024x768), not noise's (2.4 MB) nor a flat image's (a few KB)."""
+    rng = np.random.default_rng(seed)
+    grid = rng.integers(0, 256, size=(h // 64 + 2, w // 64 + 2, 3)).astype(np.float32)
+    ys = np.linspace(0, grid.shape[0] - 1.001, h)
+    xs = np.linspace(0, grid.shape[1] - 1.001, w)
+    y0, x0 = ys.astype(int), xs.astype(int)
+    fy, fx = (ys - y0)[:, None, None], (xs - x0)[None, :, None]
+    img = (
+        grid[y0][:, x0] * (1 - fy) * (1 - fx)
+        + grid[y0 + 1][:, x0] * fy * (1 - fx)
+        + grid[y0][:, x0 + 1] * (1 - fy) * fx
+        + grid[y0 + 1][:, x0 + 1] * fy * fx
+    )
+    img += rng.normal(0, 6, size=img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=32)  # each repeat's images go to every server: made once
+def photo_b64(key: str) -> str:
+    """A seeded 1024x768 photo-like PNG (``photo``; PNG's sub filter), base64: what a chat
+    client sends for a picture, and the -mm configurations' image."""
+    return base64.b64encode(png(photo(_seed(key)), filter_type=1)).decode()
+
+
+def image_maker(sp: ServerProcess) -> Callable[[str], str]:
+    """The image a configuration is sent: the toy ones the 256-pixel noise PNG (the
+    workload as it was first measured), the others the photo."""
+    return image_b64 if sp.name.endswith(TOY_SUFFIX) else photo_b64
 
 
 def _turn(question: str) -> str:
@@ -264,13 +309,18 @@ async def _marker(client: httpx.AsyncClient, url: str) -> str:
 
 
 async def conversations(
-    client: httpx.AsyncClient, url: str, book: PromptBook, key: str, shape: ImageShape
+    client: httpx.AsyncClient,
+    url: str,
+    book: PromptBook,
+    key: str,
+    shape: ImageShape,
+    image_of: Callable[[str], str] = photo_b64,
 ) -> tuple[list[StreamResult], list[StreamResult]]:
     """``convs`` conversations, each its own system prompt and image, taking turns
     round-robin one request at a time (more conversations than slots: each follow-up finds
     its conversation out of the slot it left). Returns the first turns and the follow-ups."""
     marker = await _marker(client, url)
-    images = [image_b64(f"{key}-c{i}-img") for i in range(shape.convs)]
+    images = [image_of(f"{key}-c{i}-img") for i in range(shape.convs)]
     prompts = [
         _first_turn(
             await book.text(f"{key}-c{i}-sys", shape.system),
@@ -291,11 +341,16 @@ async def conversations(
 
 
 async def questions(
-    client: httpx.AsyncClient, url: str, book: PromptBook, key: str, shape: ImageShape
+    client: httpx.AsyncClient,
+    url: str,
+    book: PromptBook,
+    key: str,
+    shape: ImageShape,
+    image_of: Callable[[str], str] = photo_b64,
 ) -> tuple[float, list[StreamResult]]:
     """``questions`` about one image, ``concurrency`` in flight: wall seconds and results."""
     marker = await _marker(client, url)
-    image = image_b64(f"{key}-img")
+    image = image_of(f"{key}-img")
     system = await book.text(f"{key}-sys", shape.system)
     prompts = [
         _first_turn(system, marker, short_text(f"{key}-q{i}", shape.words))
@@ -325,9 +380,10 @@ async def run_images(
 ) -> tuple[dict[str, float | None], list[float]]:
     """Both parts on one server: the metrics and every TTFT (ms)."""
     e0 = await encodes(client, sp)
-    first, later_turns = await conversations(client, sp.url, book, f"{key}-conv", shape)
+    image_of = image_maker(sp)
+    first, later_turns = await conversations(client, sp.url, book, f"{key}-conv", shape, image_of)
     e1 = await encodes(client, sp)
-    wall, answers = await questions(client, sp.url, book, f"{key}-q16", shape)
+    wall, answers = await questions(client, sp.url, book, f"{key}-q16", shape, image_of)
     e2 = await encodes(client, sp)
     later = _ms(later_turns)
     later_n = [r.prompt_n for r in later_turns]

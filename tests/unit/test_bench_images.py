@@ -83,6 +83,11 @@ def test_images_are_seeded_pngs() -> None:
     raw = base64.b64decode(a)
     assert raw[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", raw[16:24]) == (256, 256)
+    p, q = images.photo_b64("k1"), images.photo_b64("k2")
+    assert p == images.photo_b64("k1") and p != q
+    raw = base64.b64decode(p)
+    assert struct.unpack(">II", raw[16:24]) == (images.PHOTO_W, images.PHOTO_H) == (1024, 768)
+    assert 1_000_000 < len(raw) < 2_400_000  # a photo's PNG: not noise's, nor a flat image's
 
 
 def test_encode_time_from_llama_server_log_and_from_our_metrics(tmp_path: Path) -> None:
@@ -173,3 +178,12 @@ def test_run_images_counts_both_parts_encodes_and_tokens(monkeypatch: Any) -> No
     assert (m["conv_encode_ms"], m["q16_encode_ms"], m["encode_ms"]) == (60.0, 20.0, 80.0)
     assert m["encoded"] == 4 and m["encode_ms_each"] == 20.0
     assert m["conv_prompt_later"] == 10.0 and m["q16_prompt"] == 15.0
+    assert all(len(img) > 1_000_000 for _, img in sent)  # -mm: the photos
+
+    sent.clear()
+    counts = iter([images.Encodes(1, 10.0)] * 3)
+    toy = ServerProcess(ServerSpec(images.OURS_TOY, []), 1, None, Path("/x"))  # type: ignore[arg-type]
+    asyncio.run(images.run_images(None, toy, PromptBook(_words), "k", shape))  # type: ignore[arg-type]
+    assert {img for _, img in sent} == {  # -mm-toy: the 256-pixel noise, as first measured
+        images.image_b64(f"k-conv-c{i}-img") for i in range(2)
+    } | {images.image_b64("k-q16-img")}

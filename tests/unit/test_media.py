@@ -13,6 +13,7 @@ from server.api.errors import APIError
 from server.api.media import (
     MediaInput,
     MediaLimits,
+    RecentlyDecoded,
     check_image,
     decode_base64,
     image_bytes,
@@ -162,3 +163,31 @@ def test_every_base64_form_decodes_to_the_same_bytes_and_bad_ones_are_refused():
     for bad in (canon[:-4] + "!!==", "=" + canon, canon + "=A", "é" + canon, canon[:-1] + "*"):
         with pytest.raises(APIError, match="not valid base64"):
             decode_base64(bad, LIMITS, "x")
+
+
+def test_large_texts_decoded_lately_are_taken_from_the_bounded_memo():
+    """A chat client re-sends its image every turn: the same large text decodes once; the
+    memo holds at most its byte bound, least recently used out; a bad text is never kept."""
+    big = [bytes([i]) * (60 << 10) for i in range(4)]  # 80 KiB of base64 each: kept
+    texts = [base64.b64encode(b).decode() for b in big]
+    recent = RecentlyDecoded(max_bytes=3 * (60 << 10))
+    assert decode_base64(texts[0], LIMITS, "x", recent) == big[0] and len(recent) == 1
+    key0 = RecentlyDecoded.key(texts[0])
+    assert key0 is not None and recent.get(key0) == big[0]
+    # a hit returns what the memo holds, without decoding (shown by planting other bytes)
+    recent.put(key0, b"planted")
+    assert decode_base64(texts[0], LIMITS, "x", recent) == b"planted"
+    recent.put(key0, big[0])
+    for t in texts[1:3]:
+        decode_base64(t, LIMITS, "x", recent)
+    decode_base64(texts[0], LIMITS, "x", recent)  # 0 used again: 1 is now the oldest
+    decode_base64(texts[3], LIMITS, "x", recent)  # over the bound: 1 goes
+    held = [RecentlyDecoded.key(t) for t in texts]
+    assert [recent.get(k) is not None for k in held if k] == [True, False, True, True]
+    # not kept: short texts, and texts that are not base64 (refused as before)
+    small = base64.b64encode(b"abc").decode()
+    assert RecentlyDecoded.key(small) is None
+    bad = texts[1][:-4] + "!!=="
+    with pytest.raises(APIError, match="not valid base64"):
+        decode_base64(bad, LIMITS, "x", recent)
+    assert len(recent) == 3 and recent.get(RecentlyDecoded.key(bad) or b"") is None
