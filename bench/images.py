@@ -265,7 +265,7 @@ async def encodes(client: httpx.AsyncClient, sp: ServerProcess) -> Encodes:
     if not sp.name.startswith(OURS) and not _traced(sp):
         return Encodes(None, None)
     if sp.name.startswith(OURS):
-        resp = await client.get(f"{sp.url}/metrics")
+        resp = await _get(client, f"{sp.url}/metrics")
         resp.raise_for_status()
         got = {m.group(1): float(m.group(2)) for m in _OURS_METRIC.finditer(resp.text)}
         if len(got) != 2:
@@ -299,8 +299,17 @@ def llama_encodes(log: bytes) -> Encodes:
     return Encodes(float(count), total)
 
 
+async def _get(client: httpx.AsyncClient, url: str) -> httpx.Response:
+    """GET ``url``, once more on a kept-alive connection the server had closed (as
+    ``stream_native``: llama-server closes one after 100 requests, whichever that is)."""
+    try:
+        return await client.get(url)
+    except httpx.RemoteProtocolError:
+        return await client.get(url)
+
+
 async def _marker(client: httpx.AsyncClient, url: str) -> str:
-    resp = await client.get(f"{url}/props")
+    resp = await _get(client, f"{url}/props")
     resp.raise_for_status()
     marker = resp.json().get("media_marker")
     if not marker:

@@ -187,3 +187,21 @@ def test_run_images_counts_both_parts_encodes_and_tokens(monkeypatch: Any) -> No
     assert {img for _, img in sent} == {  # -mm-toy: the 256-pixel noise, as first measured
         images.image_b64(f"k-conv-c{i}-img") for i in range(2)
     } | {images.image_b64("k-q16-img")}
+
+
+def test_a_get_on_a_connection_the_server_closed_goes_once_more() -> None:
+    """llama-server closes a kept-alive connection after 100 requests: the /props or
+    /metrics GET that meets it is sent again, not counted as the server failing."""
+    calls: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append(req.url.path)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, json={"media_marker": "<M>"})
+
+    async def marker() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+            return await images._marker(c, "http://x")
+
+    assert asyncio.run(marker()) == "<M>" and calls == ["/props", "/props"]
