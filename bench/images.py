@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import hashlib
 import json
@@ -139,17 +140,6 @@ def ensure_projector(encoder: Encoder = SIGLIP_B, path: Path | None = None) -> P
     return path
 
 
-@dataclass(frozen=True)
-class ImageShape:
-    convs: int  # image conversations, round-robin over the slots
-    system: int  # tokens of each system prompt
-    follow_ups: int  # turns after the first, in the conversation
-    questions: int  # about one image
-    concurrency: int  # questions in flight
-    out: int  # tokens per answer
-    words: int  # per question
-
-
 def _seed(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
 
@@ -194,6 +184,20 @@ def image_maker(sp: ServerProcess) -> Callable[[str], str]:
     """The image a configuration is sent: the toy ones the 256-pixel noise PNG (the
     workload as it was first measured), the others the photo."""
     return image_b64 if sp.name.endswith(TOY_SUFFIX) else photo_b64
+
+
+@dataclass(frozen=True)
+class ImageShape:
+    convs: int  # image conversations, round-robin over the slots
+    system: int  # tokens of each system prompt
+    follow_ups: int  # turns after the first, in the conversation
+    questions: int  # about one image
+    concurrency: int  # questions in flight
+    out: int  # tokens per answer
+    words: int  # per question
+    # the image each conversation or question is sent, by key (base64): the configuration's
+    # (run_images sets it: image_maker)
+    image: Callable[[str], str] = photo_b64
 
 
 def _turn(question: str) -> str:
@@ -318,18 +322,13 @@ async def _marker(client: httpx.AsyncClient, url: str) -> str:
 
 
 async def conversations(
-    client: httpx.AsyncClient,
-    url: str,
-    book: PromptBook,
-    key: str,
-    shape: ImageShape,
-    image_of: Callable[[str], str] = photo_b64,
+    client: httpx.AsyncClient, url: str, book: PromptBook, key: str, shape: ImageShape
 ) -> tuple[list[StreamResult], list[StreamResult]]:
     """``convs`` conversations, each its own system prompt and image, taking turns
     round-robin one request at a time (more conversations than slots: each follow-up finds
     its conversation out of the slot it left). Returns the first turns and the follow-ups."""
     marker = await _marker(client, url)
-    images = [image_of(f"{key}-c{i}-img") for i in range(shape.convs)]
+    images = [shape.image(f"{key}-c{i}-img") for i in range(shape.convs)]
     prompts = [
         _first_turn(
             await book.text(f"{key}-c{i}-sys", shape.system),
@@ -350,16 +349,11 @@ async def conversations(
 
 
 async def questions(
-    client: httpx.AsyncClient,
-    url: str,
-    book: PromptBook,
-    key: str,
-    shape: ImageShape,
-    image_of: Callable[[str], str] = photo_b64,
+    client: httpx.AsyncClient, url: str, book: PromptBook, key: str, shape: ImageShape
 ) -> tuple[float, list[StreamResult]]:
     """``questions`` about one image, ``concurrency`` in flight: wall seconds and results."""
     marker = await _marker(client, url)
-    image = image_of(f"{key}-img")
+    image = shape.image(f"{key}-img")
     system = await book.text(f"{key}-sys", shape.system)
     prompts = [
         _first_turn(system, marker, short_text(f"{key}-q{i}", shape.words))
@@ -389,10 +383,10 @@ async def run_images(
 ) -> tuple[dict[str, float | None], list[float]]:
     """Both parts on one server: the metrics and every TTFT (ms)."""
     e0 = await encodes(client, sp)
-    image_of = image_maker(sp)
-    first, later_turns = await conversations(client, sp.url, book, f"{key}-conv", shape, image_of)
+    shape = dataclasses.replace(shape, image=image_maker(sp))
+    first, later_turns = await conversations(client, sp.url, book, f"{key}-conv", shape)
     e1 = await encodes(client, sp)
-    wall, answers = await questions(client, sp.url, book, f"{key}-q16", shape, image_of)
+    wall, answers = await questions(client, sp.url, book, f"{key}-q16", shape)
     e2 = await encodes(client, sp)
     later = _ms(later_turns)
     later_n = [r.prompt_n for r in later_turns]
