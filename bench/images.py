@@ -9,7 +9,7 @@ patches pooled by 2 (64 image tokens), and a SigLIP-style encoder of one of two 
 - ``SIGLIP_B`` (the -mm configurations): 12 blocks of width 768, SigLIP-B's proportions,
   the smallest vision tower real models ship (SmolVLM's; Gemma 3, Pixtral and Qwen-VL use
   towers of 400-700M parameters at larger images, an encode there costs several times more).
-  One encode takes ~360 ms on a 2-core machine.
+  One encode takes ~390 ms on a 2-core machine.
 - ``TOY`` (-mm-toy): 4 blocks of width 256, ~30 ms an encode. With an encode that cheap a
   follow-up's time is its decode in both servers; the configuration shows that bound.
 
