@@ -17,11 +17,10 @@ import hashlib
 import os
 import re
 import struct
-import threading
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..lru import SizedLRU
 from .errors import APIError
 
 NO_IMAGES = (
@@ -174,7 +173,7 @@ def check_image(data: bytes, limits: MediaLimits, where: str) -> bytes:
     return data
 
 
-class RecentlyDecoded:
+class RecentlyDecoded(SizedLRU[bytes, bytes]):
     """Large base64 texts decoded lately, by a hash of the text: their bytes. A chat client
     sends the same image with every turn; a hit costs a hash of the text (SHA-256: ~1 ms for
     2 MB with the CPU's SHA instructions) instead of decoding it (~4.6 ms). Bounded by the
@@ -184,10 +183,7 @@ class RecentlyDecoded:
     MIN_TEXT = 64 << 10  # shorter texts decode in well under a millisecond: not kept
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[bytes, bytes] = OrderedDict()
-        self._held = 0
-        self._lock = threading.Lock()
+        super().__init__(max_bytes, len)
 
     @staticmethod
     def key(text: str) -> bytes | None:
@@ -196,28 +192,6 @@ class RecentlyDecoded:
         if len(text) < RecentlyDecoded.MIN_TEXT or not text.isascii():
             return None
         return hashlib.sha256(text.encode("ascii")).digest()
-
-    def get(self, key: bytes) -> bytes | None:
-        with self._lock:
-            data = self._items.get(key)
-            if data is not None:
-                self._items.move_to_end(key)
-            return data
-
-    def put(self, key: bytes, data: bytes) -> None:
-        if len(data) > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            self._held -= len(old) if old is not None else 0
-            self._items[key] = data
-            self._held += len(data)
-            while self._held > self.max_bytes:
-                _, dropped = self._items.popitem(last=False)
-                self._held -= len(dropped)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 RECENT = RecentlyDecoded()  # the process's: what it holds is only what clients sent

@@ -46,6 +46,7 @@ import llama_cpp as L
 import numpy as np
 from llama_cpp import mtmd_cpp as M
 
+from ..lru import SizedLRU
 from ..types import EncodedImage, MediaError
 from .mtmd_text import TextTokens
 from .own_thread import run_on_own_thread
@@ -109,48 +110,32 @@ class CacheCounters:
     evicted: int = 0
 
 
-class EmbeddingCache:
-    """Image embeddings by identity, least recently used first out, within ``max_bytes``.
-    Thread-safe (the prep pools read and fill it)."""
+class EmbeddingCache(SizedLRU[bytes, np.ndarray]):
+    """Image embeddings by identity, least recently used first out, within ``max_bytes``,
+    counted (``counters``, under ``lock``). Thread-safe (the prep pools read and fill it)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
+        super().__init__(max_bytes, lambda embd: int(embd.nbytes))
         self.counters = CacheCounters()
-        self._items: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self.lock = threading.Lock()
 
-    def get(self, identity: bytes) -> np.ndarray | None:
+    def get(self, key: bytes) -> np.ndarray | None:
+        embd = super().get(key)
         with self.lock:
-            embd = self._items.get(identity)
             if embd is None:
                 self.counters.misses += 1
-                return None
-            self._items.move_to_end(identity)
-            self.counters.hits += 1
-            return embd
+            else:
+                self.counters.hits += 1
+        return embd
 
-    def put(self, identity: bytes, embd: np.ndarray) -> None:
-        if embd.nbytes > self.max_bytes:
-            return
+    def put(self, key: bytes, value: np.ndarray) -> int:
+        gone = super().put(key, value)
         with self.lock:
-            old = self._items.pop(identity, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            self._items[identity] = embd
-            self.nbytes += embd.nbytes
-            while self.nbytes > self.max_bytes and self._items:
-                _, gone = self._items.popitem(last=False)
-                self.nbytes -= gone.nbytes
-                self.counters.evicted += 1
-
-    def __len__(self) -> int:
-        return len(self._items)
+            self.counters.evicted += gone
+        return gone
 
     def holds(self, identity: bytes) -> bool:
         """Whether the embeddings of ``identity`` are cached (not counted as a hit or miss)."""
-        with self.lock:
-            return identity in self._items
+        return identity in self
 
 
 @dataclass(frozen=True)
