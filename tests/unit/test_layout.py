@@ -20,8 +20,8 @@ PKG = ROOT / "server"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: typed values and protocols; the ggml type table and the sequence-state byte
     # layout (pure data and numpy, no llama.cpp), which the caches, slot files and restore
-    # plans read without loading llama.cpp
-    ("server.types", "server.llama.ggml_types", "server.llama.state_bytes"),
+    # plans read without loading llama.cpp; the byte-bounded LRU map (no server imports)
+    ("server.types", "server.lru", "server.llama.ggml_types", "server.llama.state_bytes"),
     # the flag table, and the Settings it fills: plain data every layer above may read
     ("server.cli.flags",),
     ("server.cli.config",),
