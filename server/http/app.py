@@ -530,13 +530,17 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
 
 
 def stream_limits(s: Settings) -> StreamLimits:
-    """The resumable streams' bounds (--stream-*, --streams-*)."""
+    """The resumable streams' bounds (--stream-*, --streams-*). --streams-per-key applies
+    where keys tell clients apart (two or more; a router's instance holds the router's
+    keys and its internal one): without keys every client is one owner, ``""``, and a
+    bound per owner would let one client refuse everyone's named streams."""
     return StreamLimits(
         ttl=s.stream_ttl,
         max_bytes=s.stream_max_bytes,
         max_events=s.stream_max_events,
         max_streams=s.streams_max,
         per_owner=s.streams_per_key,
+        keyed=len(load_api_keys(s)) > 1,
     )
 
 

@@ -6,9 +6,10 @@ uses an ``asyncio.subprocess.Process`` (``pid``, ``returncode``, ``stdout``, ``w
 The router becomes a child subreaper, so that every forked instance is its child: it waits
 for it through a pidfd (no other waiter can take its exit status) and the instance outlives
 the template process. When the template process is gone (it crashed, was killed, never got
-ready) ``fork`` answers None and the caller starts the instance the plain way; a request
-whose argv or environment is not the template's also gets None (the template imported the
-server under its environment: variables read at import, OpenMP's, must match)."""
+ready, or did not answer a fork within ``FORK_TIMEOUT_S``: stopped, stuck) ``fork``
+answers None and the caller starts the instance the plain way; a request whose argv or
+environment is not the template's also gets None (the template imported the server under
+its environment: variables read at import, OpenMP's, must match)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ log = logging.getLogger("server.router")
 
 PR_SET_CHILD_SUBREAPER = 36
 READY_TIMEOUT_S = 120.0  # importing on a loaded machine
+# A fork's answer: two fork() calls of an idle process (milliseconds, even loaded). A
+# template that has not answered by then is stopped or stuck: the instance starts the
+# plain way, and the template is killed (a late answer would fork a second instance).
+FORK_TIMEOUT_S = 5.0
 STREAM_LIMIT = 2**16  # asyncio.subprocess's line limit
 REAP_PERIOD_S = 2.0
 MAX_MESSAGE = 1 << 20  # a request to the template process: argv and environment
@@ -175,6 +180,8 @@ class Zygote:
         if not await asyncio.shield(self.ready) or not self.alive:
             return None
         async with self._lock:
+            if not self.alive:  # lost while this request waited for the one before
+                return None
             return await self._fork(argv, env, name)
 
     async def _fork(self, argv: list[str], env: dict[str, str], name: str) -> ForkedProcess | None:
@@ -184,7 +191,10 @@ class Zygote:
         try:
             body = json.dumps({"argv": argv, "env": env, "router": os.getpid(), "name": name})
             socket.send_fds(self.sock, [body.encode()], [w])
-            reply = await loop.sock_recv(self.sock, MAX_MESSAGE)
+            reply = await asyncio.wait_for(loop.sock_recv(self.sock, MAX_MESSAGE), FORK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            reply = b""
+            self._give_up(f"no answer to a fork in {FORK_TIMEOUT_S:g} s (stopped or stuck)")
         except asyncio.CancelledError:  # its answer would be read by the next request
             self._lost("a request was cancelled")
             raise
@@ -204,6 +214,14 @@ class Zygote:
         proc_done = asyncio.ensure_future(proc.wait())
         proc_done.add_done_callback(lambda _: self.forked.discard(proc.pid))
         return proc
+
+    def _give_up(self, why: str) -> None:
+        """Lose the template and kill it: one that answers late would fork an instance
+        nobody waits for (the plain start took its place and port)."""
+        self._lost(why)
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()  # SIGKILL ends a stopped process too
 
     def _lost(self, why: str) -> None:
         if self.alive:

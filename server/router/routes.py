@@ -19,12 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..api.errors import APIError
 from ..api.json_body import parse_json_body
 from ..http.middleware import from_foreign_page
+from .conv_map import ConvMap, Pending
 from .instances import LOADING, READY, Instance
 from .manager import Manager
 from .mmproj import input_modalities
 from .presets import ModelSpec
 from .proxy import Upstream, forward, upstream_headers
-from .streams import ConvMap, note_request
+from .streams import note_request, settle_request
 
 router = APIRouter()
 
@@ -253,20 +254,36 @@ async def _proxy(
     name: str | None,
     body: RoutedBody,
     autoload: bool | None = None,
-    wanted: Callable[[], bool] | None = None,
+    named: bool = False,
 ) -> Response:
     """Hold the named instance (starting it when allowed: ``autoload``, by default the
-    request's or the router's), then pass the request on. A client that leaves while
-    waiting gives up its place; the start goes on for others. A named stream's request
-    (``wanted``: router.streams.note_request) waits on without its client, unless a stop
-    came meanwhile (400)."""
+    request's or the router's), then pass the request on. ``named``: a request that may
+    name a stream (``X-Conversation-Id``): once its model is known it is pending
+    (router.streams.note_request), remembered when its instance opened the stream."""
     st = state_of(request)
     inst = st.manager.require(name, autoload_of(st, request) if autoload is None else autoload)
+    pending = note_request(st, request, inst.name) if named else None
+    response: Response | None = None
+    try:
+        response = await _pass_on(request, inst, body, pending)
+        return response
+    finally:
+        if pending is not None:
+            settle_request(st, request, pending, response)
+
+
+async def _pass_on(
+    request: Request, inst: Instance, body: RoutedBody, pending: Pending | None
+) -> Response:
+    """Wait until ``inst`` is ready and pass the request on. A client that leaves while
+    waiting gives up its place; the start goes on for others. A named stream's request
+    (``pending``) waits on without its client, unless a stop came meanwhile (400)."""
+    st = state_of(request)
     release = st.manager.hold(inst)
     try:
         waiting = asyncio.create_task(st.manager.ready(inst))
         watched: set[asyncio.Task[None]] = {waiting}
-        if wanted is None:  # else the client may leave: only a stop ends the request
+        if pending is None:  # else the client may leave: only a stop ends the request
             watched.add(asyncio.create_task(_until_disconnect(request)))
         await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
         for t in watched - {waiting}:
@@ -278,7 +295,7 @@ async def _proxy(
             release()
             return Response(status_code=499)
         waiting.result()
-        if wanted is not None and not wanted():
+        if pending is not None and not st.streams.wanted(pending):
             raise APIError(400, "request cancelled by a stop while the model was loading")
     except BaseException:
         release()
@@ -294,6 +311,5 @@ async def proxied(request: Request, path: str) -> Response:
     """Any other endpoint: routed by the body's ``model`` (POST) or ``?model=`` (GET)."""
     if request.method in ("POST", "PUT", "PATCH"):
         body = await _body_model(request)
-        wanted = note_request(state_of(request), request, body.model)
-        return await _proxy(request, body.model, body, wanted=wanted)
+        return await _proxy(request, body.model, body, named=True)
     return await _proxy(request, request.query_params.get("model"), RoutedBody(b""))

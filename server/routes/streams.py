@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..api.errors import APIError
 from ..api.stream_ids import check_id, lookup_ids, owner_of
-from ..service.streams import requested_name
+from ..service.streams import group_started, requested_name
 from ..service.tasks import TaskGroup
 from .common import SSE_HEADERS, state_of
 
@@ -36,7 +36,7 @@ def sse_response(request: Request, group: TaskGroup, source: AsyncIterator[str])
         conv_id = requested_name(st.streams, request)
         if conv_id is None:
             return StreamingResponse(source, media_type="text/event-stream", headers=SSE_HEADERS)
-        session = st.streams.open(owner_of(request), conv_id, source)
+        session = st.streams.open(owner_of(request), conv_id, source, group_started(group))
     except BaseException:
         group.cancel()
         raise

@@ -16,8 +16,14 @@ Contracts:
 - Expiry: a session nobody reads for ``ttl`` seconds is dropped; if it still generates,
   its generation is stopped first (so a stream whose client never came back frees its
   slot). DELETE stops and drops it at once.
-- Bounded: ids (``valid_id``), sessions per owner and in all (an open beyond them first
-  drops the oldest finished session, else is a 429).
+- Bounded: ids (``valid_id``), sessions per owner and in all: an open beyond them first
+  drops the oldest finished session; it is a 429 only when that many sessions are
+  *generating*. A session generates once one of its tasks reached a slot: one still
+  queued for a slot holds no quota (the engine's --max-queue bounds those), so a busy
+  server queues a named request as it queues any other. The per-owner bound applies only
+  where owners are told apart (``StreamLimits.keyed``: two or more API keys); without
+  keys, or with one, every client is the same owner and only the bound in all applies (a
+  per-owner bound would let one client's streams refuse everyone else's).
 
 Everything here runs on the event loop: no locks.
 """
@@ -30,10 +36,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ..api.errors import APIError
 from ..api.stream_ids import HEADER, check_id, owner_of
+
+if TYPE_CHECKING:
+    from .tasks import TaskGroup
 
 log = logging.getLogger("server.streams")
 
@@ -47,6 +56,7 @@ class StreamLimits:
     max_events: int = 32768
     max_streams: int = 64
     per_owner: int = 16
+    keyed: bool = True  # owners are told apart (2+ API keys): ``per_owner`` applies
 
 
 @dataclass
@@ -65,10 +75,18 @@ class StreamStats:
 class StreamSession:
     """One named stream: its buffer, whether it ended, who reads it."""
 
-    def __init__(self, conv_id: str, owner: str, limits: StreamLimits) -> None:
+    def __init__(
+        self,
+        conv_id: str,
+        owner: str,
+        limits: StreamLimits,
+        started: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.conv_id = conv_id
         self.owner = owner
         self.limits = limits
+        self.reached_slot = started  # whether its generation left the queue for a slot
+        self.began = False  # ``reached_slot()`` once said True (it stays so)
         self.started = time.time()
         self.completed = 0.0  # time.time() when it ended, 0 while it generates
         self.events: list[bytes] = []  # buffered frames, from index ``head`` on
@@ -86,6 +104,14 @@ class StreamSession:
     @property
     def done(self) -> bool:
         return self.completed > 0
+
+    def generating(self) -> bool:
+        """Whether it holds quota: not ended, and its generation left the queue."""
+        if self.done:
+            return False
+        if not self.began:
+            self.began = self.reached_slot()
+        return self.began
 
     def append(self, text: str) -> int:
         """Buffer ``text`` (one or more whole SSE frames); returns the frames dropped."""
@@ -178,6 +204,9 @@ class StreamSession:
         }
 
 
+Bound = tuple[int, list[StreamSession]]  # a cap and the sessions it counts
+
+
 class StreamRegistry:
     """The live sessions, keyed by (owner, conversation id)."""
 
@@ -199,30 +228,45 @@ class StreamRegistry:
     def generating(self) -> int:
         return sum(1 for s in self.sessions.values() if not s.done)
 
-    def open(self, owner: str, conv_id: str, source: AsyncIterator[str]) -> StreamSession:
+    def open(
+        self,
+        owner: str,
+        conv_id: str,
+        source: AsyncIterator[str],
+        started: Callable[[], bool] = lambda: True,
+    ) -> StreamSession:
         """A new session fed by ``source`` (the route's SSE text), replacing any of the same
-        key. APIError 429 when the owner, or the server, has its most sessions generating."""
+        key; ``started()`` says whether its generation has left the queue for a slot.
+        APIError 429 when the owner, or the server, has its most sessions generating."""
         key = (owner, conv_id)
         old = self.sessions.get(key)
         if old is not None:
             self.stop(owner, conv_id)
         self._make_room(owner)
-        s = StreamSession(conv_id, owner, self.limits)
+        s = StreamSession(conv_id, owner, self.limits, started)
         self.sessions[key] = s
         self.stats.opened += 1
         s.producer = asyncio.create_task(self._produce(s, source), name=f"stream-{conv_id}")
         self._arm(s)  # the requester's reader attaches at once and disarms it
         return s
 
-    def check_room(self, owner: str, conv_id: str) -> None:
+    def _pools(self, owner: str, skip: tuple[str, str] | None) -> list[Bound]:
+        """The bounds a new session of ``owner`` must fit, each with the sessions it counts
+        (all but ``skip``'s): the owner's own (only where owners are told apart), then
+        every session."""
+        every = [s for k, s in self.sessions.items() if k != skip]
+        pools = [(self.limits.max_streams, every)]
+        if self.limits.keyed:
+            pools.insert(0, (self.limits.per_owner, [s for s in every if s.owner == owner]))
+        return pools
+
+    def check_room(self, owner: str, conv_id: str | None) -> None:
         """APIError 429 when a new session of ``owner`` would find no room (``open``'s
-        rule, without dropping anything): asked before a request's tasks are submitted."""
-        mine = [s for k, s in self.sessions.items() if k != (owner, conv_id)]
-        for cap, pool in (
-            (self.limits.per_owner, [s for s in mine if s.owner == owner]),
-            (self.limits.max_streams, mine),
-        ):
-            if sum(1 for s in pool if not s.done) >= cap:
+        rule, without dropping anything): asked before a request's tasks are submitted.
+        The session ``conv_id`` names (it would be replaced) does not count."""
+        skip = (owner, conv_id) if conv_id is not None else None
+        for cap, pool in self._pools(owner, skip):
+            if sum(1 for s in pool if s.generating()) >= cap:
                 self._refuse(cap)
 
     def _refuse(self, cap: int) -> NoReturn:
@@ -236,17 +280,26 @@ class StreamRegistry:
         )
 
     def _make_room(self, owner: str) -> None:
-        """Below both caps before a new session: the oldest finished sessions go first."""
-        lim = self.limits
-        for cap, mine_only in ((lim.per_owner, True), (lim.max_streams, False)):
-            pool = [s for s in self.sessions.values() if not mine_only or s.owner == owner]
-            while len(pool) >= cap:
-                finished = [s for s in pool if s.done]
-                if not finished:
-                    self._refuse(cap)
-                oldest = min(finished, key=lambda s: s.completed)
+        """Below each bound before a new session: a 429 when a bound's generating sessions
+        fill it (nothing dropped then); else the oldest finished sessions go first. Sessions
+        still queued for a slot hold no quota: where they fill a bound, the new one is kept
+        beyond it (the engine's --max-queue bounds them)."""
+        self.check_room(owner, None)
+        self._trim(owner, room=1)
+
+    def _trim(self, owner: str, room: int) -> None:
+        """Drop the oldest finished sessions until each bound (the owner's, where owners are
+        told apart, then all) holds ``room`` more, or none finished is left: the buffers
+        kept are those of at most ``max_streams`` sessions and the ones generating (a
+        queued session's buffer stays nearly empty)."""
+        bounds = [(self.limits.max_streams, False)]
+        if self.limits.keyed:
+            bounds.insert(0, (self.limits.per_owner, True))
+        for cap, own in bounds:
+            pool = [s for s in self.sessions.values() if not own or s.owner == owner]
+            finished = sorted((s for s in pool if s.done), key=lambda s: s.completed)
+            for oldest in finished[: max(0, len(pool) + room - cap)]:
                 self._drop(oldest)
-                pool.remove(oldest)
 
     async def _produce(self, s: StreamSession, source: AsyncIterator[str]) -> None:
         self.on_busy(True)
@@ -264,6 +317,7 @@ class StreamRegistry:
             s.finish()
             if s.readers == 0 and self.sessions.get((s.owner, s.conv_id)) is s:
                 self._arm(s)
+            self._trim(s.owner, room=0)  # beyond the bounds (queued ones came): oldest out
 
     def get(self, owner: str, conv_id: str) -> StreamSession | None:
         return self.sessions.get((owner, conv_id))
@@ -363,3 +417,19 @@ def requested_name(registry: StreamRegistry, request: object) -> str | None:
     check_id(conv_id)
     registry.check_room(owner_of(request), conv_id)
     return conv_id
+
+
+def group_started(group: TaskGroup) -> Callable[[], bool]:
+    """Whether a task of ``group`` has left the engine's queue: a slot holds it now, or it
+    sent an event (a slot took it). Read from the event loop: the engine thread writes
+    these fields, and a stale read only delays the answer to the next check."""
+    tasks = tuple(group.tasks)
+    slots = group.engine.slots
+
+    def started() -> bool:
+        if any(t.n_sent for t in tasks):
+            return True
+        running = [s.task for s in slots]
+        return any(r is t for r in running for t in tasks)
+
+    return started

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
+import time
 
-from server.router import process
+from server.router import forked, process
 from server.router.forked import Zygote
 
 
@@ -33,5 +35,33 @@ def test_a_spawned_template_forks_an_instance_the_caller_reaps():
         finally:
             await z.close()
         assert z.proc is not None and z.proc.returncode is not None
+
+    asyncio.run(run())
+
+
+def test_a_stopped_template_is_given_up_after_the_bound_and_killed():
+    """A template that never answers (SIGSTOP) made every model start wait forever: the
+    fork now gives up after FORK_TIMEOUT_S (the caller starts the instance the plain way),
+    and the template is killed, so a late answer forks no second instance."""
+
+    async def run() -> None:
+        env = process.child_env(os.environ, ["sk-test"])
+        z = Zygote(env, process.die_with_parent)
+        await z.start()
+        try:
+            assert z.alive and z.proc is not None
+            os.kill(z.proc.pid, signal.SIGSTOP)
+            argv = [sys.executable, "-m", "server", "--version"]
+            t0 = time.monotonic()
+            # generous: the bound plus a loaded machine (before: no answer, ever)
+            assert await asyncio.wait_for(z.fork(argv, env, "ver"), 60) is None
+            assert time.monotonic() - t0 >= forked.FORK_TIMEOUT_S
+            assert not z.alive
+            assert await asyncio.wait_for(z.proc.wait(), 30) == -signal.SIGKILL
+            assert await z.fork(argv, env, "ver") is None  # lost: at once, no second wait
+        finally:
+            if z.proc is not None and z.proc.returncode is None:
+                os.kill(z.proc.pid, signal.SIGCONT)
+            await z.close()
 
     asyncio.run(run())

@@ -153,3 +153,60 @@ def test_lookup_names_only_what_it_is_asked_for():
         reg.close()
 
     asyncio.run(run())
+
+
+def test_without_keys_one_client_does_not_take_everyone_s_quota():
+    """Keyless (or one key): every client is owner "" — the per-owner bound would let one
+    client's streams refuse every other client's named chat; only the bound in all holds."""
+
+    async def run() -> None:
+        reg = StreamRegistry(StreamLimits(max_streams=4, per_owner=1, keyed=False))
+        gate = asyncio.Event()
+        for cid in ("a", "b", "c", "d"):  # four clients' streams, all generating
+            reg.check_room("", cid)
+            reg.open("", cid, _source(1, gate, []))
+        with pytest.raises(APIError) as e:
+            reg.check_room("", "e")  # the server's bound still holds
+        assert e.value.status == 429 and "at most 4" in e.value.message
+        reg.close()
+
+    asyncio.run(run())
+
+
+def test_a_queued_stream_holds_no_quota_until_it_reaches_a_slot():
+    async def run() -> None:
+        reg = StreamRegistry(StreamLimits(max_streams=8, per_owner=2))
+        gate = asyncio.Event()
+        in_slot = {"a": False, "b": False}
+        for cid in in_slot:  # both queued behind other requests
+            reg.open("k1", cid, _source(1, gate, []), started=lambda c=cid: in_slot[c])
+        reg.check_room("k1", "c")  # neither holds k1's quota yet
+        reg.open("k1", "c", _source(1, gate, []), started=lambda: False)
+        assert len(reg.sessions) == 3  # kept beyond the bound: none of them generates
+        in_slot["a"] = in_slot["b"] = True  # both reached a slot: now they count
+        with pytest.raises(APIError) as e:
+            reg.check_room("k1", "d")
+        assert e.value.status == 429 and "at most 2" in e.value.message
+        reg.check_room("k2", "d")  # another key's quota is its own
+        assert reg.stats.refused == 1
+        reg.close()
+
+    asyncio.run(run())
+
+
+def test_finished_streams_beyond_the_bounds_go_oldest_first():
+    """Queued streams let the kept sessions pass a bound; as streams end, the oldest
+    finished ones go until the bound holds again (the buffers kept stay bounded)."""
+
+    async def run() -> None:
+        reg = StreamRegistry(StreamLimits(max_streams=8, per_owner=2))
+        gates = {cid: asyncio.Event() for cid in "abcd"}
+        for cid, gate in gates.items():
+            reg.open("k1", cid, _source(1, gate, []), started=lambda: False)
+        for cid in "abc":  # three end, in order: the first two over the bound go
+            gates[cid].set()
+            await asyncio.sleep(0.01)
+        assert sorted(k[1] for k in reg.sessions) == ["c", "d"]
+        reg.close()
+
+    asyncio.run(run())
