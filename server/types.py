@@ -618,8 +618,9 @@ class Task:
     # the prompt's images, in order (their placeholders are in ``prompt``; issue 42)
     images: tuple[PromptImage, ...] = ()
     # vLLM's ``priority`` (--scheduling-policy priority): lower is served first, ties by
-    # arrival; ``t_waiting``: when the task last entered the wait queue (its arrival, or
-    # its preemption), from which its aging counts (slots/priority.py)
+    # arrival (its aging counts from ``t_enqueued``, preempted or not: slots/priority.py);
+    # ``t_waiting``: when it last entered the wait queue (its arrival, or its preemption),
+    # from which its queue time counts (metrics)
     priority: int = 0
     t_waiting: float = 0.0
 

@@ -67,6 +67,8 @@ class Engine:
         """``draft``: the draft model's context, for ``opts.spec`` draft-simple."""
         self.b = backend
         self.opts = opts
+        # the clock admission reads (aging, preemption); a test sets a fake one
+        self.clock: Callable[[], float] = time.perf_counter
         self.waiting: collections.deque[Task] = collections.deque()
         self.stats = EngineStats()
         self.ckpt = CheckpointPolicy(
@@ -377,7 +379,7 @@ class Engine:
         (the memory side: cache restores, cuts, sharing)."""
         if not self.waiting:
             return
-        now = time.perf_counter()
+        now = self.clock()
         rule = self.opts.priority
         if rule.on:
             self._preempt(now)
@@ -387,10 +389,8 @@ class Engine:
         for p in admission.placements:
             t = p.task
             if p.slot.task is t:
-                run = p.slot.live
-                run.rank = rule.effective(t, now)
                 self.stats.on_admitted(
-                    t.priority, now - (t.t_waiting or t.t_enqueued), not run.preempted
+                    t.priority, now - (t.t_waiting or t.t_enqueued), not p.slot.live.preempted
                 )
         for task, err in placed.failed:
             self.preemption.drop(task)
@@ -406,7 +406,9 @@ class Engine:
         self.waiting = rule.order(self.waiting, now)
         if sum(1 for s in self.slots if s.idle) >= len(self.waiting):
             return  # an idle slot for every waiter: nothing to weigh
-        runs = self.preemption.views(self.slots, self.cache is not None, self.spec.by_model)
+        runs = self.preemption.views(
+            rule, self.slots, self.cache is not None, self.spec.by_model, now
+        )
         room = self.preemption.make_room(rule, self.waiting, self.slots, runs, now)
         back = self.runner.drive(room)
         if back:

@@ -41,11 +41,15 @@ class Preemption:
         self.held: dict[int, Preempted] = {}
         self.count = 0  # preemptions done
 
-    def views(self, slots: Sequence[Slot], can_save: bool, by_model: bool) -> list[RunView]:
-        """The busy slots as ``victims`` sees them. A run is movable when its whole state
-        is its slot's KV and its run: no RAM cache (``can_save``), a sampler placed in the
-        decode graph of its slot (-bs), a draft model's sequences (``by_model``), parked
-        --cache-reuse chunks, or waiters on its prefix (prefix sharing) keep it in place."""
+    def views(
+        self, rule: PriorityRule, slots: Sequence[Slot], can_save: bool, by_model: bool, now: float
+    ) -> list[RunView]:
+        """The busy slots as ``victims`` sees them at ``now``, each run ranked by its effective
+        priority (``rule``). A run is movable when its whole state is its slot's KV and its
+        run and it was preempted fewer than ``rule.max_preemptions`` times: no RAM cache
+        (``can_save``), a sampler placed in the decode graph of its slot (-bs), a draft
+        model's sequences (``by_model``), parked --cache-reuse chunks, or waiters on its
+        prefix (prefix sharing) keep it in place."""
         out = []
         for s in slots:
             run = s.run
@@ -58,8 +62,10 @@ class Preemption:
                 and not run.reuse
                 and not run.share_marks
                 and run.refill is None
+                # bounded: a run preempted this often keeps its slot (no livelock)
+                and run.preempted < rule.max_preemptions
             )
-            out.append(RunView(s.id, run.rank, run.task.t_enqueued, movable))
+            out.append(RunView(s.id, rule.effective(run.task, now), run.task.t_enqueued, movable))
         return out
 
     def make_room(
@@ -72,8 +78,7 @@ class Preemption:
     ) -> Ops[list[Task]]:
         """Preempt the runs ``victims`` names under ``rule`` for ``waiting`` (in admission
         order): each one's state to the RAM cache, then its slot idle. Returns the preempted
-        tasks (to wait again; their aging starts ``now``). A run whose save fails keeps its
-        slot."""
+        tasks (to wait again; they keep their age). A run whose save fails keeps its slot."""
         n_idle = sum(1 for s in slots if s.idle)
         out: list[Task] = []
         for _, sid in victims(rule, waiting, n_idle, runs, now):
@@ -92,7 +97,7 @@ class Preemption:
         self.count += 1
         slot.release()
         slot.run = None  # the run lives on in ``held``, not as this slot's last run
-        run.task.t_waiting = now
+        run.task.t_waiting = now  # its queue time starts again (metrics); its age does not
         return run.task
 
     def resume_probe(self, task: Task) -> list[int] | None:

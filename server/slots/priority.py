@@ -4,22 +4,25 @@ run gives its slot up. Pure decisions; the engine carries them out (slots/preemp
 vLLM's semantics: a task's ``priority`` is an integer, lower is served first, ties by
 arrival. Under ``fcfs`` (the default) every task is FIFO and nothing is preempted.
 
-Aging (starvation bound): a waiting task's effective priority improves by one for every
-``aging_s`` seconds it has waited since it (last) entered the queue::
+Aging (starvation bound): a task's effective priority improves by one for every ``aging_s``
+seconds since it arrived, waiting or running::
 
-    effective = priority - floor(waited / aging_s)
+    effective = priority - floor((now - arrival) / aging_s)
 
-so a task of priority p behind a steady stream of priority q < p is admitted after at most
-(p - q + 1) * aging_s seconds plus one step: by then it outranks every newcomer, and, once
-it outranks a running run's admission rank, it preempts it too. A running run keeps the
-effective priority it was admitted with (its ``rank``): a preempted run that waits again
-starts aging from its preemption, and never outranks the run that displaced it with the
-same priority it lost to (no ping-pong: preemption needs a strictly better rank).
+A preempted task keeps its age (its arrival, not its preemption, is where aging counts
+from), so a task of priority p behind a steady stream of priority q < p outranks every
+newcomer after at most (p - q + 1) * aging_s seconds from its arrival: from then on it is
+admitted before them and none of them can preempt it. A running run is weighed by its
+effective priority now (it ages as it runs), and preemption needs a strictly better one;
+two tasks age at the same rate, so a preempted run never outranks the run that displaced
+it (no ping-pong).
 
 Preemption: while a waiting task finds no idle slot, the running run of the worst rank
 (largest; latest arrival among equals) that ranks strictly worse than the waiter gives its
 slot up, one run per such waiter. Only runs whose state can be saved whole and resumed
-elsewhere are candidates (``RunView.movable``).
+elsewhere, and that were preempted fewer than ``max_preemptions`` times, are candidates
+(``RunView.movable``): a run loses its slot only so often, so a long run behind a stream of
+short better ones still finishes.
 """
 
 from __future__ import annotations
@@ -35,25 +38,30 @@ from ..types import Task
 POLICIES = ("fcfs", "priority")
 # the default aging step: one priority level per this many seconds waited
 DEFAULT_AGING_S = 10.0
+# a run preempted this many times keeps its slot until it ends (issue 56: a long run was
+# preempted 115 times in 6 minutes by a stream of short requests and never finished)
+MAX_PREEMPTIONS = 3
 
 
 @dataclass(frozen=True)
 class PriorityRule:
-    """The policy (``fcfs`` or ``priority``) and its aging step in seconds (<= 0: no aging)."""
+    """The policy (``fcfs`` or ``priority``), its aging step in seconds (<= 0: no aging) and
+    how often one run may be preempted (then it keeps its slot until it ends)."""
 
     policy: str = "fcfs"
     aging_s: float = DEFAULT_AGING_S
+    max_preemptions: int = MAX_PREEMPTIONS
 
     @property
     def on(self) -> bool:
         return self.policy == "priority"
 
     def effective(self, task: Task, now: float) -> int:
-        """The task's effective priority after waiting until ``now`` (lower is better)."""
+        """The task's effective priority at ``now`` (lower is better): aged from its arrival,
+        whether it waited, ran or was preempted meanwhile."""
         if self.aging_s <= 0:
             return task.priority
-        since = task.t_waiting or task.t_enqueued
-        return task.priority - math.floor(max(0.0, now - since) / self.aging_s)
+        return task.priority - math.floor(max(0.0, now - task.t_enqueued) / self.aging_s)
 
     def order(self, waiting: Iterable[Task], now: float) -> collections.deque[Task]:
         """The waiting tasks in admission order: effective priority, then arrival (a stable
@@ -64,8 +72,8 @@ class PriorityRule:
 
 
 class RunView(NamedTuple):
-    """A busy slot as preemption sees it: the rank its run was admitted with, when its task
-    arrived, and whether its run can be saved and resumed elsewhere."""
+    """A busy slot as preemption sees it: its run's effective priority now (``rank``), when
+    its task arrived, and whether its run may be preempted (saved and resumed elsewhere)."""
 
     slot: int
     rank: int

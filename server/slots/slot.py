@@ -62,11 +62,9 @@ class SlotRun:
     shift_due: bool = False
     # the context filled up: the run stopped there, or shifted it (llama-server's truncated)
     truncated: bool = False
-    # --scheduling-policy priority: the effective priority the run was admitted with, the
-    # times it was preempted and the tokens its last resume restored (slots/preempt.py), and
-    # while it recomputes what the RAM cache lost, the tokens its KV must hold again before
-    # it generates (None: none missing)
-    rank: int = 0
+    # --scheduling-policy priority: the times the run was preempted and the tokens its last
+    # resume restored (slots/preempt.py), and while it recomputes what the RAM cache lost,
+    # the tokens its KV must hold again before it generates (None: none missing)
     preempted: int = 0
     resumed_n: int = 0
     refill: list[int] | None = None

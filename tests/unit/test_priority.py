@@ -3,8 +3,10 @@ choice of the run to preempt, and preempted runs that resume from the RAM cache 
 
 from __future__ import annotations
 
+import itertools
+
 from server.cache.prompt_cache import PromptCache
-from server.slots.priority import PriorityRule, RunView, pick_victim, victims
+from server.slots.priority import MAX_PREEMPTIONS, PriorityRule, RunView, pick_victim, victims
 from server.slots.slot import SlotState
 from server.types import TaskResult
 
@@ -41,9 +43,9 @@ def test_aging_improves_one_level_per_step_waited():
     assert PRIO.effective(old, now=10.0) == 4
     assert PRIO.effective(old, now=40.0) == 1  # 4 steps waited: outranks the newer 2
     assert list(PRIO.order([new, old], now=40.0)) == [old, new]
-    # a preempted task ages from its preemption, not its arrival
+    # a preempted task keeps its age: its arrival, not its preemption, is where it counts from
     old.t_waiting = 35.0
-    assert PRIO.effective(old, now=40.0) == 5
+    assert PRIO.effective(old, now=40.0) == 1
     assert PriorityRule("priority", aging_s=0).effective(old, now=1e9) == 5
 
 
@@ -218,3 +220,59 @@ def test_metrics_count_requests_and_waits_per_priority():
         run(e, prio_task([7] * 5, p, t0=0.0, max_tokens=1)[0])
     assert e.stats.by_priority["3"].requests == 2 and e.stats.by_priority["0"].requests == 1
     assert e.stats.by_priority["3"].queue_seconds > 0
+
+
+def test_a_run_ages_while_it_runs_and_is_preempted_a_bounded_number_of_times():
+    """A run is weighed by its effective priority now (aged from its arrival), and once it
+    was preempted MAX_PREEMPTIONS times it is no victim any more."""
+    e, b = prio_engine(n_seq=1)
+    low, _ = prio_task(long_prompt(100), 5, t0=0.0, max_tokens=10)
+    e.waiting.append(low)
+    e.step()
+    run_ = e.slots[0].live
+    views = e.preemption.views(PRIO, e.slots, True, False, now=30.0)
+    assert [(v.rank, v.movable) for v in views] == [(2, True)]  # 5, aged 3 levels in 30 s
+    run_.preempted = MAX_PREEMPTIONS
+    views = e.preemption.views(PRIO, e.slots, True, False, now=30.0)
+    assert [(v.rank, v.movable) for v in views] == [(2, False)]
+
+
+def test_a_long_low_priority_run_finishes_behind_a_stream_of_short_better_ones():
+    """Issue 56: two clients keep sending 6-token requests of priorities -8..4 while a long
+    request of priority 10 waits or runs on one of two slots (a fake clock: 1 s a step,
+    aging 10 s). Preempted, it keeps its age and its answer so far, and it loses its slot
+    at most MAX_PREEMPTIONS times, so it finishes within a bound: it outranks every
+    newcomer (10 - -8 + 1) * 10 s after it arrived, then it waits for one short request
+    to end and needs its own prompt step and 40 tokens (plus a restore step a preemption)."""
+    e, b = prio_engine(n_seq=2)
+    clock = [0.0]
+    e.clock = lambda: clock[0]
+    long, lc = prio_task(long_prompt(100), 10, t0=0.0, max_tokens=40)
+    e.waiting.append(long)
+    prios = itertools.cycle(range(-8, 5))
+    clients: list = [None, None]
+    ended: list[int | None] = [None, None]  # the step each client's last request ended
+    n_short = 0
+    bound = (10 - -8 + 1) * 10 + (6 + 1) + (1 + 40) + MAX_PREEMPTIONS
+    steps = 0
+    while not lc.done and steps < 4 * bound:
+        for i, c in enumerate(clients):
+            if c is not None and c.done and ended[i] is None:
+                ended[i] = steps
+            # each client sends its next request one step after its last one ended (the
+            # round trip), so a slot is free for a moment: the long run takes it, and the
+            # next short request preempts it
+            if c is None or (ended[i] is not None and ended[i] < steps):
+                t, clients[i] = prio_task([300 + n_short % 50] * 6, next(prios), clock[0], 6)
+                e.waiting.append(t)
+                ended[i] = None
+                n_short += 1
+        e.step()
+        assert e.check_integrity() == []
+        clock[0] += 1.0
+        steps += 1
+    assert lc.result is not None, f"not finished in {steps} steps ({n_short} short requests)"
+    assert steps <= bound
+    assert 1 <= lc.result.timings.preempted <= MAX_PREEMPTIONS
+    ref = reference(long.prompt, 40)
+    assert lc.result.tokens == ref.result.tokens and lc.text == ref.text
