@@ -5,18 +5,26 @@ and writes, for each targeted weight ``blk.N.<name>.weight`` (ggml shape [n_in, 
 the pair llama.cpp's adapter loader expects (src/llama-adapter.cpp): ``<tensor>.lora_a``
 of ggml shape [n_in, rank] and ``<tensor>.lora_b`` of [rank, n_out] (numpy shapes are the
 reverse), f32, with ``general.type = adapter``, ``general.architecture`` the model's,
-``adapter.type = lora`` and ``adapter.lora.alpha``. llama.cpp adds
+``adapter.type = lora`` and ``adapter.lora.alpha`` (``write_for``: keys and tensors
+replaced, for malformed ones). llama.cpp adds
 ``scale * alpha / rank * B @ A`` to each weight's product. Random, seeded: two seeds give
 two different adapters of the same model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 TARGETS = ("attn_q", "attn_v", "ffn_down")
+
+
+# a key to write: its value and gguf.GGUFValueType (value None: the key is left out)
+KeySpec = tuple[object, object]
+# (name, numpy array) -> (name, array) as written: a test's way to break one tensor
+TensorHook = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 
 
 def write_adapter(
@@ -28,17 +36,48 @@ def write_adapter(
     alpha: float = 4.0,
     std: float = 0.1,
     targets: tuple[str, ...] = TARGETS,
+    keys: dict[str, KeySpec] | None = None,
+    tensor: TensorHook | None = None,
 ) -> Path:
     """Write a random adapter for ``model`` to ``out``; returns ``out``. ``std``: the
-    entries' standard deviation (B @ A then has entries of about ``rank * std**2``)."""
+    entries' standard deviation (B @ A then has entries of about ``rank * std**2``).
+    ``keys`` and ``tensor``: see ``write_for``."""
+    arch, shapes = model_tensors(model)
+    return write_for(
+        arch, shapes, out, seed=seed, rank=rank, alpha=alpha, std=std, targets=targets,
+        keys=keys, tensor=tensor,
+    )  # fmt: skip
+
+
+def write_for(
+    arch: str,
+    shapes: dict[str, list[int]],
+    out: str | Path,
+    *,
+    seed: int = 0,
+    rank: int = 4,
+    alpha: float = 4.0,
+    std: float = 0.1,
+    targets: tuple[str, ...] = TARGETS,
+    keys: dict[str, KeySpec] | None = None,
+    tensor: TensorHook | None = None,
+) -> Path:
+    """``write_adapter`` for a model given by its architecture and tensor shapes (ggml
+    order). ``keys``: keys written over the usual ones (a value None leaves the key out;
+    ``general.architecture`` too); ``tensor``: applied to each tensor before it is
+    written (malformed adapters for the tests of server/llama/lora_check.py)."""
     import gguf
 
-    arch, shapes = model_tensors(model)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_string("general.type", "adapter")
     w.add_string("adapter.type", "lora")
     w.add_float32("adapter.lora.alpha", float(alpha))
+    for key, (value, vtype) in (keys or {}).items():
+        if value is None:
+            w.kv_data[0].pop(key, None)
+        else:
+            w.kv_data[0][key] = gguf.GGUFValue(value=value, type=vtype)
     for name, shape in shapes.items():
         if not name.startswith("blk.") or name.split(".")[2] not in targets:
             continue
@@ -46,8 +85,8 @@ def write_adapter(
         base = name.removesuffix(".weight")
         a = rng.normal(0.0, std, size=(rank, n_in)).astype(np.float32)
         b = rng.normal(0.0, std, size=(n_out, rank)).astype(np.float32)
-        w.add_tensor(f"{base}.weight.lora_a", a)
-        w.add_tensor(f"{base}.weight.lora_b", b)
+        for t_name, t in ((f"{base}.weight.lora_a", a), (f"{base}.weight.lora_b", b)):
+            w.add_tensor(*(tensor(t_name, t) if tensor else (t_name, t)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -388,7 +388,7 @@ class LlamaBackend(SeqMemory):
         if not self.ctx:
             raise RuntimeError("failed to create llama context (out of memory?)")
         self.mem = L.llama_get_memory(self.ctx)
-        self.lora = LoraAdapters(self.model, self.ctx, list(opts.lora_paths))
+        self.lora = LoraAdapters(self.model, self.ctx, list(opts.lora_paths), opts.path)
         self.n_ctx = L.llama_n_ctx(self.ctx)
         self.n_batch = L.llama_n_batch(self.ctx)
         self.n_ubatch = L.llama_n_ubatch(self.ctx)
@@ -537,6 +537,10 @@ class LlamaBackend(SeqMemory):
     def set_adapters(self, scales: tuple[float, ...]) -> None:
         """The LoRA scales the next decodes run under (one per loaded adapter; empty: none)."""
         self.lora.apply(scales)
+
+    def check_adapter(self, fd: int) -> int:
+        """Check an open adapter file before anything loads it; its size (LoraAdapters.check_fd)."""
+        return self.lora.check_fd(fd)
 
     def load_adapter(self, fd: int) -> object:
         """Load a LoRA adapter from an open file, off the engine thread (LoraAdapters.load_fd)."""

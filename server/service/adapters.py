@@ -19,7 +19,10 @@ Contracts:
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
+import stat
 from dataclasses import dataclass
 
 from ..api.errors import APIError
@@ -50,9 +53,14 @@ class AdapterChoice:
 
 
 def file_digest(path: str) -> str:
-    """sha256 of the file's bytes (read in 1 MiB blocks), 32 hex digits."""
+    """sha256 of the file's bytes (read in 1 MiB blocks), 32 hex digits. OSError unless
+    ``path`` is a regular file (opened without blocking: a FIFO is refused, not waited on)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path!r} is not a regular file")
+        os.set_blocking(fd, True)
         while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()[:32]

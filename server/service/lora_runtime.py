@@ -5,13 +5,20 @@ behind ``--enable-lora-runtime`` (off: 404) and only for files under ``--lora-ru
 Contracts:
 
 - A path is taken only when its real path (symlinks resolved) lies under the directory's real
-  path; it is opened without following a last symlink, must be a regular file, and the file
-  opened is checked again by its descriptor (a swap between the check and the open is
-  caught). Anything else is a 403; a missing file a 404; a file llama.cpp refuses a 400.
-- The file is read once, from that descriptor: hashed (sha256, the adapter's cache key,
-  service/adapters.py ``key``) and then handed to llama.cpp (``load_adapter``), both off the
-  event loop and off the engine thread. The engine thread only attaches the loaded adapter
-  between two steps (``attach_adapter`` through ``Engine.call``): its id is the next one.
+  path; it is opened without following a last symlink and without blocking (a FIFO answers
+  at once), must be a regular file, and the file opened is checked again by its descriptor
+  (a swap between the check and the open is caught). Anything else is a 403; a missing
+  file a 404; a file the adapter check (server/llama/lora_check.py) or llama.cpp refuses a
+  400 naming what is wrong.
+- A name is refused (400) when it is the served model's name or one of its ``--alias``es:
+  ``model: "<alias>"`` would otherwise run the adapter for every client naming the model.
+- The file is checked from that descriptor (header only; its size bounds what follows),
+  then copied once into a private memory file while hashed (sha256, the adapter's cache key,
+  service/adapters.py ``key``); that copy is checked again and handed to llama.cpp
+  (``load_adapter``): the bytes hashed, checked and loaded are the same even if the file
+  changes meanwhile. All off the event loop and off the engine thread. The engine thread
+  only attaches the loaded adapter between two steps (``attach_adapter`` through
+  ``Engine.call``): its id is the next one.
 - Bytes seen before (by digest) take their old id back without a load: their cache entries,
   keyed by the digest in every tier, serve again. Different bytes under an old name are a
   new adapter, a new digest: old entries never match them.
@@ -41,6 +48,8 @@ MAX_PATH = 4096
 class AdapterLoading(Protocol):
     """The model's side of run-time loading (server.llama.backend.LlamaBackend)."""
 
+    def check_adapter(self, fd: int) -> int: ...
+
     def load_adapter(self, fd: int) -> object: ...
 
     def attach_adapter(self, handle: object) -> int: ...
@@ -65,6 +74,14 @@ def _name(v: object) -> str:
     return v
 
 
+def _new_name(st: ServerState, v: object) -> str:
+    """A name a load may take: not the served model's (module docstring)."""
+    name = _name(v)
+    if name == st.model_name or name in st.model_aliases:
+        raise APIError(400, f"lora_name {name!r} is the served model's name: choose another")
+    return name
+
+
 def checked_path(root: str, given: object) -> str:
     """The real path of ``given`` (relative: to ``root``), which must lie under ``root``;
     APIError 400 for a malformed path, 403 for one outside."""
@@ -79,8 +96,8 @@ def checked_path(root: str, given: object) -> str:
 def open_checked(root: str, real: str) -> int:
     """Open ``real`` for reading without following a symlink; the descriptor of a regular
     file that still lies under ``root``. APIError 404 (missing), 403 (anything else)."""
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # O_NONBLOCK: a FIFO opens at once (and is refused below) instead of waiting
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise APIError(404, "no such adapter file under --lora-runtime-dir") from None
     except OSError as e:
@@ -93,27 +110,54 @@ def open_checked(root: str, real: str) -> int:
             opened = os.path.realpath(os.readlink(link))
             if os.path.commonpath([opened, root]) != root:
                 raise APIError(403, "lora_path must name a file under --lora-runtime-dir")
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def fd_digest(fd: int) -> str:
-    """sha256 of the open file's bytes, 32 hex digits (service/adapters.file_digest's)."""
+def private_copy(fd: int, size: int) -> tuple[int, str]:
+    """The open file's first ``size`` bytes copied into a new memory file (its descriptor,
+    the caller's to close) and their sha256, 32 hex digits (service/adapters.file_digest's).
+    APIError 400 when the file holds more bytes by now (it changed after its check)."""
     h = hashlib.sha256()
-    os.lseek(fd, 0, os.SEEK_SET)
-    while block := os.read(fd, 1 << 20):
-        h.update(block)
-    return h.hexdigest()[:32]
+    out = os.memfd_create("lora-adapter", os.MFD_CLOEXEC)
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        left = size
+        while left > 0 and (block := os.read(fd, min(left, 1 << 20))):
+            h.update(block)
+            left -= len(block)
+            view = memoryview(block)
+            while view:
+                view = view[os.write(out, view) :]
+        if os.read(fd, 1):
+            raise APIError(400, "failed to load LoRA adapter: the file changed while read")
+    except BaseException:
+        os.close(out)
+        raise
+    return out, h.hexdigest()[:32]
+
+
+def _checked_copy(b: AdapterLoading, fd: int) -> tuple[int, str]:
+    """Check the file, then copy it (``private_copy``); APIError 400 naming what is wrong."""
+    try:
+        size = b.check_adapter(fd)
+    except ValueError as e:
+        raise APIError(400, f"failed to load LoRA adapter: {e}") from None
+    return private_copy(fd, size)
 
 
 def _prepare(st: ServerState, b: AdapterLoading, root: str, real: str) -> tuple[str, object]:
-    """Worker thread: open, hash, and load when these bytes are new; (digest, handle or
-    None when an adapter of these bytes exists)."""
+    """Worker thread: open, check, copy and hash, and load the copy when these bytes are
+    new; (digest, handle or None when an adapter of these bytes exists)."""
     fd = open_checked(root, real)
     try:
-        digest = fd_digest(fd)
+        copy, digest = _checked_copy(b, fd)
+    finally:
+        os.close(fd)
+    try:
         if st.adapters.by_digest(digest) is not None:
             return digest, None
         n_runtime = sum(1 for a in st.adapters.adapters if a.runtime)
@@ -124,17 +168,17 @@ def _prepare(st: ServerState, b: AdapterLoading, root: str, real: str) -> tuple[
                 "--lora-runtime-max allows (restart to free their memory)",
             )
         try:
-            return digest, b.load_adapter(fd)
+            return digest, b.load_adapter(copy)
         except ValueError as e:
             raise APIError(400, f"failed to load LoRA adapter: {e}") from None
     finally:
-        os.close(fd)
+        os.close(copy)
 
 
 async def load(st: ServerState, body: dict[str, object]) -> str:
     """POST /v1/load_lora_adapter (module docstring); vLLM's success text."""
     root = _enabled(st)
-    name = _name(body.get("lora_name"))
+    name = _new_name(st, body.get("lora_name"))
     real = checked_path(root, body.get("lora_path"))
     reg = st.adapters
     if name in reg.by_alias:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from .conftest import gemma_path, long_text, top_logprobs
+from .conftest import ServerProc, gemma_path, long_text, top_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lora_gen import write_adapter  # noqa: E402
@@ -178,4 +180,99 @@ def test_a_wake_reloads_runtime_adapters_and_drops_those_whose_file_changed(
     assert load(s, "swap", "swap.gguf").status_code == 200  # a's bytes: keep's id, keep's key
     swapped = ask(s, "swap")
     assert swapped["tokens_cached"] == swapped["tokens_evaluated"] - 1
+    s.assert_integrity()
+
+
+Q_A = "blk.0.attn_q.weight.lora_a"  # the first tensor lora_gen writes
+
+
+def _on_q_a(change):
+    return lambda n, t: change(t) if n == Q_A else (n, t)
+
+
+def broken_adapters(root: Path) -> dict[str, str]:
+    """Malformed adapters of the default model written under ``root``: file name -> what
+    the 400 must name. The first six aborted or crashed the server (issue 56): the three
+    keys at the load (GGML_ASSERT, exit 134), the three tensors at the first decode."""
+    import gguf
+
+    T, model = gguf.GGUFValueType, gemma_path()
+    kinds = {
+        "type-u32": ({"keys": {"general.type": (7, T.UINT32)}}, "general.type is a u32"),
+        "alpha-str": ({"keys": {"adapter.lora.alpha": ("4", T.STRING)}},
+                      "adapter.lora.alpha is a str"),
+        "arch-u32": ({"keys": {"general.architecture": (7, T.UINT32)}},
+                     "general.architecture is a u32"),
+        "3d": ({"tensor": _on_q_a(lambda t: (Q_A, np.stack([t, t])))}, "has shape [640, 4, 2]"),
+        "i32": ({"tensor": _on_q_a(lambda t: (Q_A, t.astype(np.int32)))}, "has type I32"),
+        "f64": ({"tensor": _on_q_a(lambda t: (Q_A, t.astype(np.float64)))}, "has type F64"),
+        "shape": ({"tensor": _on_q_a(lambda t: (Q_A, t[:, :600]))}, "has shape [600, 4]"),
+        "name": ({"tensor": _on_q_a(lambda t: ("blk.0.attn_zz.weight.lora_a", t))},
+                 "the base model has no tensor 'blk.0.attn_zz.weight'"),
+    }  # fmt: skip
+    out = {}
+    for kind, (kw, names) in kinds.items():
+        write_adapter(model, root / f"{kind}.gguf", **kw)  # type: ignore[arg-type]
+        out[f"{kind}.gguf"] = names
+    cut = write_adapter(model, root / "cut.gguf")
+    os.truncate(cut, cut.stat().st_size - 100)
+    out["cut.gguf"] = "past the end of the file"
+    return out
+
+
+def test_malformed_adapter_files_are_a_400_and_the_server_keeps_serving(make_server, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    broken = broken_adapters(root)
+    write_adapter(gemma_path(), root / "good.gguf", seed=3)
+    s = make_server("-np", "1", "--enable-lora-runtime", "--lora-runtime-dir", str(root))
+    base = ask(s, None)
+    for path, names in broken.items():
+        r = load(s, path.removesuffix(".gguf"), path)
+        assert r.status_code == 400, (path, r.text)
+        message = r.json()["error"]["message"]
+        assert message.startswith("failed to load LoRA adapter: ") and names in message, message
+    assert s.client.get("/lora-adapters").json() == []
+    chat = s.client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    )
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
+    assert load(s, "good", "good.gguf").status_code == 200
+    adapted = ask(s, "good")
+    assert adapted["tokens_predicted"] == 1 and dist(adapted, base) > 1.0  # it runs
+    s.wait_idle()
+    s.assert_integrity()
+
+
+def test_a_malformed_lora_at_start_is_a_clear_error(tmp_path):
+    broken_adapters(tmp_path)
+    for path, names in [("type-u32.gguf", "general.type is a u32"), ("i32.gguf", "has type I32")]:
+        with pytest.raises(RuntimeError) as e:
+            ServerProc("--lora", str(tmp_path / path)).stop()
+        assert "server exited (1)" in str(e.value) and names in str(e.value), str(e.value)
+
+
+def test_the_served_models_names_and_fifos_are_refused_at_once(make_server, files, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(files["a"], root / "a.gguf")
+    os.mkfifo(root / "pipe.gguf")  # opened without O_NONBLOCK, a load waited for a writer
+    s = make_server(
+        "-np", "1", "--enable-lora-runtime", "--lora-runtime-dir", str(root),
+        "--alias", "served,other",
+    )  # fmt: skip
+    names = {m["id"] for m in s.client.get("/v1/models").json()["data"]}
+    assert names == {"other"}  # the first alias names the model; "served" is another
+    for name in ("served", "other"):
+        r = load(s, name, "a.gguf")
+        assert r.status_code == 400 and "the served model's name" in r.text, r.text
+    t0 = time.monotonic()
+    r = s.client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "p", "lora_path": "pipe.gguf"}, timeout=10
+    )
+    assert r.status_code == 403 and "regular file" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 2
+    assert load(s, "a", "a.gguf").status_code == 200  # a good one still loads
+    assert ask(s, "a")["tokens_predicted"] == 1
     s.assert_integrity()
