@@ -42,9 +42,11 @@ def setup_logging(s: Settings) -> None:
 
 # SIGTERM: uvicorn stops accepting and waits up to GRACE_S for connections to close. Running
 # requests may finish for DRAIN_S; then the rest end with an error event (or a 503), so
-# every stream still ends properly before uvicorn cuts what is left.
-GRACE_S = 10
-DRAIN_S = 8
+# every stream still ends properly before uvicorn cuts what is left. Both fit within the
+# usual grace period of a supervisor before its SIGKILL (llama.cpp's test harness: 5 s),
+# so the server still ends its compile children itself (server.constrained.worker).
+GRACE_S = 5
+DRAIN_S = 4
 
 
 class DrainingServer(uvicorn.Server):

@@ -67,6 +67,7 @@ class _Child:
     def __init__(self) -> None:
         env = {**os.environ, "SERVER_CONSTRAINT_STACK": str(CHILD_STACK)}
         env["SERVER_CONSTRAINT_MEMORY"] = str(CHILD_MEMORY)
+        env["SERVER_CONSTRAINT_PARENT"] = str(os.getpid())  # the child dies with this process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.constrained.child"],
             stdin=subprocess.PIPE,
@@ -143,7 +144,8 @@ class CompilePool:
     """``workers`` children; ``run`` hands a request to a free one and waits for its answer
     (``{"grammar": text}`` or ``{"where": ..., "reason": ...}``) at most ``timeout`` seconds
     once it is running. Thread-safe. ``n_runs`` counts requests, ``n_crashed`` and
-    ``n_timed_out`` the children lost, for tests and logs."""
+    ``n_timed_out`` the children lost, for tests and logs. After ``shutdown`` no child runs
+    and none starts."""
 
     def __init__(self, workers: int = 2, timeout: float = 10.0) -> None:
         self.timeout = timeout
@@ -153,6 +155,23 @@ class CompilePool:
         self._idle: queue.Queue[_Child | None] = queue.Queue()
         for _ in range(max(1, workers)):
             self._idle.put(None)  # started on first use
+        self._started: list[_Child] = []  # every child started, busy or idle (shutdown)
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def _start(self) -> _Child:
+        """A new child, remembered for ``shutdown``; OSError after it (or if none starts)."""
+        if self._shut:
+            raise OSError("the server is shutting down")
+        child = _Child()
+        with self._lock:
+            self._started = [c for c in self._started if c.alive()]
+            self._started.append(child)
+            shut = self._shut
+        if shut:  # shut down while it started: it must not outlive the server either
+            child.kill()
+            raise OSError("the server is shutting down")
+        return child
 
     def run(self, request: CompileRequest) -> CompileAnswer:
         child = self._idle.get()
@@ -160,7 +179,7 @@ class CompilePool:
         try:
             if child is None or not child.alive():
                 child = None
-                child = _Child()
+                child = self._start()
             answer = child.ask(request, self.timeout)
             return self._lost(child, answer) if isinstance(answer, Lost) else answer
         except OSError as e:  # no child could be started: the request fails, not the server
@@ -193,6 +212,15 @@ class CompilePool:
             if child is not None:
                 child.kill()
 
+    def shutdown(self) -> None:
+        """Kill every child, busy ones too (their requests fail), and reap each (no zombie
+        outlives the server); no child starts after this."""
+        with self._lock:
+            self._shut = True
+            children, self._started = self._started, []
+        for child in children:
+            child.kill()
+
     def warm(self) -> None:
         """Start one child now (it takes a few hundred milliseconds), so the first request
         with a schema does not wait for it."""
@@ -211,6 +239,14 @@ def configure(limits: ConstraintLimits) -> None:
         old, _limits, _pool = _pool, limits, None
     if old is not None:
         old.close()
+
+
+def shutdown() -> None:
+    """The server is exiting: every compile child killed and reaped (``CompilePool.shutdown``)."""
+    with _lock:
+        current = _pool
+    if current is not None:
+        current.shutdown()
 
 
 def limits() -> ConstraintLimits:

@@ -561,6 +561,9 @@ def create_app(settings: Settings, *, load_in_background: bool = True) -> FastAP
         if watcher is not None:
             watcher.cancel()
         st.streams.close()
+        # the compile children go first: a supervisor's SIGKILL may come while the engine
+        # closes (spilling to the disk tier takes seconds), and what it kills cannot reap
+        worker.shutdown()
         await asyncio.to_thread(close_engine, st)
 
     sleeper = sleep_controller(st)
