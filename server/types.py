@@ -577,9 +577,17 @@ class ImageProjector(Protocol):
     vision: bool
     audio: bool
 
-    def tokenize(self, text: str, images: list[bytes]) -> list[list[int] | EncodedImage]:
+    def tokenize(
+        self,
+        text: str,
+        images: list[bytes],
+        scope: bytes = b"",
+        between: Callable[[], None] = ...,
+    ) -> list[list[int] | EncodedImage]:
         """``text`` with one ``marker`` per image as text token runs and encoded images
-        (add_special, special tokens parsed); raises MediaError."""
+        (add_special, special tokens parsed), its caches keyed within ``scope`` (the
+        request's tenant); ``between`` is called before each image is decoded (it may
+        raise to stop the work); raises MediaError."""
         ...
 
     def close(self) -> None: ...

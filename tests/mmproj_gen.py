@@ -130,3 +130,29 @@ def png_header_only(width: int, height: int) -> bytes:
         + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
         + _chunk(b"IEND", b"")
     )
+
+
+def tiny_gif(width: int, height: int) -> bytes:
+    """A valid GIF of 35 bytes whose logical screen is ``width`` x ``height``, with one
+    1x1 frame: stb_image decodes (and clears) the whole screen, ~0.5-1.25 s at 8192x4096
+    on 2 cores (issue 56)."""
+    screen = struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\0\0\0\xff\xff\xff"
+    # one 1x1 frame, LZW minimum code size 2: clear, index 0, end (3-bit codes)
+    frame = b"\x2c" + struct.pack("<HHHHB", 0, 0, 1, 1, 0) + b"\x02\x02\x44\x01\x00"
+    return b"GIF89a" + screen + frame + b"\x3b"
+
+
+def tiny_jpeg(width: int, height: int) -> bytes:
+    """A valid grayscale baseline JPEG of 142 bytes whose frame is ``width`` x ``height``:
+    every 8x8 block is DC 0 and end-of-block, two bits each, and the scan's few bytes run
+    out (stb_image reads the rest as zeros): it decodes the whole frame (issue 56)."""
+
+    def seg(marker: int, body: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+    dqt = seg(0xDB, b"\x00" + b"\x01" * 64)
+    sof = seg(0xC0, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00")
+    one_code = b"\x01" + b"\x00" * 15 + b"\x00"  # one code of length 1, for symbol 0
+    dht = seg(0xC4, b"\x00" + one_code) + seg(0xC4, b"\x10" + one_code)
+    sos = seg(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+    return b"\xff\xd8" + dqt + sof + dht + sos + b"\x00\x00" + b"\xff\xd9"

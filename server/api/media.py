@@ -7,6 +7,9 @@ stb_image decodes; anything else never reaches libmtmd), the width and height re
 the header in Python (``--image-max-pixels``: a decompression bomb is refused before a
 byte is inflated), and the images per request (``--image-max-count``). Remote ``http(s)``
 URLs are refused (no fetching). Every refusal is a 400 naming the image and the problem.
+Within a request's ``MediaScope`` (server/api/media_scope.py) each image's header pixels
+are also charged against the request's budget (413) before anything decodes it, and the
+recently decoded base64 texts are kept per tenant.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from ..lru import SizedLRU
+from . import media_scope
 from .errors import APIError
 
 NO_IMAGES = (
@@ -153,7 +157,9 @@ def complete(kind: str, b: bytes, w: int, h: int) -> bool:
 
 
 def check_image(data: bytes, limits: MediaLimits, where: str) -> bytes:
-    """``data`` when it is an image within the limits (see the module doc); else 400."""
+    """``data`` when it is an image within the limits (see the module doc); else 400. In a
+    request's scope its pixels are charged to the request (413 past its budget): before
+    its structure is even walked, so an image over the budget costs nothing more."""
     if not data:
         raise APIError(400, f"{where}: the image is empty")
     if len(data) > limits.max_bytes:
@@ -168,6 +174,9 @@ def check_image(data: bytes, limits: MediaLimits, where: str) -> bytes:
             400,
             f"{where}: the image is {w}x{h} = {w * h} pixels, more than {limits.max_pixels}",
         )
+    scope = media_scope.current()
+    if scope is not None:
+        scope.charge(w * h, where)  # stb_image decodes a GIF's first frame only: w x h
     if not complete(kind, data, w, h):
         raise APIError(400, f"{where}: the {kind} image is truncated or corrupt")
     return data
@@ -178,7 +187,9 @@ class RecentlyDecoded(SizedLRU[bytes, bytes]):
     sends the same image with every turn; a hit costs a hash of the text (SHA-256: ~1 ms for
     2 MB with the CPU's SHA instructions) instead of decoding it (~4.6 ms). Bounded by the
     bytes it holds (least recently used out); thread-safe (requests are prepared on several
-    threads). The same text always decodes to the same bytes, so a hit is exact."""
+    threads). The same text always decodes to the same bytes, so a hit is exact. Kept per
+    tenant (``key``'s ``scope``): a hit is faster, so a shared entry would tell a client
+    that another sent the same text."""
 
     MIN_TEXT = 64 << 10  # shorter texts decode in well under a millisecond: not kept
 
@@ -186,12 +197,16 @@ class RecentlyDecoded(SizedLRU[bytes, bytes]):
         super().__init__(max_bytes, len)
 
     @staticmethod
-    def key(text: str) -> bytes | None:
-        """The text's key; None for a text not worth keeping (short, or not ASCII: then it
-        is not base64 either, and the decoder refuses it)."""
+    def key(text: str, scope: bytes = b"") -> bytes | None:
+        """The text's key within ``scope`` (a tenant: ``MediaScope.cache_scope``); None for
+        a text not worth keeping (short, or not ASCII: then it is not base64 either, and
+        the decoder refuses it)."""
         if len(text) < RecentlyDecoded.MIN_TEXT or not text.isascii():
             return None
-        return hashlib.sha256(text.encode("ascii")).digest()
+        # the scope's length first: no two (scope, text) pairs hash the same bytes
+        h = hashlib.sha256(len(scope).to_bytes(4, "little") + scope)
+        h.update(text.encode("ascii"))
+        return h.digest()
 
 
 RECENT = RecentlyDecoded()  # the process's: what it holds is only what clients sent
@@ -201,10 +216,12 @@ def decode_base64(
     text: str, limits: MediaLimits, where: str, recent: RecentlyDecoded = RECENT
 ) -> bytes:
     """Base64 text (the standard or URL-safe alphabet, padding optional) as bytes, its
-    size bounded before decoding; a large text decoded lately is taken from ``recent``."""
+    size bounded before decoding; a large text the request's tenant sent lately is taken
+    from ``recent``."""
     if len(text) > limits.max_bytes * 4 // 3 + 8:
         raise APIError(400, f"{where}: the image is more than {limits.max_bytes} bytes")
-    key = recent.key(text)
+    scope = media_scope.current()
+    key = recent.key(text, scope.cache_scope if scope is not None else b"")
     data = recent.get(key) if key is not None else None
     if data is None:
         data = _decode_base64(text, where)

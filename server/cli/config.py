@@ -214,6 +214,8 @@ class Settings(BaseModel):
     image_max_mib: int = Field(10, ge=1, le=1024)
     image_max_pixels: int = Field(33554432, ge=1)
     image_max_count: int = Field(16, ge=1, le=256)
+    image_max_request_pixels: int = Field(0, ge=0)  # 0: 4 x image_max_pixels (media_scope)
+    image_max_key_pixels: int = Field(0, ge=0)  # 0: 2 x the request's (in flight per API key)
     # run-time adapters (server.service.lora_runtime)
     enable_lora_runtime: bool = False
     lora_runtime_dir: str | None = None

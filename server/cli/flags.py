@@ -430,6 +430,8 @@ OPTIONS += [
     _o("--image-max-mib", "image_max_mib", "", "most bytes of one image (encoded), in MiB (default: 10)", int),
     _o("--image-max-pixels", "image_max_pixels", "", "most pixels of one image, read from its header before decoding (default: 33554432)", int),
     _o("--image-max-count", "image_max_count", "", "most images in one request (default: 16)", int),
+    _o("--image-max-request-pixels", "image_max_request_pixels", "", "most pixels of one request's images together, read from their headers before any is decoded (default: 0 = 4 x --image-max-pixels)", int),
+    _o("--image-max-key-pixels", "image_max_key_pixels", "", "most pixels the requests of one API key may hold while their images are prepared, queueing included; past it 429 (default: 0 = 2 x --image-max-request-pixels)", int),
     # --- router mode (server.router) and sleeping when idle (server.http.sleep) ---
     _o("--models-dir", "models_dir", "LLAMA_ARG_MODELS_DIR", "router mode (without -m): serve the GGUF files of this directory, one server process per model, named by file stem (a subfolder per multi-file model) (default: off)"),
     _o("--models-preset", "models_preset", "LLAMA_ARG_MODELS_PRESET", "router mode (without -m): INI file of model presets, [*] defaults and one section per model whose keys are flags (default: off)"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from ..api import media_scope
 from ..api.cancel import checkpoint
 from ..api.chat import (
     ROLES,
@@ -212,8 +213,11 @@ def _flatten(st: ServerState, text: str, images: list[bytes], wheres: list[str])
     (llama.cpp would abort)."""
     assert st.projector is not None
     b = st.require_backend()
+    scope = media_scope.current()
+    tenant = scope.cache_scope if scope is not None else b""
     try:
-        pieces = st.projector.tokenize(text, images)
+        # checkpoint between images: a request whose client left stops within one image
+        pieces = st.projector.tokenize(text, images, tenant, checkpoint)
     except MediaError as e:
         raise APIError(400, _named(e, wheres)) from None
     tokens: list[int] = []
@@ -240,8 +244,13 @@ def image_prompt(
     """A rendered prompt with images (``_flatten``), and where its last user turn starts
     (``mark``: its offset in ``text``): the head before it tokenized alone (its images come
     from the embedding cache now), counted where the whole prompt starts with it. 400 for
-    a prompt ending in an image (its last position must be text)."""
+    a prompt ending in an image (its last position must be text). In a request's scope
+    (server/api/media_scope.py) the images are decoded on the media lane only, their
+    pixels held against the API key's budget (429 past it)."""
     wheres = wheres or []
+    scope = media_scope.current()
+    if scope is not None:
+        scope.decoding()  # on a text lane: the work moves to the media lane, nothing decoded
     whole = _flatten(st, text, images, wheres)
     if not whole.tokens or whole.tokens[-1] < 0:
         raise APIError(400, "the prompt must not end with an image")

@@ -299,6 +299,17 @@ def _images(st: EngineStats, state: MetricsSource) -> Iterator[Metric]:
     yield _gauge(
         "llamaslot_image_embedding_cache_bytes", "Bytes of the embedding cache", cache.nbytes
     )
+    yield _counter(
+        "llamaslot_image_files_decoded",
+        "Images decoded from their bytes (a re-sent image whose embeddings the request's "
+        "tenant has cached is not)",
+        c.decoded,
+    )
+    yield _counter(
+        "llamaslot_image_pixels_decoded",
+        "Pixels of the images decoded from their bytes",
+        c.pixels_decoded,
+    )
 
 
 def _beyond(st: EngineStats) -> Iterator[Metric]:

@@ -4,15 +4,22 @@
 rendered prompt holding media markers plus the images' bytes into ``Piece``s: runs of text
 tokens and ``EncodedImage``s (server.types: the image's identity and embeddings). Decoding the
 bytes (stb_image inside libmtmd), tokenizing and CLIP-encoding run on the caller's thread
-(the prep pools, never the event loop or the engine thread), one at a time per projector
-(an mtmd context is not thread-safe; ``lock``). Every image's bytes must have been bounded
-by the caller first (server/api/media.py reads the size from the header: no decompression
-bombs reach stb_image).
+(the prep pools' media lane, never the event loop or the engine thread), one at a time per
+projector (an mtmd context is not thread-safe; ``lock``), with the caller's ``between``
+called while waiting for the lock and before each image (server.api.cancel.checkpoint: a
+request whose client left stops within one image). Every image's bytes must have been
+bounded by the caller first (server/api/media.py reads the size from the header: no
+decompression bombs reach stb_image; server/api/media_scope.py bounds a request's pixels).
 
 An image's identity is a hash of its decoded pixels (RGB bytes, width, height) and of the
 projector (its file's hash and the token limits): the same picture in other bytes (another
 PNG encoder, a JPEG re-save that decodes equal) is the same image. ``EmbeddingCache``
 keeps embeddings by identity (bounded RAM), so an image is encoded once.
+
+Both caches are keyed within the caller's ``scope`` (its tenant, --cache-isolation), as the
+text caches are: a hit is faster and moves the counters (``llamaslot_images_encoded``,
+``..._embedding_cache_hits``), so a cache shared across tenants would tell one client that
+another sent an image. The identity itself (in the prompt's placeholders) is the pixels'.
 
 A client re-sends the same bytes with every turn of a conversation. Their identity is then
 known from the bytes alone (``KnownBytes``: a hash of the bytes to the identity and size),
@@ -39,6 +46,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +116,8 @@ class CacheCounters:
     encoded: int = 0
     encode_ms: float = 0.0
     evicted: int = 0
+    decoded: int = 0  # images decoded from their bytes (stb_image), not from KnownBytes
+    pixels_decoded: int = 0  # their pixels (width x height as decoded)
 
 
 class EmbeddingCache(SizedLRU[bytes, np.ndarray]):
@@ -133,9 +143,19 @@ class EmbeddingCache(SizedLRU[bytes, np.ndarray]):
             self.counters.evicted += gone
         return gone
 
-    def holds(self, identity: bytes) -> bool:
-        """Whether the embeddings of ``identity`` are cached (not counted as a hit or miss)."""
-        return identity in self
+    def holds(self, key: bytes) -> bool:
+        """Whether the embeddings under ``key`` are cached (not counted as a hit or miss)."""
+        return key in self
+
+    @staticmethod
+    def key(identity: bytes, scope: bytes) -> bytes:
+        """Where ``identity``'s embeddings are kept for ``scope`` (a tenant; ``b""``:
+        everyone's, the identity itself)."""
+        if not scope:
+            return identity
+        h = hashlib.blake2b(len(scope).to_bytes(4, "little") + scope, digest_size=16)
+        h.update(identity)
+        return h.digest()
 
 
 @dataclass(frozen=True)
@@ -157,10 +177,15 @@ class KnownBytes:
         self._items: OrderedDict[bytes, Decoded] = OrderedDict()
 
     @staticmethod
-    def key(data: bytes) -> bytes:
+    def key(data: bytes, scope: bytes = b"") -> bytes:
+        """The bytes' key within ``scope`` (a tenant; see the module doc)."""
         # SHA-256, not BLAKE2: with the CPU's SHA instructions (x86 since Zen and Ice Lake,
         # ARMv8) it hashes 1.6 MB in ~0.9 ms against ~1.8; every request with an image pays it
-        return hashlib.sha256(data).digest()
+        if not scope:
+            return hashlib.sha256(data).digest()
+        h = hashlib.sha256(len(scope).to_bytes(4, "little") + scope)
+        h.update(data)
+        return h.digest()
 
     def get(self, key: bytes) -> Decoded | None:
         got = self._items.get(key)
@@ -245,47 +270,81 @@ class Projector:
         h.update(px)
         return h.digest()
 
-    def tokenize(self, text: str, images: list[bytes]) -> list[Piece]:
+    def tokenize(
+        self,
+        text: str,
+        images: list[bytes],
+        scope: bytes = b"",
+        between: Callable[[], None] = lambda: None,
+    ) -> list[Piece]:
         """``text`` (one media marker per image, in order) with ``images`` (bounded bytes)
         as pieces: text tokens (special tokens parsed, BOS added as the model wants) and
-        encoded images. Raises MediaError for an image that does not decode, a marker
-        count that does not match, or a preprocessing failure."""
+        encoded images, the caches read and filled within ``scope`` (a tenant). Raises
+        MediaError for an image that does not decode, a marker count that does not match,
+        or a preprocessing failure; whatever ``between`` raises (it is called while
+        waiting for the lock and before each image is decoded)."""
         n_markers = text.count(self.marker)
         if n_markers != len(images):
             raise MediaError(f"the prompt has {n_markers} media markers for {len(images)} images")
-        with self.lock:
+        while not self.lock.acquire(timeout=0.05):  # another request's images: still wanted?
+            between()
+        try:
             try:
-                return self._tokenize(text, images, stand_ins=True)
+                return self._tokenize(text, images, scope, between, stand_ins=True)
             except _StandInMissed:
-                return self._tokenize(text, images, stand_ins=False)
+                return self._tokenize(text, images, scope, between, stand_ins=False)
+        finally:
+            self.lock.release()
 
-    def _tokenize(self, text: str, images: list[bytes], stand_ins: bool) -> list[Piece]:
+    def _tokenize(
+        self,
+        text: str,
+        images: list[bytes],
+        scope: bytes,
+        between: Callable[[], None],
+        stand_ins: bool,
+    ) -> list[Piece]:
         bitmaps: list[M.mtmd_bitmap_p] = []
         held: list[M.mtmd_input_chunks_p] = []  # libmtmd's chunks of each image, freed last
         standing: set[bytes] = set()  # identities whose bitmap is a placeholder stand-in
         try:
-            for i, data in enumerate(images):
-                key = KnownBytes.key(data)
-                known = self.known.get(key) if stand_ins else None
-                if known is not None and self.cache.holds(known.identity):
-                    bitmaps.append(_stand_in(known))
-                    standing.add(known.identity)
-                    continue
-                bmp, decoded = self._bitmap(i, data)
-                bitmaps.append(bmp)
-                self.known.put(key, decoded)
+            self._bitmaps(images, scope, between, stand_ins, bitmaps, standing)
             try:
                 layout = self._layout(text, bitmaps, held)
             except MediaError:
                 if standing:  # a preprocessor that wants pixels: from the real ones
                     raise _StandInMissed from None
                 raise
-            return self._pieces(layout, standing)
+            return self._pieces(layout, standing, scope)
         finally:
             for chunks in held:
                 M.mtmd_input_chunks_free(chunks)
             for b in bitmaps:
                 M.mtmd_bitmap_free(b)
+
+    def _bitmaps(
+        self,
+        images: list[bytes],
+        scope: bytes,
+        between: Callable[[], None],
+        stand_ins: bool,
+        bitmaps: list[M.mtmd_bitmap_p],
+        standing: set[bytes],
+    ) -> None:
+        """Each image's bitmap into ``bitmaps`` (the caller frees them, also when this
+        raises): a stand-in where the bytes are known and their embeddings cached within
+        ``scope`` (its identity then joins ``standing``), else the decoded image."""
+        for i, data in enumerate(images):
+            key = KnownBytes.key(data, scope)
+            known = self.known.get(key) if stand_ins else None
+            if known is not None and self.cache.holds(EmbeddingCache.key(known.identity, scope)):
+                bitmaps.append(_stand_in(known))
+                standing.add(known.identity)
+                continue
+            between()  # a decode may take a second: stop first if the work was dropped
+            bmp, decoded = self._bitmap(i, data)
+            bitmaps.append(bmp)
+            self.known.put(key, decoded)
 
     def _bitmap(self, i: int, data: bytes) -> tuple[M.mtmd_bitmap_p, Decoded]:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -299,6 +358,9 @@ class Projector:
         n = M.mtmd_bitmap_get_n_bytes(bmp)
         px = ctypes.string_at(M.mtmd_bitmap_get_data(bmp), n)
         decoded = Decoded(self.identity(px, nx, ny), nx, ny)
+        with self.cache.lock:
+            self.cache.counters.decoded += 1
+            self.cache.counters.pixels_decoded += nx * ny
         M.mtmd_bitmap_set_id(bmp, decoded.identity.hex().encode())
         return bmp, decoded
 
@@ -343,11 +405,15 @@ class Projector:
         return chunks
 
     def _pieces(
-        self, layout: list[list[int] | M.mtmd_input_chunk_p], standing: set[bytes]
+        self,
+        layout: list[list[int] | M.mtmd_input_chunk_p],
+        standing: set[bytes],
+        scope: bytes,
     ) -> list[Piece]:
-        """Text runs as token lists, images as EncodedImages: the embedding cache's where it
-        has them, the others encoded (``_encode_missing``: batched up to batch_max_tokens).
-        ``standing``: images whose chunk holds a placeholder stand-in, never to be encoded."""
+        """Text runs as token lists, images as EncodedImages: the embedding cache's (within
+        ``scope``) where it has them, the others encoded (``_encode_missing``: batched up to
+        batch_max_tokens). ``standing``: images whose chunk holds a placeholder stand-in,
+        never to be encoded."""
         out: list[Piece] = []
         images: list[tuple[int, M.mtmd_input_chunk_p, bytes]] = []  # (index in out, ...)
         for c in layout:
@@ -369,7 +435,7 @@ class Projector:
         for _, c, identity in images:
             if identity in found or any(identity == m[1] for m in missing):
                 continue
-            embd = self.cache.get(identity)
+            embd = self.cache.get(EmbeddingCache.key(identity, scope))
             non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, c))
             if embd is not None and embd.shape[0] == M.mtmd_input_chunk_get_n_tokens(c):
                 found[identity] = EncodedImage(identity, embd, non_causal, encoded=False)
@@ -377,13 +443,13 @@ class Projector:
                 raise _StandInMissed
             else:
                 missing.append((c, identity))
-        found.update(self._encode_missing(missing))
+        found.update(self._encode_missing(missing, scope))
         for at, _, identity in images:
             out[at] = found[identity]
         return out
 
     def _encode_missing(
-        self, missing: list[tuple[M.mtmd_input_chunk_p, bytes]]
+        self, missing: list[tuple[M.mtmd_input_chunk_p, bytes]], scope: bytes
     ) -> dict[bytes, EncodedImage]:
         """Encode the images the cache lacks, in prompt order, as few passes as libmtmd's
         batch takes (its batch_max_tokens; a projector that does not batch: one a pass)."""
@@ -405,16 +471,22 @@ class Projector:
                     raise MediaError("the image could not be encoded")
                 ms = (time.perf_counter() - t0) * 1e3 / (j - i)
                 for c, identity in missing[i:j]:
-                    done[identity] = self._take(batch, c, identity, ms)
+                    done[identity] = self._take(batch, c, identity, ms, scope)
             finally:
                 M.mtmd_batch_free(batch)
             i = j
         return done
 
     def _take(
-        self, batch: M.mtmd_batch_p, c: M.mtmd_input_chunk_p, identity: bytes, ms: float
+        self,
+        batch: M.mtmd_batch_p,
+        c: M.mtmd_input_chunk_p,
+        identity: bytes,
+        ms: float,
+        scope: bytes,
     ) -> EncodedImage:
-        """One encoded image's embeddings, copied out of the batch and cached."""
+        """One encoded image's embeddings, copied out of the batch and cached (within
+        ``scope``)."""
         n_tokens = M.mtmd_input_chunk_get_n_tokens(c)
         out = M.mtmd_batch_get_output_embd(batch, c)
         if not out:
@@ -424,7 +496,7 @@ class Projector:
         embd = embd.copy()
         embd.flags.writeable = False  # shared by every request of this image (the cache)
         cache = self.cache
-        cache.put(identity, embd)
+        cache.put(EmbeddingCache.key(identity, scope), embd)
         with cache.lock:
             cache.counters.encoded += 1
             cache.counters.encode_ms += ms

@@ -16,9 +16,9 @@ from fastapi import Request
 from typing_extensions import NotRequired
 
 from ..api.errors import error_body
-from ..service.pools import prepare
+from ..service.pools import prepare_in
 from ..service.sampling import default_sampling
-from ..service.state import ServerState
+from ..service.state import ServerState, media_scope_of, tenant_of
 from ..service.tasks import TaskGroup
 from ..slots.model_api import Tokenizer
 from ..types import Event, SamplingParams, Task, TaskError, TokenLogprob
@@ -37,12 +37,24 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
+def _salt_of(args: tuple[object, ...]) -> str | None:
+    """The ``cache_salt`` of the body among a hand-off's arguments (None: none given)."""
+    for a in args:
+        salt = getattr(a, "cache_salt", None)
+        if isinstance(salt, str):
+            return salt
+    return None
+
+
 async def prep(request: Request, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args)`` off the event loop, on the request's own preparation pool
     (server.service.pools): abandoned when the client leaves, 408 once the request's
-    preparation has taken --request-prep-timeout seconds."""
-    timeout = state_of(request).settings.request_prep_timeout
-    return await prepare(request, timeout, fn, *args, **kwargs)
+    preparation has taken --request-prep-timeout seconds. Images (the token counts and
+    renders of bodies with images) decode as a generation's would: on the media lane, in
+    the request's tenant's caches (its body's ``cache_salt`` included)."""
+    st = state_of(request)
+    scope = media_scope_of(st, request, tenant_of(st, request, _salt_of(args)))
+    return await prepare_in(scope, request, st.settings.request_prep_timeout, fn, *args, **kwargs)
 
 
 def sse(obj: object) -> str:

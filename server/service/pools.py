@@ -5,10 +5,13 @@ tools and compiling a schema run in worker threads so that the event loop keeps 
 streams. They run here, not on asyncio's default executor, which sleep/wake, slot files and
 the server's own housekeeping share: whatever clients send cannot starve those.
 
-Two lanes, each a bounded pool of its own: requests whose body is over ``HEAVY_BYTES`` (or
-of unknown size) take the heavy lane (``HEAVY_WORKERS`` threads), the rest the light lane
-(``LIGHT_WORKERS``). However many huge bodies arrive, a small chat's preparation never
-waits behind them.
+Three lanes, each a bounded pool of its own: requests whose body is over ``HEAVY_BYTES``
+(or of unknown size) take the heavy lane (``HEAVY_WORKERS`` threads), the rest the light
+lane (``LIGHT_WORKERS``). However many huge bodies arrive, a small chat's preparation never
+waits behind them. A request whose images are to be decoded moves to the media lane
+(``MEDIA_WORKERS``) when it gets there (server.api.media_scope: ``NeedsMediaLane``, raised
+before any image is decoded), so a small body holding images that are slow to decode (a
+35-byte GIF may declare 8192x4096 pixels) never holds a light worker while it decodes.
 
 ``prepare(request, timeout, fn, *args)`` runs ``fn(*args)`` on the request's lane and
 returns its result, with three guarantees:
@@ -20,6 +23,10 @@ returns its result, with three guarantees:
   wait in the queue and every later hand-off of the same request count) the work is
   abandoned the same way and the request is answered 408 ``timeout_error``;
 - the coroutine being cancelled (server shutdown, a middleware) abandons it too.
+
+``prepare_in(scope, ...)`` does the same inside a ``MediaScope`` (the request's tenant and
+image budgets): the move to the media lane holds the request's image pixels against its
+API key's budget (429 past it) until the work ends or is dropped unrun.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from starlette.requests import Request
 
 from ..api.cancel import CancelFlag, run_with
 from ..api.errors import APIError
+from ..api.media_scope import MediaScope, NeedsMediaLane, run_in
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -46,6 +54,10 @@ _CPUS = os.cpu_count() or 2
 # than cores keep short requests from queueing behind each other's constraint compiles.
 LIGHT_WORKERS = max(4, min(16, _CPUS + 2))
 HEAVY_WORKERS = max(2, min(8, _CPUS // 2))
+# image decoding takes one projector at a time (its lock): more workers would only wait,
+# while rendering and tokenizing the rest of a media request keep a second one busy
+MEDIA_WORKERS = max(2, min(4, _CPUS // 2))
+_WORKERS = {"light": LIGHT_WORKERS, "heavy": HEAVY_WORKERS, "media": MEDIA_WORKERS}
 WATCH_AFTER_S = 0.1  # most preparations end before: they cost no watcher
 POLL_S = 0.25  # how often a waiting client is checked for having left
 
@@ -54,11 +66,12 @@ _lock = threading.Lock()
 
 
 def pool(lane: str) -> concurrent.futures.ThreadPoolExecutor:
-    """The pool of ``lane`` ("light" or "heavy"), made at first use (one per process)."""
+    """The pool of ``lane`` ("light", "heavy" or "media"), made at first use (one per
+    process)."""
     with _lock:
         p = _pools.get(lane)
         if p is None:
-            n = HEAVY_WORKERS if lane == "heavy" else LIGHT_WORKERS
+            n = _WORKERS[lane]
             p = _pools[lane] = concurrent.futures.ThreadPoolExecutor(n, f"prep-{lane}")
         return p
 
@@ -117,12 +130,47 @@ async def prepare(
 ) -> T:
     """``fn(*args, **kwargs)`` on the request's lane (see the module docstring). APIError
     408 after ``timeout`` seconds; APIError 499 when the client has left (nobody reads it)."""
+    return await prepare_in(None, request, timeout, fn, *args, **kwargs)
+
+
+async def prepare_in(
+    scope: MediaScope | None,
+    request: Request | None,
+    timeout: float,
+    fn: Callable[P, T],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> T:
+    """``prepare`` inside ``scope``: where the work is about to decode images on a text lane
+    (``NeedsMediaLane``), it runs again on the media lane, holding the pixels it had
+    charged against its key's budget (APIError 429 past it) until it ends."""
+    work = partial(fn, *args, **kwargs)
+    try:
+        return await _run(lane_of(request), scope, request, timeout, work)
+    except NeedsMediaLane as e:
+        assert scope is not None  # only a scope's ``decoding`` raises it
+        scope.to_media_lane(e.pixels)
+        return await _run("media", scope, request, timeout, work)
+
+
+async def _run(
+    lane: str,
+    scope: MediaScope | None,
+    request: Request | None,
+    timeout: float,
+    work: Callable[[], T],
+) -> T:
+    """``work()`` on ``lane``'s pool in ``scope``, as ``prepare`` says. The scope is given
+    back by the worker when the work ends, or here when it is dropped before it ran."""
     loop = asyncio.get_running_loop()
     remaining = _deadline(request, loop, timeout) - loop.time()
     if remaining <= 0:  # an earlier hand-off of the request used up its time
+        if scope is not None:
+            scope.release()
         raise _timed_out(timeout)
     flag = CancelFlag()
-    cf = pool(lane_of(request)).submit(run_with, flag, partial(fn, *args, **kwargs), ())
+    # the scope outermost: its release runs even when the flag stops the work unstarted
+    cf = pool(lane).submit(run_in, scope, run_with, flag, work, ())
     fut = asyncio.wrap_future(cf)
     fut.add_done_callback(_retrieve)
     gone: asyncio.Future[None] = loop.create_future()
@@ -151,4 +199,5 @@ async def prepare(
             w.cancel()
         if not fut.done():  # abandoned (or this coroutine cancelled): drop or stop it
             flag.cancel(flag.reason or "abandoned")
-            cf.cancel()
+            if cf.cancel() and scope is not None:  # dropped unrun: no worker gives it back
+                scope.release()

@@ -1,5 +1,5 @@
-"""What the routes share (ServerState) and whose cached prefixes a request may reuse
-(``tenant_of``)."""
+"""What the routes share (ServerState), whose cached prefixes a request may reuse
+(``tenant_of``) and its image work's scope (``media_scope_of``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from ..api.chat import ChatTemplate
 from ..api.errors import APIError
+from ..api.media_scope import MediaScope, key_pixels, request_pixels
 from ..cache import tenancy
 from ..cache.kv_events import KVEvents
 from ..cache.kv_publisher import KVPublisher
@@ -149,3 +150,18 @@ def tenant_of(st: ServerState, request: Request | None, cache_salt: str | None =
     if mode == "salt" and not salt:
         return tenancy.private_tenant()
     return salt
+
+
+def media_scope_of(st: ServerState, request: Request | None, tenant: str) -> MediaScope:
+    """The scope of a hand-off of ``request``'s preparation (server.api.media_scope):
+    ``tenant``'s image caches (``tenant_of``, without its adapter set: an image's
+    embeddings do not depend on it), its API key's in-flight pixels ("" without keys: all
+    clients share one budget), and the pixel budgets of the flags."""
+    s = st.settings
+    per_request = request_pixels(s.image_max_pixels, s.image_max_request_pixels)
+    return MediaScope(
+        tenant=tenant,
+        key=str(getattr(getattr(request, "state", None), "api_key_id", "") or ""),
+        request_pixels=per_request,
+        key_pixels=key_pixels(per_request, s.image_max_key_pixels),
+    )

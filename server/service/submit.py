@@ -20,9 +20,9 @@ from ..slots.model_api import ModelBackend
 from ..types import GenParams, PromptImage, ReasoningBudget
 from .adapters import AdapterChoice
 from .budget import BudgetAsk
-from .pools import prepare
+from .pools import prepare_in
 from .sampling import sampling_from, stops_from
-from .state import ServerState
+from .state import ServerState, media_scope_of
 from .streams import requested_name
 from .tasks import TaskGroup
 from .validation import bind_constraint, check_fits, check_tokens
@@ -200,7 +200,9 @@ async def _submit(
     if job.stream and request is not None:
         requested_name(st.streams, request)
     _check_priority(st, body.priority)
-    ready = await prepare(request, st.settings.request_prep_timeout, _prepare, st, body, job)
+    scope = media_scope_of(st, request, tenant)  # images: the tenant's caches, their lane
+    timeout = st.settings.request_prep_timeout
+    ready = await prepare_in(scope, request, timeout, _prepare, st, body, job)
     engine, adapters, prompts, constraint, budget = ready
     tenant = tenancy.with_adapters(tenant, adapters.key)  # the set joins the cache key
     b = st.require_backend()
