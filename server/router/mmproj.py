@@ -105,8 +105,10 @@ def _cached(path: str, _mtime_ns: int, _size: int) -> Caps:
 
 
 def input_modalities(mmproj: str | None) -> list[str]:
-    """A model's ``input_modalities`` as the router lists them: text, and what its
-    projector (``--mmproj``) reads. The header is read once per file version (cached)."""
+    """A model's ``input_modalities`` as the router lists them: text, and images where its
+    projector (``--mmproj``) reads them (never audio yet: the instances refuse audio
+    inputs, whatever the projector reads). The header is read once per file version
+    (cached)."""
     if not mmproj:
         return ["text"]
     try:
@@ -114,4 +116,4 @@ def input_modalities(mmproj: str | None) -> list[str]:
     except OSError:
         return ["text"]
     caps = _cached(mmproj, st.st_mtime_ns, st.st_size)
-    return ["text"] + (["image"] if caps.vision else []) + (["audio"] if caps.audio else [])
+    return ["text"] + (["image"] if caps.vision else [])

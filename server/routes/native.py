@@ -85,10 +85,12 @@ def props_of(st: ServerState) -> dict[str, object]:
         "n_ctx_train": b.n_ctx_train,
         "n_swa": b.n_swa,
         "kv_unified": b.kv_unified,
-        # what the --mmproj projector takes (llama-server's field; both false without one)
+        # what a request may carry (llama-server's field; both false without a projector):
+        # images where the projector reads them; audio never yet, whatever the projector
+        # reads (audio inputs are refused: a client that believed the flag would fail)
         "modalities": {
             "vision": bool(st.projector and st.projector.vision),
-            "audio": bool(st.projector and st.projector.audio),
+            "audio": False,
         },
         # what stands for an image in a /completion prompt_string (multimodal_data), random
         # per process unless LLAMA_MEDIA_MARKER is set, as llama-server's (null: no projector)

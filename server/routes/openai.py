@@ -88,8 +88,10 @@ def _prompt_text(backend: Tokenizer, raw: object, tokens: list[int], i: int) -> 
 
 
 def input_modalities(st: ServerState) -> list[str]:
+    """What a request may carry: text, and images where the projector reads them (never
+    audio yet: audio inputs are refused, whatever the projector reads; /props says so too)."""
     p = st.projector
-    return ["text"] + (["image"] if p and p.vision else []) + (["audio"] if p and p.audio else [])
+    return ["text"] + (["image"] if p and p.vision else [])
 
 
 def model_object(st: ServerState) -> dict[str, object]:
