@@ -245,20 +245,26 @@ def _decode_base64(text: str, where: str) -> bytes:
 
 
 def _file(url: str, limits: MediaLimits, where: str) -> bytes:
-    """A ``file://`` path, only under --media-path (resolved: no way out by .. or links)."""
+    """A ``file://`` path, only under --media-path (resolved: no way out by .. or links).
+    APIError 400 for any path that names no readable file there, including one no file
+    can have (a NUL byte, a lone surrogate: the OS calls raise ValueError on those)."""
     if not limits.media_path:
         raise APIError(400, f"{where}: file:// images need the server's --media-path")
     root = os.path.realpath(limits.media_path)
     rel = url[len("file://") :]
-    path = os.path.realpath(
-        os.path.join(root, rel.lstrip("/") if not rel.startswith(root) else rel)
-    )
-    if os.path.commonpath([root, path]) != root or not os.path.isfile(path):
-        raise APIError(400, f"{where}: no such image under --media-path: {rel!r}")
-    if os.path.getsize(path) > limits.max_bytes:
-        raise APIError(400, f"{where}: the image is more than {limits.max_bytes} bytes")
-    with open(path, "rb") as f:
-        return f.read(limits.max_bytes + 1)
+    missing = APIError(400, f"{where}: no such image under --media-path: {rel!r}")
+    try:
+        path = os.path.realpath(
+            os.path.join(root, rel.lstrip("/") if not rel.startswith(root) else rel)
+        )
+        if os.path.commonpath([root, path]) != root or not os.path.isfile(path):
+            raise missing
+        if os.path.getsize(path) > limits.max_bytes:
+            raise APIError(400, f"{where}: the image is more than {limits.max_bytes} bytes")
+        with open(path, "rb") as f:
+            return f.read(limits.max_bytes + 1)
+    except (ValueError, OSError):  # unencodable, or gone or unreadable since the check
+        raise missing from None
 
 
 def image_bytes(url: str, limits: MediaLimits, where: str) -> bytes:

@@ -184,6 +184,8 @@ BAD = [
     ("file:///etc/passwd", "no such image under --media-path"),
     ("file://../outside.png", "no such image under --media-path"),
     ("file://escape.png", "no such image under --media-path"),  # a symlink out
+    # no file has such a name: the OS calls raise ValueError on it (was a 500, issue 56)
+    ("file://cat.png\u0000.txt", "no such image under --media-path"),
     (data_url(b"\x89PNG\r\n\x1a\n" + b"\0" * ((MAX_MIB << 20) + 10)), f"more than {MAX_MIB << 20} bytes"),
 ]  # fmt: skip
 

@@ -104,7 +104,15 @@ def test_urls_data_urls_base64_and_files(tmp_path):
     lim = MediaLimits(1 << 20, 1 << 24, 2, str(root))
     assert image_bytes("file://a.png", lim, "x") == b
     assert image_bytes(f"file://{root}/a.png", lim, "x") == b
-    for url in ("file://../secret.png", "file://link.png", "file:///etc/passwd", "file://nope.png"):
+    # a NUL byte or a lone surrogate: no file can have the name (a 500 before, issue 56)
+    nameless = ("file://a.png\x00.txt", "file://a\ud800.png")
+    for url in (
+        "file://../secret.png",
+        "file://link.png",
+        "file:///etc/passwd",
+        "file://nope.png",
+        *nameless,
+    ):
         with pytest.raises(APIError, match="no such image under --media-path"):
             image_bytes(url, lim, "x")
 
