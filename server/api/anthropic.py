@@ -27,6 +27,7 @@ from .anthropic_schemas import (
     ToolUseBlock,
 )
 from .cancel import checkpoint
+from .json_body import loads_bounded
 from .schemas import SamplingFields
 from .tools.parse import Message
 
@@ -289,9 +290,10 @@ def to_chat_body(req: CountTokensRequest) -> dict[str, object]:
 
 def tool_input(arguments: str) -> dict[str, object]:
     """A call's arguments as the ``input`` object; a call cut short by ``max_tokens`` (not
-    valid JSON) has ``{}``, as llama-server's."""
+    valid JSON) has ``{}``, as llama-server's, and so has one nesting deeper than any body
+    this server reads (the model's text, never a RecursionError)."""
     try:
-        value = json.loads(arguments)
+        value = loads_bounded(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -1,6 +1,9 @@
 """The one bounded JSON parser for bodies that a route reads by hand (the router's body model,
 ``/predict``, ``POST /lora-adapters``, slot actions): the same limits as the bodies FastAPI
-parses for the typed routes, answered with a 400 ``APIError`` instead of a 500.
+parses for the typed routes, answered with a 400 ``APIError`` instead of a 500. Also JSON
+text inside a request or an answer (a history call's ``arguments`` string, the arguments a
+model writes): ``loads_bounded``, whose too-deep text is a ``ValueError`` like text that is
+not JSON, so a caller that keeps non-JSON text as a string keeps this too.
 
 Size is bounded before this runs (``middleware.BodyLimit``); depth is bounded here. Python's
 ``json`` decoder (C) recurses once per nesting level and raises ``RecursionError`` near the
@@ -40,6 +43,23 @@ def json_depth(value: object, limit: int | None = None) -> int:
     return deepest
 
 
+class TooDeep(ValueError):
+    """JSON text nesting deeper than the bound (a ValueError: not JSON this server reads)."""
+
+
+def loads_bounded(text: str | bytes, max_depth: int = MAX_DEPTH) -> object:
+    """``json.loads(text)``, nesting at most ``max_depth`` levels. Raises ``TooDeep`` for
+    deeper text and ``json.JSONDecodeError`` for text that is not JSON (both ValueErrors);
+    never ``RecursionError``. Linear time (the decoder, then one iterative walk)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:  # the C decoder recurses per level: ~1,000 levels end it
+        raise TooDeep(f"the JSON nests deeper than {max_depth} levels") from None
+    if json_depth(value, max_depth) > max_depth:
+        raise TooDeep(f"the JSON nests deeper than {max_depth} levels")
+    return value
+
+
 def parse_json_body(raw: bytes | str, max_depth: int = MAX_DEPTH, empty: object = None) -> object:
     """``raw`` decoded, or ``empty`` when it is empty. Raises ``APIError(400)`` when it is not
     JSON or nests deeper than ``max_depth``; never ``RecursionError``."""
@@ -47,11 +67,8 @@ def parse_json_body(raw: bytes | str, max_depth: int = MAX_DEPTH, empty: object 
     if not data.strip():
         return empty
     try:
-        value = json.loads(data)
-    except RecursionError:
+        return loads_bounded(data, max_depth)
+    except TooDeep:
         raise APIError(400, f"the request body nests deeper than {max_depth} levels") from None
     except ValueError:
         raise APIError(400, "the request body is not valid JSON") from None
-    if json_depth(value, max_depth) > max_depth:
-        raise APIError(400, f"the request body nests deeper than {max_depth} levels")
-    return value

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute
 from starlette.types import Message
 
 from ..api.errors import APIError, error_body
-from ..api.json_body import parse_json_body
+from ..api.json_body import loads_bounded, parse_json_body
 from ..cli.config import GcpCompat
 
 log = logging.getLogger("server.gcp")
@@ -102,8 +102,8 @@ async def _dispatch(
     await request.app(scope, receive, send)
     raw = b"".join(body)
     try:
-        return json.loads(raw) if raw else None
-    except ValueError:
+        return loads_bounded(raw) if raw else None
+    except ValueError:  # not JSON, or deeper than any body: the text as it is
         return raw.decode("utf-8", "replace")
 
 

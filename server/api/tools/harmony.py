@@ -8,10 +8,10 @@ As every parser here, any split of a text gives the merged deltas of the whole."
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 
+from ..json_body import loads_bounded
 from .parse import CallDelta, Delta, new_call_id, partial_suffix
 
 MESSAGE = "<|message|>"
@@ -102,12 +102,12 @@ class HarmonyParser:
             out.content += text
 
     def _end(self, out: Delta) -> None:
-        """The message ended: a call is released (its arguments must be a JSON object, else
-        the message is content); the next header starts."""
+        """The message ended: a call is released (its arguments must be a JSON object of a
+        bounded depth, else the message is content); the next header starts."""
         if self.kind == "call":
             try:
-                ok = isinstance(json.loads(self.args), dict)
-            except ValueError:
+                ok = isinstance(loads_bounded(self.args), dict)
+            except ValueError:  # not JSON, or too deep (TooDeep): kept as text
                 ok = False
             if ok:
                 out.calls.append(CallDelta(self.n_calls, self.new_id(), self.name, self.args))

@@ -28,6 +28,7 @@ from typing import TypedDict
 
 from ..cancel import checkpoint
 from ..chat import ChatMessage, ChatTemplate, TemplateError
+from ..json_body import TooDeep, loads_bounded
 from .families import detect_family
 from .parse import ToolFormat
 from .spec import ToolSpec
@@ -148,10 +149,14 @@ def _text(v: object) -> str:
 
 def _arguments(raw: object) -> object:
     """A call's arguments as templates take them: the JSON object OpenAI sends as a string
-    (templates ``tojson`` it), or the string itself when it is not JSON."""
+    (templates ``tojson`` it), or the string itself when it is not JSON. TemplateError (a
+    client's: 400) when it nests deeper than the bodies this server reads (the template's
+    ``tojson`` would recurse through every level)."""
     if isinstance(raw, str):
         try:
-            return json.loads(raw)
+            return loads_bounded(raw)
+        except TooDeep as e:
+            raise TemplateError(f"a tool call's arguments: {e}", client=True) from None
         except ValueError:
             return raw
     return raw

@@ -17,6 +17,7 @@ import ast
 import json
 from collections.abc import Callable
 
+from ..json_body import MAX_DEPTH, json_depth, loads_bounded
 from .families import Family
 from .jsonscan import WS
 from .parse import CallDelta, Delta, SteppedParser, new_call_id, partial_suffix
@@ -25,9 +26,10 @@ MAX_REGION = 1 << 20  # a region longer than this is content: bounded work on an
 
 
 def _json_value(text: str) -> object:
-    """A parameter value: JSON when it reads as JSON, else the text as a string."""
+    """A parameter value: JSON when it reads as JSON (of a bounded depth), else the text as a
+    string."""
     try:
-        return json.loads(text)
+        return loads_bounded(text)
     except ValueError:
         return text
 
@@ -94,7 +96,7 @@ def _from_gemma(body: str) -> dict[str, object]:
             out.append(json.dumps(p))
         else:
             out.append(_quote_keys(p))
-    value = json.loads("".join(out))
+    value = loads_bounded("".join(out))
     if not isinstance(value, dict):
         raise ValueError("not an object")
     return value
@@ -132,7 +134,7 @@ def read_region(fam: Family, region: str) -> list[tuple[str, str, str]]:
             pairs = [(g["name"], _from_gemma(g["body"]))]
         elif g.get("args") is not None:
             args = g["args"].strip()
-            if not isinstance(json.loads(args), dict):
+            if not isinstance(loads_bounded(args), dict):
                 raise ValueError("arguments are not an object")
             calls.append((g["name"].strip(), args, (g.get("id") or "").strip()))
             continue
@@ -141,6 +143,10 @@ def read_region(fam: Family, region: str) -> list[tuple[str, str, str]]:
         for name, args in pairs:
             if not isinstance(args, dict):
                 raise ValueError("arguments are not an object")
+            # as deep as a body this server reads, at most: deeper, the region is content
+            # (what reads the arguments again, as Anthropic's ``input``, never recurses)
+            if json_depth(args, MAX_DEPTH) > MAX_DEPTH:
+                raise ValueError("arguments nest too deep")
             calls.append((name, json.dumps(args, ensure_ascii=False), ""))
     if not calls:
         raise ValueError("no call")
