@@ -85,7 +85,11 @@ class LoraAdapters:
         """Check the open adapter file ``fd`` (lora_check.check_fd); its size in bytes.
         ValueError naming what is wrong."""
         try:
-            return check_fd(fd, self.base())
+            base = self.base()
+        except OSError as e:
+            raise ValueError(f"cannot read the base model's header: {e.strerror}") from None
+        try:
+            return check_fd(fd, base)
         except OSError as e:
             raise LoraFileError(f"cannot read the file: {e.strerror}") from None
 
