@@ -6,6 +6,7 @@ Real router, real models, real HTTP; nothing here asserts generated text or wall
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -151,3 +152,26 @@ def test_a_switch_kills_the_idle_instance_and_an_unload_drains(make_router):
         time.sleep(0.1)
     else:
         raise AssertionError("the unloaded instance did not drain")
+
+
+def test_a_stopped_template_falls_back_to_a_plain_start(make_router):
+    """Issue 56, 9: a template process that never answers (SIGSTOP) made every model start
+    wait forever. The fork gives up after 5 s (FORK_TIMEOUT_S), says why in the log, kills the
+    template, and the instance starts the plain way (its own interpreter)."""
+    r = make_router()
+    zyg = zygote_pid(r.proc.pid)
+    os.kill(zyg, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        # before: no answer, ever (the client's own timeout is 120 s)
+        assert complete(r, "smollm2").status_code == 200
+        # generous: the bound (5 s), then a plain start on a loaded machine
+        assert time.monotonic() - t0 < 100
+        pid = instance_pid(statuses(r)["smollm2"])
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert cmd[1:3] == [b"-m", b"server"] and b"--alias" in cmd
+        assert "no answer to a fork" in r.log_path.read_text()
+        wait_gone(zyg)  # killed: a late answer forks nothing
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(zyg, signal.SIGCONT)

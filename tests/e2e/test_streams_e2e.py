@@ -5,6 +5,7 @@ client. Output text is never asserted (only the stream's structure and token cou
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import socket
@@ -12,10 +13,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 import httpx
 import pytest
+
+from server.router.streams import MAP_MAX
 
 from .conftest import ServerProc, gemma_path
 
@@ -289,6 +293,8 @@ def test_streams_belong_to_their_api_key_and_are_bounded(keyed: ServerProc) -> N
             )
             assert r.status_code == 200
             next(r.iter_raw())
+        for cid in (a, b):  # a stream holds its key's quota once it generates (not queued)
+            _wait_generating(keyed, cid, **k1)
         third = keyed.client.post(
             "/v1/chat/completions", json=LONG, headers={"X-Conversation-Id": conv(), **k1}
         )
@@ -417,3 +423,143 @@ def test_router_while_the_model_loads_a_stop_cancels_and_a_reload_resumes(tmp_pa
         assert frames(got.content)[-1] == b"data: [DONE]\n\n"
     finally:
         r.stop()
+
+
+def _look(s: ServerProc, ids: list[str], **hdr: str) -> list[dict]:
+    r = s.client.post("/v1/streams/lookup", json={"conversation_ids": ids}, headers=hdr)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait_generating(s: ServerProc, cid: str, **hdr: str) -> None:
+    """Until stream ``cid`` has written tokens (past its opening event): it has a slot."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if _look(s, [cid], **hdr)[0]["total_events"] >= 3:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"stream {cid} never generated")
+
+
+def _idle(s: ServerProc, path: str, timeout: float = 60, **hdr: str) -> bool:
+    """Whether no slot ``path`` (``/slots``) lists is processing, within ``timeout``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not any(x["is_processing"] for x in s.client.get(path, headers=hdr).json()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _flood(s: ServerProc, n: int, **hdr: str) -> collections.Counter:
+    """``n`` named requests for a model nobody has, each its own id: their statuses."""
+    body = {**CHAT, "model": "no-such-model", "max_tokens": 4}
+
+    def one(i: int) -> int:
+        headers = {"X-Conversation-Id": f"flood-{i}", **hdr}
+        return s.client.post("/v1/chat/completions", json=body, headers=headers).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        return collections.Counter(pool.map(one, range(n)))
+
+
+def test_router_one_key_s_flood_leaves_another_key_s_streams_and_its_stop(tmp_path) -> None:
+    """Issue 56, 3: k2's named requests for an unknown model (each a fast 400) filled the
+    router's one map of stream owners, so k1's lookup answered [], its replay 404, and its
+    stop a 204 that reached no instance while its generation ran on. Now a 400 records
+    nothing (k2's own earlier stream is still found after more of them than the router
+    remembers per key), k1's stream is found and replayed, and its stop ends it."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "gemma.gguf").symlink_to(gemma_path())
+    r = ServerProc(
+        "--models-dir", str(models), "-c", "8192", "-np", "2", "--api-key", "k1,k2",
+        "--stream-ttl", "300",
+    )  # fmt: skip
+    k1, k2 = _key("k1"), _key("k2")
+    try:
+        live, own = conv(), conv()
+        long = {**LONG, "model": "gemma", "max_tokens": 8000}  # runs past the test
+        read_some(r, "/v1/chat/completions", long, live, 3, **k1)
+        short = {**CHAT, "model": "gemma", "max_tokens": 4}
+        read_some(r, "/v1/chat/completions", short, own, 2, **k2)
+        assert _flood(r, MAP_MAX + 50, **k2) == {400: MAP_MAX + 50}
+        assert [e["conversation_id"] for e in _look(r, [own], **k2)] == [own]
+        found = _look(r, [live], **k1)
+        assert [e["conversation_id"] for e in found] == [live] and found[0]["is_done"] is False
+        with (
+            httpx.Client(base_url=r.url, timeout=120) as c,
+            c.stream("GET", f"/v1/stream?conv_id={live}&from=0", headers=k1) as again,
+        ):
+            assert again.status_code == 200
+            assert next(again.iter_raw()).startswith(b"data: ")
+        assert r.client.delete(f"/v1/stream?conv_id={live}", headers=k1).status_code == 204
+        assert _idle(r, "/slots?model=gemma", **k1)  # the instance's generation stopped
+        assert _look(r, [live], **k1) == []
+        assert r.client.get(f"/v1/stream?conv_id={live}", headers=k1).status_code == 404
+    finally:
+        r.stop()
+
+
+def test_keyless_clients_share_no_per_owner_stream_quota() -> None:
+    """Issue 56, 6: without keys every client is one owner, so one client's named streams
+    (the chat page names every answer) made every other client's a 429. Three clients'
+    named chats on one slot with --streams-per-key 1: all are taken (two queue)."""
+    s = ServerProc("-np", "1", "--streams-per-key", "1")
+    try:
+        ids = [conv() for _ in range(3)]
+        with contextlib.ExitStack() as held:
+            for cid in ids:
+                c = held.enter_context(httpx.Client(base_url=s.url, timeout=120))
+                got = held.enter_context(
+                    c.stream(
+                        "POST",
+                        "/v1/chat/completions",
+                        json=LONG,
+                        headers={"X-Conversation-Id": cid},
+                    )
+                )
+                assert got.status_code == 200, got.read()
+            assert sorted(e["conversation_id"] for e in _look(s, ids)) == sorted(ids)
+            for cid in ids:
+                assert s.client.delete(f"/v1/stream?conv_id={cid}").status_code == 204
+        assert _idle(s, "/slots")
+    finally:
+        s.stop()
+
+
+def test_a_queued_named_stream_holds_none_of_its_key_s_quota() -> None:
+    """Issue 56, 6: a named stream waiting for a slot took its key's quota before it
+    generated anything. With one slot busy and --streams-per-key 1, k1's two named
+    streams queue (both taken); once one of them generates, a third is a 429."""
+    s = ServerProc("-np", "1", "--api-key", "k1,k2", "--streams-per-key", "1")
+    k1 = _key("k1")
+    try:
+        a, b = conv(), conv()
+        with contextlib.ExitStack() as held, httpx.Client(base_url=s.url, timeout=120) as c:
+            busy = held.enter_context(
+                c.stream("POST", "/v1/chat/completions", json=LONG, headers=_key("k2"))
+            )
+            assert busy.status_code == 200
+            next(busy.iter_raw())  # k2's unnamed stream: first in the queue, on the slot
+            for cid in (a, b):
+                got = held.enter_context(
+                    c.stream(
+                        "POST",
+                        "/v1/chat/completions",
+                        json=LONG,
+                        headers={"X-Conversation-Id": cid, **k1},
+                    )
+                )
+                assert got.status_code == 200, got.read()
+            busy.close()  # its client leaves: the slot goes to a
+            _wait_generating(s, a, **k1)
+            third = s.client.post(
+                "/v1/chat/completions", json=LONG, headers={"X-Conversation-Id": conv(), **k1}
+            )
+            assert third.status_code == 429, third.text
+            for cid in (a, b):
+                assert s.client.delete(f"/v1/stream?conv_id={cid}", headers=k1).status_code == 204
+        assert _idle(s, "/slots", **k1)
+    finally:
+        s.stop()
