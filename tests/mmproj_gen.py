@@ -142,17 +142,31 @@ def tiny_gif(width: int, height: int) -> bytes:
     return b"GIF89a" + screen + frame + b"\x3b"
 
 
+def _seg(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+
 def tiny_jpeg(width: int, height: int) -> bytes:
     """A valid grayscale baseline JPEG of 142 bytes whose frame is ``width`` x ``height``:
     every 8x8 block is DC 0 and end-of-block, two bits each, and the scan's few bytes run
     out (stb_image reads the rest as zeros): it decodes the whole frame (issue 56)."""
-
-    def seg(marker: int, body: bytes) -> bytes:
-        return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
-
-    dqt = seg(0xDB, b"\x00" + b"\x01" * 64)
-    sof = seg(0xC0, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00")
+    dqt = _seg(0xDB, b"\x00" + b"\x01" * 64)
+    sof = _seg(0xC0, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00")
     one_code = b"\x01" + b"\x00" * 15 + b"\x00"  # one code of length 1, for symbol 0
-    dht = seg(0xC4, b"\x00" + one_code) + seg(0xC4, b"\x10" + one_code)
-    sos = seg(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+    dht = _seg(0xC4, b"\x00" + one_code) + _seg(0xC4, b"\x10" + one_code)
+    sos = _seg(0xDA, b"\x01\x01\x00\x00\x3f\x00")
     return b"\xff\xd8" + dqt + sof + dht + sos + b"\x00\x00" + b"\xff\xd9"
+
+
+def scans_jpeg(width: int, height: int, n_scans: int) -> bytes:
+    """A valid grayscale progressive JPEG: a DC scan, then ``n_scans`` AC scans of 11 bytes
+    each, every one a single end-of-band run over the whole frame (the bits run out: stb_image
+    reads zeros), which stb_image still walks block by block (issue 56)."""
+    dqt = _seg(0xDB, b"\x00" + b"\x01" * 64)
+    sof = _seg(0xC2, struct.pack(">BHHB", 8, height, width, 1) + b"\x01\x11\x00")
+    dc_table = b"\x00" + b"\x01" + b"\x00" * 15 + b"\x00"  # one 1-bit code: DC diff 0
+    ac_table = b"\x10" + b"\x01" + b"\x00" * 15 + b"\xe0"  # one 1-bit code: EOB run 2^14+
+    dht = _seg(0xC4, dc_table) + _seg(0xC4, ac_table)
+    dc = _seg(0xDA, b"\x01\x01\x00\x00\x00\x00") + b"\x00"
+    ac = _seg(0xDA, b"\x01\x01\x00\x01\x3f\x00") + b"\x00"
+    return b"\xff\xd8" + dqt + sof + dht + dc + ac * n_scans + b"\xff\xd9"

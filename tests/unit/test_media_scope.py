@@ -14,14 +14,21 @@ import pytest
 
 from server.api import media_scope
 from server.api.errors import APIError
-from server.api.media import MediaInput, MediaLimits, RecentlyDecoded, decode_base64
+from server.api.media import (
+    MAX_JPEG_SCANS,
+    MediaInput,
+    MediaLimits,
+    RecentlyDecoded,
+    check_image,
+    decode_base64,
+)
 from server.api.media_scope import InFlight, MediaScope, NeedsMediaLane, run_in
 from server.cli.config import Settings
 from server.routes import native, openai
 from server.service import pools
 from server.service.state import media_scope_of
 from tests.fake_backend import FakeBackend
-from tests.mmproj_gen import pixels, png, tiny_gif
+from tests.mmproj_gen import pixels, png, scans_jpeg, tiny_gif
 from tests.unit.helpers import route_client
 from tests.unit.test_render_pools import FakeRequest
 
@@ -57,6 +64,22 @@ def test_a_requests_pixels_are_bounded_before_any_decode():
     assert "messages.0.content.4" in e.value.message  # the fifth is refused
     assert "--image-max-request-pixels" in e.value.message
     assert len(media.images) == 4 and scope.charged == 4 * W * H
+
+
+def test_a_jpeg_of_many_scans_is_refused_from_its_markers():
+    """Each scan is a pass of stb_image over the whole frame: 10,000 near-empty ones over
+    4096x4096 took 3.3 s from 110 KB (a 10 MiB file: minutes). Encoders write ~10."""
+    limits = MediaLimits()
+    usual = scans_jpeg(4096, 4096, 10)
+    assert check_image(usual, limits, "x") == usual
+    at_limit = scans_jpeg(4096, 4096, MAX_JPEG_SCANS - 1)  # and its DC scan
+    assert check_image(at_limit, limits, "x") == at_limit
+    with pytest.raises(APIError) as e:
+        check_image(scans_jpeg(4096, 4096, 10_000), limits, "messages.0.content.1")
+    assert e.value.status == 400
+    assert e.value.message == (
+        f"messages.0.content.1: the JPEG has 10001 scans, more than {MAX_JPEG_SCANS}"
+    )
 
 
 def test_the_flags_defaults_follow_the_per_image_limit():
