@@ -298,6 +298,10 @@ def _backend_options(st: ServerState, path: str) -> ModelOptions:
         st.adapters = registry_of(
             s.lora, s.lora_scaled, s.lora_alias, not s.lora_init_without_apply
         )
+    # an adapter named as the model would run for every client that names the model
+    taken = sorted({st.model_name, *st.model_aliases} & set(st.adapters.by_alias))
+    if taken:
+        raise ValueError(f"--lora-alias {taken[0]!r} is the served model's name: choose another")
     return replace(model_options(s, path), lora_paths=tuple(st.adapters.reload_paths()))
 
 

@@ -253,6 +253,14 @@ def test_a_malformed_lora_at_start_is_a_clear_error(tmp_path):
         assert "server exited (1)" in str(e.value) and names in str(e.value), str(e.value)
 
 
+def test_a_lora_alias_naming_the_served_model_is_refused_at_start(files):
+    # the adapter would run for every client that names the model (issue 56, item 10)
+    with pytest.raises(RuntimeError) as e:
+        ServerProc("--lora-alias", f"served={files['a']}", "--alias", "served,other").stop()
+    assert "server exited (1)" in str(e.value), str(e.value)
+    assert "--lora-alias 'served' is the served model's name" in str(e.value), str(e.value)
+
+
 def test_the_served_models_names_and_fifos_are_refused_at_once(make_server, files, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
