@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,26 +28,12 @@ KeySpec = tuple[object, object]
 TensorHook = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 
 
-def write_adapter(
-    model: str | Path,
-    out: str | Path,
-    *,
-    seed: int = 0,
-    rank: int = 4,
-    alpha: float = 4.0,
-    std: float = 0.1,
-    targets: tuple[str, ...] = TARGETS,
-    keys: dict[str, KeySpec] | None = None,
-    tensor: TensorHook | None = None,
-) -> Path:
-    """Write a random adapter for ``model`` to ``out``; returns ``out``. ``std``: the
-    entries' standard deviation (B @ A then has entries of about ``rank * std**2``).
-    ``keys`` and ``tensor``: see ``write_for``."""
+def write_adapter(model: str | Path, out: str | Path, **kw: Any) -> Path:
+    """Write a random adapter for ``model`` to ``out``; returns ``out``. The keywords are
+    ``write_for``'s (``seed``, ``rank``, ``alpha``, ``std``, ``targets``, ``keys``,
+    ``tensor``)."""
     arch, shapes = model_tensors(model)
-    return write_for(
-        arch, shapes, out, seed=seed, rank=rank, alpha=alpha, std=std, targets=targets,
-        keys=keys, tensor=tensor,
-    )  # fmt: skip
+    return write_for(arch, shapes, out, **kw)
 
 
 def write_for(
@@ -62,8 +49,9 @@ def write_for(
     keys: dict[str, KeySpec] | None = None,
     tensor: TensorHook | None = None,
 ) -> Path:
-    """``write_adapter`` for a model given by its architecture and tensor shapes (ggml
-    order). ``keys``: keys written over the usual ones (a value None leaves the key out;
+    """Write a random adapter for a model given by its architecture and tensor shapes (ggml
+    order) to ``out``; returns ``out``. ``std``: the entries' standard deviation (B @ A then
+    has entries of about ``rank * std**2``). ``keys``: keys written over the usual ones (a value None leaves the key out;
     ``general.architecture`` too); ``tensor``: applied to each tensor before it is
     written (malformed adapters for the tests of server/llama/lora_check.py)."""
     import gguf
