@@ -83,9 +83,9 @@ def serve(port: int, slots: int, decode_ms: float) -> None:
     import uvicorn
 
     from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
-    from server.cli.config import Settings
     from server.http import app as app_module
     from server.http.heap import settle_heap
+    from server.settings.config import Settings
     from server.slots.engine import Engine
 
     def load(st) -> None:  # noqa: ANN001

@@ -14,7 +14,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from ..cli.config import Settings
+from ..settings.config import Settings
 from ..slots.embed import EmbedResult, too_large
 from .errors import APIError
 from .schemas import BaseBody

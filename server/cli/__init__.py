@@ -1,7 +1,6 @@
-"""The command line: llama-server's flags (``flags``), the Settings they fill (``config``) and
-the entry point (``main``, which builds the app and runs uvicorn).
-
-Kept empty of imports on purpose: ``config`` and ``flags`` are data the lower layers read
-(Settings), while ``main`` sits above everything; importing ``server.cli.config`` must not
-pull in the app. Run ``python -m server`` or the ``llama-slot-server`` script.
+"""The command line's entry point (``main``: parses the flags into Settings, builds the app
+and runs uvicorn), the router's template process (``zygote``) and ``models`` (the model
+arguments ``./serve.sh`` adds). The flags and the Settings they fill live in
+``server.settings``, which every layer reads; this package sits above everything. Run
+``python -m server`` or the ``llama-slot-server`` script.
 """

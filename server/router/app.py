@@ -21,12 +21,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from ..api import errors
-from ..cli.config import Settings, csv_list, load_api_keys
 from ..http.cors import Cors, CorsPolicy, effective_origins
 from ..http.heap import settle_heap
 from ..http.listen import bind
 from ..http.middleware import ApiKeyAuth, ApiPrefix, BodyLimit, RequestGuard
 from ..routes import webui
+from ..settings.config import Settings, csv_list, load_api_keys
 from . import streams as stream_routes
 from .manager import Manager, RouterConfig
 from .presets import FlagTable, ModelSpec, PresetError, build_specs, flag_table, parse_argv

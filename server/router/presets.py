@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..cli.config import build_parser
-from ..cli.flags import COMPAT, OPTIONS
+from ..settings.config import build_parser
+from ..settings.flags import COMPAT, OPTIONS
 
 Args = dict[str, str]
 

@@ -22,7 +22,7 @@ from starlette.types import Message
 
 from ..api.errors import APIError, error_body
 from ..api.json_body import loads_bounded, parse_json_body
-from ..cli.config import GcpCompat
+from ..settings.config import GcpCompat
 
 log = logging.getLogger("server.gcp")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..api.errors import APIError
 from ..api.reasoning_tags import ReasoningTags
 from ..api.schemas import SamplingFields
-from ..cli.config import Settings
+from ..settings.config import Settings
 from ..slots.model_api import Tokenizer
 from ..types import ReasoningBudget
 

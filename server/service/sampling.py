@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..api.errors import APIError
 from ..api.schemas import SamplingFields
-from ..cli.config import Settings
+from ..settings.config import Settings
 from ..slots.model_api import Tokenizer
 from ..types import SamplingParams, sampler_order
 

@@ -17,7 +17,7 @@ from ..cache import tenancy
 from ..cache.kv_events import KVEvents
 from ..cache.kv_publisher import KVPublisher
 from ..cache.prompt_cache import PromptCache
-from ..cli.config import Settings
+from ..settings.config import Settings
 from ..slots.engine import Engine
 from ..slots.kv_watch import SlotWatcher
 from ..slots.model_api import DraftModel, ModelBackend

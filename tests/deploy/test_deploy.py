@@ -25,8 +25,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.cli.config import OPTIONS
 from server.cli.models import SMOLLM2_FILE, SMOLLM2_REPEAT_PENALTY
+from server.settings.config import OPTIONS
 from tests.e2e.conftest import ServerProc, free_port, long_text, terminate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from server.cli.config import OPTIONS
+from server.settings.config import OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 LLMD = ROOT / "docker" / "k8s" / "llm-d"

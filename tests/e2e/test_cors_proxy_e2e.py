@@ -23,8 +23,8 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.cli.config import parse_settings
 from server.http.app import create_app
+from server.settings.config import parse_settings
 
 from .conftest import ServerProc, free_port
 

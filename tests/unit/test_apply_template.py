@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from server.api.chat import ChatTemplate
-from server.cli.config import Settings
 from server.frontend.chat import plan_chat as _plan
 from server.routes.template import ApplyTemplateRequest, render_text
 from server.service.state import ServerState
+from server.settings.config import Settings
 from tests.llama_sdist import vendored
 from tests.tool_cases import TEST_TOOL
 

@@ -75,8 +75,8 @@ def test_parallel_sampling_auto() -> None:
 
 
 def test_flag_and_variable() -> None:
-    from server.cli.config import parse_settings
     from server.http.app import engine_options, model_options
+    from server.settings.config import parse_settings
 
     s = parse_settings(["-bs", "--sample-threads", "0"])
     assert s.backend_sampling and s.sample_threads == 0

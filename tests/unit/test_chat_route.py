@@ -12,8 +12,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, Continuation, TemplateError
-from server.cli.config import Settings
 from server.routes import openai, template
+from server.settings.config import Settings
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client
 

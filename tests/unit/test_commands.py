@@ -13,8 +13,8 @@ from server.cache import slot_file as sf
 from server.cache import tenancy
 from server.cache.disk import DiskTier
 from server.cache.saved import InBuffer, InSlot, SavedState
-from server.cli.config import Settings
 from server.routes import slots as slots_route
+from server.settings.config import Settings
 from server.slots.commands import (
     DROPPED_APPENDICES,
     REFUSED_STATE,

@@ -13,9 +13,9 @@ from starlette.testclient import TestClient
 
 from server.api.errors import APIError
 from server.api.prompts import prompt_echo, prompt_tokens, split_prompts
-from server.cli.config import Settings
 from server.routes import native
 from server.service.sampling import _logit_bias
+from server.settings.config import Settings
 from tests.fake_backend import EOG, FakeBackend
 from tests.unit.helpers import route_client
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, TemplateError, pick_template
-from server.cli.config import load_api_keys, parse_settings
+from server.settings.config import load_api_keys, parse_settings
 
 
 def test_defaults_are_llama_servers():

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from fastapi.testclient import TestClient
 
-from server.cli.config import parse_settings
 from server.http.app import create_app
+from server.settings.config import parse_settings
 
 PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x"}
 LOADING = 503  # /health without a model: the request got past the guard

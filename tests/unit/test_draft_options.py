@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.cli.config import ignored_flags, parse_settings
 from server.http.app import draft_options
 from server.llama.draft import DraftContext, DraftOptions
 from server.llama.params import MOE_REGEX
+from server.settings.config import ignored_flags, parse_settings
 
 pytestmark = pytest.mark.unit
 

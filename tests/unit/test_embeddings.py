@@ -26,7 +26,7 @@ from server.api.embeddings import (
     rerank_response,
 )
 from server.api.errors import APIError
-from server.cli.config import parse_settings
+from server.settings.config import parse_settings
 from server.slots.embed import EmbedResult, EmbedTask
 from server.slots.engine import Engine, EngineOptions
 from server.types import TaskError

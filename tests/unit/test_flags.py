@@ -18,7 +18,10 @@ import pytest
 import server.cli.main as cli
 from server.api.chat import BUILTIN_TEMPLATES, pick_template
 from server.api.schemas import ChatRequest, CompletionRequest
-from server.cli.config import (
+from server.routes.common import generation_settings
+from server.service.sampling import sampling_from
+from server.service.state import ServerState
+from server.settings.config import (
     COMPAT,
     OPTIONS,
     Settings,
@@ -27,9 +30,6 @@ from server.cli.config import (
     parse_settings,
     warn_ignored,
 )
-from server.routes.common import generation_settings
-from server.service.sampling import sampling_from
-from server.service.state import ServerState
 from tests.llama_sdist import vendored
 
 # Flags that print something and exit 0.

@@ -154,8 +154,8 @@ def test_plain_paths_pass(path, raw):
 
 
 def test_the_server_refuses_the_findings_path_from_a_page_elsewhere():
-    from server.cli.config import parse_settings
     from server.http.app import create_app
+    from server.settings.config import parse_settings
 
     c = TestClient(create_app(parse_settings([], env={})), raise_server_exceptions=False)
     for path in ("/x/..%2Fslots", "/x/..%2Fcache", "/x/..%2Fslots/0?action=erase"):

@@ -15,9 +15,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from server.cli.config import parse_settings
 from server.http.app import create_app
 from server.router.app import create_router_app
+from server.settings.config import parse_settings
 
 EVIL = {"Origin": "http://evil.example"}
 LOCAL = {"Origin": "http://localhost:5173"}

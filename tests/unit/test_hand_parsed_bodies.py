@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from server.cli.config import GcpCompat, Settings
 from server.routes import gcp, lora, native, slots
 from server.service.adapters import Adapter, AdapterRegistry
+from server.settings.config import GcpCompat, Settings
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client
 

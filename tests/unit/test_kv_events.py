@@ -26,8 +26,8 @@ from server.cache.kv_blocks import (
 )
 from server.cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, Chain, KVEvents
 from server.cache.kv_publisher import KVPublisher, encode, endpoint_problem, normalize_endpoint
-from server.cli.config import Settings
 from server.http import kv_setup
+from server.settings.config import Settings
 from server.slots.kv_watch import SlotWatcher
 from server.slots.slot import Slot
 from tests import zmtp_peer

@@ -23,8 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # plans read without loading llama.cpp; the byte-bounded LRU map (no server imports)
     ("server.types", "server.lru", "server.llama.ggml_types", "server.llama.state_bytes"),
     # the flag table, and the Settings it fills: plain data every layer above may read
-    ("server.cli.flags",),
-    ("server.cli.config",),
+    ("server.settings.flags",),
+    ("server.settings.config", "server.settings"),
     # siblings: llama.cpp itself (the only user of llama_cpp), grammar/schema compiling,
     # and the RAM cache, disk tier and slot-file formats
     ("server.llama", "server.constrained", "server.cache"),
@@ -75,7 +75,7 @@ LLAMA_CPP_OUTSIDE_LLAMA = {
     # address (ConstraintVocab.from_llama; the app passes it to the backend as a factory)
     "server.constrained.matcher",
     # --list-devices asks whether the build offloads to a GPU, without loading a model
-    "server.cli.config",
+    "server.settings.config",
 }
 
 
@@ -178,7 +178,7 @@ def test_the_rules_catch_upward_and_sideways_imports():
         "server.cache.disk": {"server.llama.params"},  # a sibling
         "server.api.chat": {"server.service"},  # upward
         "server.llama.ggml_types": {"server.types"},  # sideways among the leaves
-        "server.cli.config": {"server.http.app"},  # settings importing the app
+        "server.settings.config": {"server.http.app"},  # settings importing the app
         "server.http.metrics": {"server.routes.metrics"},  # kept apart
     }
     assert len(_upward(bad)) == sum(len(v) for v in bad.values())
@@ -186,7 +186,7 @@ def test_the_rules_catch_upward_and_sideways_imports():
         "server.cache.slot_file": {"server.llama.ggml_types", "server.types"},
         "server.slots.engine": {"server.cache.disk", "server.slots.ram"},
         "server.http.app": {"server.llama.backend", "server.routes.openai"},
-        "server.routes.openai": {"server.service", "server.api.chat", "server.cli.config"},
+        "server.routes.openai": {"server.service", "server.api.chat", "server.settings.config"},
         "server.__main__": {"server.cli.main"},
     }
     assert _upward(good) == []
@@ -297,3 +297,46 @@ def test_submit_takes_typed_inputs_not_callbacks():
     fields = {f.name: hints[f.name] for f in dataclasses.fields(Submission)}
     assert fields["source"] is PromptSource
     assert not [n for n, t in fields.items() if "Callable" in repr(t)]
+
+
+def _folder(module: str) -> str:
+    """The folder (top-level package) holding ``module``; a module at the root is its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (PKG / parts[-1]).is_dir() else module
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in _graph().items():
+        out.setdefault(_folder(m), set()).update(f for d in deps if (f := _folder(d)) != _folder(m))
+    return out
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back():
+    """Folders, not just modules: no circle among ``server``'s packages (Settings in
+    ``server/cli`` once made one through api, frontend, http, router, routes and service)."""
+    g = _folder_graph()
+
+    def reachable(f: str) -> set[str]:
+        seen: set[str] = set()
+        todo = list(g.get(f, ()))
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(g.get(n, ()))
+        return seen
+
+    circles = sorted(f"{a} <-> {b}" for a in g for b in g[a] if a in reachable(b))
+    assert circles == []
+
+
+def test_settings_and_the_entry_point_sit_at_the_ends():
+    """``server.settings`` (every layer reads it) imports only the leaves; only the entry
+    point ``python -m server`` imports ``server.cli``."""
+    g = _folder_graph()
+    leaves = {"server.types", "server.lru", "server.llama"}  # server.llama: ggml_types only
+    assert g["server.settings"] <= leaves, g["server.settings"]
+    flags = _graph()["server.settings.flags"] | _graph()["server.settings.config"]
+    assert {d for d in flags if d.startswith("server.llama")} <= {"server.llama.ggml_types"}
+    assert sorted(f for f, deps in g.items() if "server.cli" in deps) == ["server.__main__"]

@@ -12,8 +12,8 @@ from server.api.errors import APIError
 from server.api.schemas import LoraScale
 from server.cache import slot_file, tenancy
 from server.cache.prompt_cache import PromptCache
-from server.cli.config import parse_settings
 from server.service.adapters import Adapter, AdapterRegistry
+from server.settings.config import parse_settings
 from server.slots.adapter_turns import canonical
 from server.slots.commands import Caller
 

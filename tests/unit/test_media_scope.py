@@ -23,10 +23,10 @@ from server.api.media import (
     decode_base64,
 )
 from server.api.media_scope import InFlight, MediaScope, NeedsMediaLane, run_in
-from server.cli.config import Settings
 from server.routes import native, openai
 from server.service import pools
 from server.service.state import media_scope_of
+from server.settings.config import Settings
 from tests.fake_backend import FakeBackend
 from tests.mmproj_gen import pixels, png, scans_jpeg, tiny_gif
 from tests.unit.helpers import route_client

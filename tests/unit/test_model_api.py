@@ -9,10 +9,10 @@ import typing
 import pytest
 
 from server.api.errors import APIError
-from server.cli.config import Settings
 from server.llama.backend import LlamaBackend
 from server.llama.draft import DraftContext
 from server.service.state import ServerState
+from server.settings.config import Settings
 from server.slots.model_api import DraftModel, ModelBackend, Tokenizer
 from tests.fake_backend import FakeBackend
 from tests.unit.test_backend_protocol import _instance_attrs, _problems

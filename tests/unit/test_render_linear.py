@@ -15,9 +15,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
-from server.cli.config import Settings
 from server.routes import anthropic, render, responses, template
 from server.service.tokenizer import Special
+from server.settings.config import Settings
 from tests.unit.helpers import route_client
 from tests.unit.test_chat_route import TextBackend
 

@@ -9,8 +9,8 @@ import pytest
 from server.api.errors import APIError
 from server.api.reasoning_tags import ReasoningTags, reasoning_tags
 from server.api.schemas import ChatRequest, NativeCompletionRequest
-from server.cli.config import Settings
 from server.service.budget import budget_ask
+from server.settings.config import Settings
 from server.slots.budget import BudgetTracker
 from server.slots.sampling import PENALTIES, REQUEST, SAMPLERS, cpu_reason
 from server.types import (

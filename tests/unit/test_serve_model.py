@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cli.config import parse_settings
 from server.cli.models import SMOLLM2_FILE, serve_args, smollm2_path
+from server.settings.config import parse_settings
 from tests.e2e.conftest import serve_sh_args
 
 pytestmark = pytest.mark.unit

@@ -14,9 +14,9 @@ import pytest
 from server.cache import slot_file as sf
 from server.cache import tenancy
 from server.cache.disk import DiskTier
-from server.cli.config import Settings
 from server.routes import slots as slots_route
 from server.service.state import tenant_of
+from server.settings.config import Settings
 from server.types import Checkpoint
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client, task

@@ -4,7 +4,7 @@ variables (those of llama-cpp-python 0.3.36's vendored ``tools/server/README.md`
 ``OPTIONS`` are the flags this server implements: each is a ``Settings`` field.
 ``COMPAT`` are the rest of llama-server's flags, accepted so that a llama-server command line
 starts this server unchanged, and ignored: their values are still checked (a malformed one is an
-error), and ``server.cli.config.ignored_flags`` names the given ones that would change what
+error), and ``server.settings.config.ignored_flags`` names the given ones that would change what
 llama-server does, for one warning at start-up. A flag moves from ``COMPAT`` to ``OPTIONS``
 when it is implemented."""
 

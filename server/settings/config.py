@@ -1,5 +1,5 @@
 """Settings: one field per implemented llama-server flag, with its default; also read from
-LLAMA_ARG_* variables. The flag tables are in ``server.cli.flags``; the rest of llama-server's
+LLAMA_ARG_* variables. The flag tables are in ``server.settings.flags``; the rest of llama-server's
 flags are accepted, checked and ignored (``Settings.compat``, one warning: ``warn_ignored``)."""
 
 from __future__ import annotations
