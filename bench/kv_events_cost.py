@@ -5,7 +5,7 @@ N slots generating, once without events and once with them published for real: t
 watcher after every step, block hashing, the ledger, and the publisher thread encoding
 msgpack and sending on a bound ZMQ PUB socket (no subscriber). The added CPU time per step
 (all threads: ``process_time``) is set against a real decode step of the default model on
-this machine (DESIGN §10: 24 ms for 1 sequence, 39 ms for 4).
+this machine (ARCHITECTURE §10: 24 ms for 1 sequence, 39 ms for 4).
 
     python -m bench.kv_events_cost           # 1, 4 and 16 slots
 """

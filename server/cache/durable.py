@@ -1,4 +1,4 @@
-"""Durable writes of slot files (DESIGN §8): a save's file is whole under its name or not
+"""Durable writes of slot files (ARCHITECTURE §8): a save's file is whole under its name or not
 there, on the device before the answer, and written about as fast as the device allows.
 
 ``write_durable``: the file's pieces written in runs of 4 MiB, one writev each, with the

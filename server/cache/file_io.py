@@ -1,4 +1,4 @@
-"""Buffers, reads and timing laps for slot files (DESIGN §8): the parts of a save and a
+"""Buffers, reads and timing laps for slot files (ARCHITECTURE §8): the parts of a save and a
 restore that are plain memory and I/O, kept fast.
 
 ``StateBuffers``: pre-faulted memory reused across saves and restores. A fresh buffer of a

@@ -3,7 +3,7 @@
 Each tier registers where a state lives as a typed holder (a subclass of ``Held``: a RAM
 entry, a disk file, an entry queued for the disk writer) under the tokens it holds; a
 lookup walks the prompt down the tree once and returns a ``Match`` from which each tier's
-rule picks its entry (``Match.best``: DESIGN §7's rule, written once). Its cost grows with
+rule picks its entry (``Match.best``: ARCHITECTURE §7's rule, written once). Its cost grows with
 the prompt's length over the edges' lengths and with the number of records (below) on the
 prompt's path, not with the number of entries.
 
@@ -170,7 +170,7 @@ class Match:
     points: list[tuple[int, dict[str, Records]]]
 
     def best(self, tiers: Iterable[str], best_keep: float, best_sim: float) -> Hit | None:
-        """DESIGN §7's load rule over ``tiers`` (scanned together, in their holders'
+        """ARCHITECTURE §7's load rule over ``tiers`` (scanned together, in their holders'
         order): in order, take every holder that beats the best so far on both f_keep and
         f_sim, starting from the slot's own (``best_keep``, ``best_sim``); never one
         sharing less than a quarter of itself with the prompt ("don't trash large

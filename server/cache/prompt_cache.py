@@ -1,4 +1,4 @@
-"""RAM prompt cache of per-sequence states (DESIGN §7; llama-server's server_prompt_cache).
+"""RAM prompt cache of per-sequence states (ARCHITECTURE §7; llama-server's server_prompt_cache).
 
 The cache only stores and chooses; the engine moves bytes in and out of llama.cpp. Entries are
 kept in insertion order: eviction always takes the oldest first. Every entry is registered in

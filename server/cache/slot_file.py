@@ -1,4 +1,4 @@
-"""Slot files (DESIGN §8): llama.cpp's sequence-state file plus our appendices.
+"""Slot files (ARCHITECTURE §8): llama.cpp's sequence-state file plus our appendices.
 
 Layout, little-endian:
   body      u32 'ggsq' magic, u32 version, u32 n_tokens, n_tokens x i32, state bytes

@@ -1,7 +1,7 @@
 """llama.cpp's one-sequence state bytes, read without llama.cpp (a leaf: the slot-file
 format and the restore plan use it too): a bounds-checked ``Reader`` (``kv_state`` reads
 the cell lists with it), and a sliding-window state widened by a checkpoint's older cells,
-and the checkpoint cut back out of it (DESIGN §8).
+and the checkpoint cut back out of it (ARCHITECTURE §8).
 
 Why: llama.cpp writes a sequence's window cells only where its last position still sees them
 (llama_kv_cache::state_write), so a state saved at n tokens holds positions n - n_swa .. n-1

@@ -1,4 +1,4 @@
-"""/slots: inspect slots; save, restore and erase them (DESIGN §8)."""
+"""/slots: inspect slots; save, restore and erase them (ARCHITECTURE §8)."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def _filename(raw: bytes) -> str:
 
 @router.post("/slots/{id_slot}")
 async def slot_action(id_slot: str, request: Request, action: str = "") -> dict[str, object]:
-    """save, restore, erase (DESIGN §8). Under --cache-isolation each is checked against
+    """save, restore, erase (ARCHITECTURE §8). Under --cache-isolation each is checked against
     the caller's tenant: another tenant's slot or file is a 403."""
     st = state_of(request)
     engine = st.require_engine()

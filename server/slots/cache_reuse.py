@@ -53,7 +53,7 @@ log = logging.getLogger("server.slots.engine")
 
 # A chunk after a gap costs its slot one step more (the gap is decoded first); it is moved
 # only when it saves at least this many tokens of prompt processing. A step of one token
-# costs about 15 prompt tokens' time on a 2-core CPU (DESIGN §10: 24 ms vs 1.7 ms), more
+# costs about 15 prompt tokens' time on a 2-core CPU (ARCHITECTURE §10: 24 ms vs 1.7 ms), more
 # on a GPU: 32 keeps the 1-token chunks of an adversarial prompt (every other token
 # substituted) from turning one prompt into a thousand steps.
 GAPPED_MIN = 32

@@ -1,4 +1,5 @@
-"""When context checkpoints are taken during prefill, and which ones a slot keeps (DESIGN §6)."""
+"""When context checkpoints are taken during prefill, and which ones a slot keeps
+(docs/ARCHITECTURE.md §6)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def restored_serves(
 def file_checkpoints(
     have: list[Checkpoint], n_tokens: int, n_swa: int, recurrent: bool = False
 ) -> list[Checkpoint]:
-    """The checkpoints a slot file carries (DESIGN §8): at most one, each costing a window of
+    """The checkpoints a slot file carries (ARCHITECTURE §8): at most one, each costing a window of
     state (7.5 MiB for Gemma 3 270M, as much as a third of a 4,000-token slot's state).
 
     A state saved at length ``n_tokens`` holds positions >= n_tokens - n_swa (see the top of

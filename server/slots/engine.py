@@ -1,8 +1,9 @@
 """The engine: one thread owns the llama context and runs continuous-batching steps.
 
-Each step (DESIGN §3): run the commands queued for the engine thread, admit waiting tasks
-to idle slots (placement: reuse, cache restores, sharing), then one batch in three phases
-(slots/plan.py); every memory operation and decode runs in the runner (slots/runner.py): ``schedule`` plans the next token of every generating slot plus prompt
+Each step (docs/ARCHITECTURE.md §3): run the commands queued for the engine thread, admit
+waiting tasks to idle slots (placement: reuse, cache restores, sharing), then one batch in
+three phases (slots/plan.py); every memory operation and decode runs in the runner
+(slots/runner.py): ``schedule`` plans the next token of every generating slot plus prompt
 chunks of prefilling slots (<= n_batch tokens), ``execute`` decodes it once and samples
 where logits were requested, ``update`` accounts and emits text to the tasks' sinks.
 """

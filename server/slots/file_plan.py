@@ -1,4 +1,4 @@
-"""What is proven of a slot file before the engine loads it (DESIGN §8). Any thread: the
+"""What is proven of a slot file before the engine loads it (ARCHITECTURE §8). Any thread: the
 routes run these on worker threads, never on the engine thread, so the engine only loads
 what was read, checked and parsed here (``commands.RestoreSlot`` takes the plan)."""
 

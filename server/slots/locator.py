@@ -10,7 +10,7 @@
   walks the tree, and one that saves its slot first finds that entry too).
 Slot choice (``policy.choose_slot``), prefix sharing (``sharing.held_source`` and
 ``inflight_source``) and the tier loads (``ram.load``, ``disk_glue.load``) read it; none
-computes a prefix itself (tests/unit/test_layout.py checks that no other module in
+computes a prefix itself (tests/unit/test_lookup_layout.py checks that no other module in
 server/slots computes one against a slot's tokens, but the draft model's bookkeeping and
 ``--cache-reuse``'s chunk matcher).
 

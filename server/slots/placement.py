@@ -1,6 +1,6 @@
 """Admission's memory side: starting the tasks ``Scheduler.admit`` placed on slots.
 
-``admit`` decides which idle slot each waiting task takes (DESIGN §5), touching nothing;
+``admit`` decides which idle slot each waiting task takes (ARCHITECTURE §5), touching nothing;
 ``Placer.place`` then materializes each placement in order: a slot about to lose most of
 what it holds goes to the RAM cache first, the best cached state (one walk of the prompt
 down the prefix index serves the RAM and the disk tier) is restored into it, the slot keeps

@@ -5,7 +5,7 @@ Only the runner (slots/runner.py) changes llama.cpp memory or decodes. A step ad
 waiting tasks (``Scheduler.admit -> Admission``; ``Placer.place`` yields the operations that
 start them: restores, cuts, checkpoint resumes, parked chunks, prefix copies), lets sharing
 waiters whose prefix is ready copy it, embeds, then decodes one batch in three phases
-(DESIGN §3):
+(ARCHITECTURE §3):
 - ``schedule() -> StepPlan`` decides, touching nothing: per slot, which tokens go into the
   batch, which rows need logits, and which memory operations run first (a context shift, a
   checkpoint, a draft model's proposal);

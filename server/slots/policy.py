@@ -52,7 +52,7 @@ def choose_slot(
     tenant: str = "",
     match: Match | None = None,
 ) -> SlotChoice | None:
-    """DESIGN §5. Returns None when the task must wait (no idle slot, or its slot is busy).
+    """ARCHITECTURE §5. Returns None when the task must wait (no idle slot, or its slot is busy).
     What each slot holds of the prompt is read from ``match`` (the locator's, over
     ``slots``; taken here when not given): a slot holding another tenant's tokens matches
     nothing of the prompt."""
@@ -146,7 +146,7 @@ def plan_reuse(
     n_lcp: int | None = None,
     recurrent: bool = False,
 ) -> ReusePlan:
-    """DESIGN §4: LCP reuse, the last prompt token always re-evaluated, SWA guarded.
+    """ARCHITECTURE §4: LCP reuse, the last prompt token always re-evaluated, SWA guarded.
 
     ``pos_min`` is the sequence's lowest position still in memory (-1 when empty).
     Recurrent (and hybrid) memory holds only its latest state: any cut short of the

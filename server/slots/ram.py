@@ -52,7 +52,7 @@ def load(
 def find(
     cache: PromptCache, slot: Slot, prompt: list[int], tenant: str, match: Match | None
 ) -> LoadChoice | None:
-    """``tenant``'s best cache entry for ``prompt`` on ``slot`` (DESIGN §7's rule); a miss
+    """``tenant``'s best cache entry for ``prompt`` on ``slot`` (ARCHITECTURE §7's rule); a miss
     is counted."""
     choice = cache.find(slot.tokens, prompt, tenant, own=slot.tenant == tenant, match=match)
     if choice is None:

@@ -37,7 +37,7 @@ class Scheduler:
     def __init__(
         self, ckpt: CheckpointPolicy, spec: Speculation, backend: Backend, opts: EngineOptions
     ) -> None:
-        """``opts.slot_prompt_similarity`` is read at each admission (DESIGN §5)."""
+        """``opts.slot_prompt_similarity`` is read at each admission (ARCHITECTURE §5)."""
         self.ckpt = ckpt
         self.spec = spec
         self.opts = opts
@@ -71,7 +71,7 @@ class Scheduler:
         self, waiting: collections.deque[Task], slots: list[Slot], locator: Locator | None = None
     ) -> Admission:
         """Which idle slot each waiting task takes, in queue order (FIFO, or the priority
-        order slots/priority.py sorted the queue in; DESIGN §5). A task whose
+        order slots/priority.py sorted the queue in; ARCHITECTURE §5). A task whose
         slot (``id_slot``) is busy waits and the next ones go on; a task that finds no idle
         slot at all stops admission (the rest keep their order). Pure: the slots a pass
         places are only marked taken in its own views. What the slots hold of each prompt

@@ -71,7 +71,7 @@ class PrefixSharing:
             m = min(held[s.id], cap)
             if m <= (best.n_tokens if best else n_past):
                 continue
-            # the source's window behind the cut must still be in memory (DESIGN §4)
+            # the source's window behind the cut must still be in memory (ARCHITECTURE §4)
             if not self.store.serves_cut(s, m):
                 continue
             best = Source(s.id, m)

@@ -363,7 +363,7 @@ class SlotStore:
         audit.py). Otherwise the slot is cleared and nothing restored. On success the slot
         takes the state's tokens and tenant, then its extras: a trusted state (our own
         memory) keeps every checkpoint within its tokens, and its draft state must load too
-        (target and draft stand or fall together, DESIGN §7); an untrusted one keeps at
+        (target and draft stand or fall together, ARCHITECTURE §7); an untrusted one keeps at
         most the slot's limit of checkpoints, is refused when it names KV types other than
         ours, and its draft state is dropped, with a warning, when it does not fit (§8).
         A state already ``InSlot`` of this slot (a file's appendices, read after its state

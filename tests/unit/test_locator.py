@@ -69,7 +69,7 @@ def test_match_reports_every_holder_kind():
 def test_tiers_are_walked_on_first_use_not_at_match_time():
     ix = PrefixIndex()
     m = Locator(index=ix).match("", SYS + [1], holders=[])
-    saved = add(ix, Ram, SYS, 0)  # e.g. the chosen slot saved first (DESIGN §5)
+    saved = add(ix, Ram, SYS, 0)  # e.g. the chosen slot saved first (ARCHITECTURE §5)
     hit = m.tiers().best(("ram",), -1.0, 0.0)
     assert hit is not None and hit.held is saved and hit.n_lcp == 200
 

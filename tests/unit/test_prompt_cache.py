@@ -1,4 +1,4 @@
-"""One test per rule of DESIGN §7, with exact entries and eviction order."""
+"""One test per rule of ARCHITECTURE §7, with exact entries and eviction order."""
 
 from server.cache.prompt_cache import PromptCache
 from server.types import Checkpoint
