@@ -83,10 +83,10 @@ def serve(port: int, slots: int, decode_ms: float) -> None:
     import uvicorn
 
     from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
+    from server.engine.engine import Engine
     from server.http import app as app_module
     from server.http.heap import settle_heap
     from server.settings.config import Settings
-    from server.slots.engine import Engine
 
     def load(st) -> None:  # noqa: ANN001
         b = _ceiling_backend(slots, decode_ms)

@@ -36,7 +36,7 @@ import httpx
 import msgpack
 import zmq
 
-from server.cache.kv_blocks import BlockHasher
+from server.kv_events.kv_blocks import BlockHasher
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fleet"

@@ -15,10 +15,10 @@ from __future__ import annotations
 import sys
 import time
 
-from server.cache.kv_blocks import BlockHasher
-from server.cache.kv_events import KVEvents
-from server.cache.kv_publisher import KVPublisher
-from server.slots.kv_watch import watch_slots
+from server.kv_events.kv_blocks import BlockHasher
+from server.kv_events.kv_events import KVEvents
+from server.kv_events.kv_publisher import KVPublisher
+from server.kv_events.kv_watch import watch_slots
 
 from .step_cost import busy_engine
 

@@ -1,7 +1,7 @@
 """Throughput of two LoRA adapter sets interleaved against one (issue 32).
 
 llama.cpp applies a context's adapters to the whole decode, so the engine decodes one set
-per step and the sets take turns (server/slots/adapter_turns.py). This starts the server
+per step and the sets take turns (server/engine/adapter_turns.py). This starts the server
 with two generated adapters (tests/lora_gen.py) and runs 4 concurrent requests of
 ``--tokens`` each, all under adapter A, then 2 under A and 2 under B; it prints the
 aggregate decode rate of each and their ratio.

@@ -11,7 +11,7 @@ hundred tokens (agent conversations). The bench fills each tier with N entries, 
   in-memory index without files (its directory exists and is empty);
 - ``disk add``: what the writer does with a written file (covers, add, prefixes_of),
   undone again;
-- ``locate new`` / ``locate cont``: the admission's one lookup (server.slots.locator, issue
+- ``locate new`` / ``locate cont``: the admission's one lookup (server.kv.locator, issue
   41): ``Locator.match`` over SLOTS live slots (``locate4``: 4 slots; ``scan``/``scan4``:
   the same slot prefixes computed as before issue 41, each consumer scanning with ``lcp``)
   (each holding one of the conversations, half of them prefilling one more; their tokens
@@ -20,7 +20,7 @@ hundred tokens (agent conversations). The bench fills each tier with N entries, 
   choice plus sharing do at most;
 - ``ram find worst``: RAM find for a new conversation when the entries were saved longest
   first (tails of N+100 down to 101 tokens), so that every one is shorter than all before
-  it: the prefix index's worst case (every entry is a record, see cache/prefix_index.py).
+  it: the prefix index's worst case (every entry is a record, see prefix/prefix_index.py).
 
     python -m bench.prefix_lookup              # 10, 100, 1,000 and 5,000 entries
     python -m bench.prefix_lookup 10 20000     # other entry counts
@@ -38,12 +38,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from server.cache.block_index import BlockIndex
-from server.cache.disk import DiskTier
-from server.cache.disk_files import DiskEntry, FileCheck
-from server.cache.prompt_cache import PromptCache, RamHeld
-from server.slots.locator import Locator
-from server.slots.slot import Slot
+from server.kv.locator import Locator
+from server.prefix.block_index import BlockIndex
+from server.slot.slot import Slot
+from server.tiers.disk import DiskTier
+from server.tiers.disk_files import DiskEntry, FileCheck
+from server.tiers.prompt_cache import PromptCache, RamHeld
 from server.types import GenParams, SamplingParams, Task, lcp
 
 SYSTEM = 2000  # tokens of the shared system prompt

@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from server.engine.engine import Engine, EngineOptions
 from server.llama.backend import LlamaBatch
-from server.slots.engine import Engine, EngineOptions
 from server.types import GenParams, SamplingParams, Task
 from tests.fake_backend import FakeBackend, FakeSampler
 

@@ -33,7 +33,7 @@ _task_ids = itertools.count(1)
 
 def lcp(a: Sequence[object], b: Sequence[object]) -> int:
     """Length of the longest common prefix, compared in 64-token slices at C speed (items
-    compared with ``==``: tokens, or whole prompt items, ``cache.items``)."""
+    compared with ``==``: tokens, or whole prompt items, ``prefix.items``)."""
     n = min(len(a), len(b))
     i = 0
     step = 64
@@ -321,7 +321,7 @@ class GenParams:
     n_discard: int = 0
     # --cache-reuse: least chunk of cached tokens reused by a KV shift (-1: the server's)
     n_cache_reuse: int = -1
-    # the reasoning budget (None: unlimited); server.slots.budget enforces it
+    # the reasoning budget (None: unlimited); server.slot.reasoning_budget enforces it
     reasoning_budget: ReasoningBudget | None = None
     # control tokens rendered as their text (llama.cpp renders them empty): the markers of
     # the request's tool-call and reasoning syntax, which its parser reads
@@ -616,7 +616,7 @@ class Task:
     # prefix sharing match only within one tenant. "" is the shared default tenant.
     tenant: str = ""
     # LoRA adapter scales, one per loaded adapter (empty: none). A step decodes one set
-    # (slots/adapter_turns.py); its cache key is part of ``tenant`` (cache/tenancy.py).
+    # (engine/adapter_turns.py); its cache key is part of ``tenant`` (tiers/tenancy.py).
     lora: tuple[float, ...] = ()
     # True while the task's reader lags too far behind its events (a slow client): the
     # engine then skips the task's next tokens, so its queue stays bounded. Any thread.
@@ -626,7 +626,7 @@ class Task:
     # the prompt's images, in order (their placeholders are in ``prompt``; issue 42)
     images: tuple[PromptImage, ...] = ()
     # vLLM's ``priority`` (--scheduling-policy priority): lower is served first, ties by
-    # arrival (its aging counts from ``t_enqueued``, preempted or not: slots/priority.py);
+    # arrival (its aging counts from ``t_enqueued``, preempted or not: engine/priority.py);
     # ``t_waiting``: when it last entered the wait queue (its arrival, or its preemption),
     # from which its queue time counts (metrics)
     priority: int = 0

@@ -28,7 +28,7 @@ MEMORY_CALLS = (
     "seq_clear",
     "state_set",
 )
-RUNNER = "runner"  # the phase of a call made inside server/slots/runner.py
+RUNNER = "runner"  # the phase of a call made inside server/engine/runner.py
 # the modules of server/slots that make a step's decisions or drive it: the innermost of
 # them on the stack is a memory call's phase (helpers such as the store, the executor or
 # the caches run in the phase of whoever called them)
@@ -37,7 +37,7 @@ PHASES = ("runner", "engine", "placement", "sharing", "embed", "scheduler", "upd
 
 def call_phase() -> str:
     """The phase a memory call runs in, read off the stack: the innermost frame of a
-    server/slots module in ``PHASES`` (``RUNNER`` for server/slots/runner.py), as
+    server/slots module in ``PHASES`` (``RUNNER`` for server/engine/runner.py), as
     ``module.function`` for any other; "test" when none is on the stack (a test's own)."""
     f: FrameType | None = sys._getframe(2)
     while f is not None:
@@ -148,7 +148,7 @@ class FakeBackend:
         scratch: bool = False,
     ) -> None:
         self.n_seq = n_seq
-        # --cache-reuse's extra sequence (server.slots.cache_reuse; -1: none)
+        # --cache-reuse's extra sequence (server.engine.cache_reuse; -1: none)
         self.scratch_seq = n_seq if scratch else -1
         self.n_ctx = n_ctx
         self.kv_unified = kv_unified
@@ -450,7 +450,7 @@ class FakeBackend:
 
 @_recorded
 class FakeDraft(FakeBackend):
-    """A draft model's context over the fake memory (server.slots.draft_kv.DraftMemory):
+    """A draft model's context over the fake memory (server.kv.draft_kv.DraftMemory):
     its greedy token is its own ``model``'s prediction."""
 
     def decode(self, start: int = 0, count: int = -1) -> int:

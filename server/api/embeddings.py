@@ -14,8 +14,8 @@ from typing import TypeGuard
 
 import numpy as np
 
+from ..engine.embed import EmbedResult, too_large
 from ..settings.config import Settings
-from ..slots.embed import EmbedResult, too_large
 from .errors import APIError
 from .schemas import BaseBody
 

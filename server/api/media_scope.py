@@ -7,7 +7,7 @@ inside it (``run_in``); the image code reads it with ``current()``:
 
 - **Tenant.** Image caches (the projector's embedding cache and its bytes-to-identity map,
   the recently decoded base64 texts) are keyed by the request's tenant, as the text caches
-  are (server/cache/tenancy.py): under ``--cache-isolation`` one tenant's image never
+  are (server/tiers/tenancy.py): under ``--cache-isolation`` one tenant's image never
   makes another's request faster or moves a counter for it.
 - **Pixels per request.** Each image's width x height, read from its header before any
   decoder runs (server/api/media.py), is charged against ``request_pixels``

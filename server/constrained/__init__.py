@@ -23,7 +23,7 @@ fields (OpenAI's ``response_format``, llama-server's ``json_schema``/``grammar``
 The engine drives a ``Matcher`` per slot: ``allows(token)`` (one token, cheap),
 ``mask_logits(logits)`` (the full vocabulary, only when the sampled token was refused),
 ``accept(token)``, ``forced(limit)`` (the tokens the constraint forces next: the engine feeds
-them without sampling, slots/executor.py), ``is_done()`` (the grammar is complete and nothing may follow: finish with
+them without sampling, engine/executor.py), ``is_done()`` (the grammar is complete and nothing may follow: finish with
 "stop"), ``can_end()`` (end-of-generation tokens are allowed), ``rollback(n)`` and ``reset()``.
 
 Tool calling (server.api.tools) forces a call format with ``json_schema_constraint(schema,

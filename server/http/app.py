@@ -19,11 +19,11 @@ from fastapi import FastAPI
 from ..api import errors
 from ..api.chat import pick_template
 from ..api.embeddings import embeddings_on, pooling_of
-from ..cache.disk import DiskTier
-from ..cache.disk_files import FileCheck
-from ..cache.prompt_cache import MiB, PromptCache
 from ..constrained import llama_compiler, worker
 from ..constrained.limits import ConstraintLimits
+from ..engine.commands import SaveIdleSlots, SpillToDisk
+from ..engine.engine import Engine, EngineOptions
+from ..engine.priority import PriorityRule
 from ..routes import (
     anthropic,
     cors_proxy,
@@ -48,10 +48,10 @@ from ..service.state import KeptModel, ServerState
 from ..service.streams import StreamLimits, StreamRegistry
 from ..service.tokenizer import control_tokens
 from ..settings.config import Settings, csv_list, load_api_keys
-from ..slots.commands import SaveIdleSlots, SpillToDisk
-from ..slots.engine import Engine, EngineOptions
-from ..slots.priority import PriorityRule
-from ..slots.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
+from ..slot.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
+from ..tiers.disk import DiskTier
+from ..tiers.disk_files import FileCheck
+from ..tiers.prompt_cache import MiB, PromptCache
 from ..types import ImageProjector
 from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
@@ -62,9 +62,9 @@ from .sleep import SleepController, SleepGate, release_memory
 log = logging.getLogger("server")
 
 if TYPE_CHECKING:  # the type checker holds the real backend and draft to the engine's protocols
+    from ..engine.model_api import DraftModel, ModelBackend
     from ..llama.backend import LlamaBackend, ModelOptions
     from ..llama.draft import DraftContext, DraftOptions
-    from ..slots.model_api import DraftModel, ModelBackend
 
     def _conforms(b: LlamaBackend, d: DraftContext) -> tuple[ModelBackend, DraftModel]:
         return b, d

@@ -18,15 +18,15 @@ import logging
 import socket
 from dataclasses import dataclass
 
-from ..cache.disk import DiskTier
-from ..cache.kv_blocks import BlockHasher
-from ..cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, KVEvents
-from ..cache.kv_publisher import KVPublisher, endpoint_problem, normalize_endpoint
-from ..cache.prompt_cache import PromptCache
+from ..engine.engine import Engine
+from ..kv_events.kv_blocks import BlockHasher
+from ..kv_events.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, KVEvents
+from ..kv_events.kv_publisher import KVPublisher, endpoint_problem, normalize_endpoint
+from ..kv_events.kv_watch import SlotWatcher, watch_slots
 from ..service.state import KVEventsHandle
 from ..settings.config import Settings
-from ..slots.engine import Engine
-from ..slots.kv_watch import SlotWatcher, watch_slots
+from ..tiers.disk import DiskTier
+from ..tiers.prompt_cache import PromptCache
 
 log = logging.getLogger("server.http.kv_setup")
 
@@ -52,7 +52,7 @@ def check(s: Settings) -> str:
 
 
 def token_policy(s: Settings) -> str:
-    """Whose token ids the events carry (cache/kv_events.py): all of them unless prompts are
+    """Whose token ids the events carry (kv_events/kv_events.py): all of them unless prompts are
     private: none under --api-key, none of a tenant's under --cache-isolation."""
     if s.kv_events_token_ids:
         return TOKENS_ALL

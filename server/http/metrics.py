@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from ..cache.disk import DiskTier
-    from ..cache.prompt_cache import PromptCache
+    from ..engine.engine import Engine
     from ..settings.config import Settings
-    from ..slots.engine import Engine
-    from ..slots.slot import Slot
-    from ..slots.stats import EngineStats
+    from ..slot.slot import Slot
+    from ..slot.stats import EngineStats
+    from ..tiers.disk import DiskTier
+    from ..tiers.prompt_cache import PromptCache
 
 # The endpoint labels of llamaslot_requests_total. Any other path counts as "other": a label
 # per path a client sends would let scanners grow the metric without bound.

@@ -294,7 +294,7 @@ def window_cache_slides(
 
 def _wants_scratch(model: L.llama_model_p, opts: ModelOptions) -> bool:
     """Whether to allocate --cache-reuse's scratch sequence (``scratch_seq``: the sequence
-    id slots/cache_reuse.py parks chunks in; -1: none): only under unified KV and where
+    id engine/cache_reuse.py parks chunks in; -1: none): only under unified KV and where
     positions can move (full attention or --swa-full, not recurrent), so that a
     sliding-window cache keeps its size (it grows with the sequence count)."""
     n_swa, recurrent, _ = memory_layout(model, opts.swa_full)
@@ -662,7 +662,7 @@ class LlamaBackend(SeqMemory):
     def attach_sampler(self, sampler: Sampler, seq: int) -> bool:
         """Run ``sampler``'s chain inside the decode graph for sequence ``seq`` (-bs) until
         it is freed. The caller checks that every stage can run there (no penalties, grammar
-        or logprobs: see server.slots.sampling); False when llama.cpp refuses it (the chain then
+        or logprobs: see server.engine.sampling_paths); False when llama.cpp refuses it (the chain then
         samples on the CPU as before)."""
         if not self.backend_sampling or not sampler.ptr:
             return False

@@ -1,7 +1,7 @@
 """ggml's tensor data types as llama-server names its KV cache types (``-ctk``/``-ctv``).
 
 Pure data: this module imports nothing (not llama_cpp, nothing of ``server``), so the layers
-that must not load llama.cpp (``server.cache``, ``server.slots``) and the CLI's flag table
+that must not load llama.cpp (``server.tiers``, ``server.kv``, the engine) and the CLI's flag table
 may read it. The ids are ggml.h's ``enum ggml_type``; they are stored in slot files (SKVT)
 and compared with what a saved state holds, so they never change for a name.
 """

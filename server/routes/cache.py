@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
-from ..cache import tenancy
+from ..engine.commands import CheckIntegrity
 from ..service.state import tenant_of
-from ..slots.commands import CheckIntegrity
+from ..tiers import tenancy
 from .common import state_of
 
 if TYPE_CHECKING:
-    from ..slots.engine import Engine
+    from ..engine.engine import Engine
 
 router = APIRouter()
 

@@ -16,11 +16,11 @@ from fastapi import Request
 from typing_extensions import NotRequired
 
 from ..api.errors import error_body
+from ..engine.model_api import Tokenizer
 from ..service.pools import prepare_in
 from ..service.sampling import default_sampling
 from ..service.state import ServerState, media_scope_of, tenant_of
 from ..service.tasks import TaskGroup
-from ..slots.model_api import Tokenizer
 from ..types import Event, SamplingParams, Task, TaskError, TokenLogprob
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.

@@ -29,13 +29,13 @@ from ..api.embeddings import (
     rerank_response,
 )
 from ..api.errors import APIError
+from ..engine.embed import EmbedEvent, EmbedResult, EmbedTask
+from ..engine.engine import EngineDead
+from ..engine.event_sink import Emitter
 from ..service.sink import emitter
 from ..service.state import ServerState
 from ..service.tasks import until_disconnected
 from ..service.tokenizer import tokenize
-from ..slots.embed import EmbedEvent, EmbedResult, EmbedTask
-from ..slots.engine import EngineDead
-from ..slots.sink import Emitter
 from ..types import TaskError
 from .common import prep, state_of
 

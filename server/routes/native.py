@@ -12,6 +12,7 @@ from ..api.cancel import checkpoint
 from ..api.errors import APIError
 from ..api.prompts import prompt_echo, split_prompts
 from ..api.schemas import DetokenizeRequest, InfillRequest, NativeCompletionRequest, TokenizeRequest
+from ..engine.model_api import Tokenizer
 from ..frontend.requests import native_request
 from ..frontend.sources import NativeSource
 from ..service.state import ServerState, tenant_of
@@ -19,7 +20,6 @@ from ..service.submit import PromptSource, submit
 from ..service.tasks import TaskGroup
 from ..service.tokenizer import tokenize as tokenize_text
 from ..service.validation import check_tokens
-from ..slots.model_api import Tokenizer
 from ..types import (
     Event,
     FinishReason,

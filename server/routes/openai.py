@@ -18,6 +18,7 @@ from ..api.errors import APIError
 from ..api.schemas import ChatRequest, CompletionRequest
 from ..api.tools.parse import Delta, Message, parse_message
 from ..api.tools.plan import ChatPlan, deltas_of, message_of
+from ..engine.model_api import Tokenizer
 from ..frontend.chat import plan_chat
 from ..frontend.requests import chat_request, completion_request
 from ..service.state import ServerState, tenant_of
@@ -25,7 +26,6 @@ from ..service.submit import submit
 from ..service.tasks import TaskGroup
 from ..service.usage import finish_reason, merged_timings, usage_of
 from ..settings.config import csv_list
-from ..slots.model_api import Tokenizer
 from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,

@@ -16,11 +16,7 @@ from pydantic import ValidationError
 from ..api.errors import APIError
 from ..api.json_body import parse_json_body
 from ..api.schemas import SlotActionBody
-from ..cache import file_io, slot_file, tenancy
-from ..cache.saved import InBuffer
-from ..llama.state_bytes import WindowShape
-from ..service.state import ServerState, tenant_of
-from ..slots.commands import (
+from ..engine.commands import (
     AttachAppendices,
     Caller,
     Command,
@@ -35,16 +31,20 @@ from ..slots.commands import (
     SlotSaved,
     StateLoaded,
 )
-from ..slots.engine import Engine, EngineDead
-from ..slots.file_plan import (
+from ..engine.engine import Engine, EngineDead
+from ..engine.model_api import ModelBackend
+from ..kv.file_plan import (
     RestorePlan,
     parse_after_state,
     plan_restore,
     window_checkpoint,
     window_of,
 )
-from ..slots.model_api import ModelBackend
-from ..slots.slot import Slot
+from ..llama.state_bytes import WindowShape
+from ..service.state import ServerState, tenant_of
+from ..slot.slot import Slot
+from ..tiers import file_io, slot_file, tenancy
+from ..tiers.saved import InBuffer
 from .common import generation_settings, state_of
 
 router = APIRouter()

@@ -14,7 +14,7 @@ Contracts:
 - ``key(scales)`` names an adapter set for the caches: ``""`` when every scale is 0 (the
   base model), else a digest of each active adapter's file content and scale, the same in
   every process, so disk-tier entries and slot files keep their meaning across restarts
-  and replicas (cache/tenancy.py ``with_adapters``).
+  and replicas (tiers/tenancy.py ``with_adapters``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 --reasoning-budget), its message (--reasoning-budget-message) and the tags it works
 between (the template's, server.api.reasoning_tags, or the request's
 ``reasoning_budget_start_tag`` / ``reasoning_budget_end_tags``). The engine enforces it
-(server.slots.budget)."""
+(server.slot.reasoning_budget)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from ..api.errors import APIError
 from ..api.reasoning_tags import ReasoningTags
 from ..api.schemas import SamplingFields
+from ..engine.model_api import Tokenizer
 from ..settings.config import Settings
-from ..slots.model_api import Tokenizer
 from ..types import ReasoningBudget
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from ..api.errors import APIError
 from ..api.schemas import SamplingFields
+from ..engine.model_api import Tokenizer
 from ..settings.config import Settings
-from ..slots.model_api import Tokenizer
 from ..types import SamplingParams, sampler_order
 
 SAMPLING_FIELDS = (

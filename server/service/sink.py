@@ -1,6 +1,6 @@
 """The HTTP side of the engine's way out: one ``EventSink`` per event loop.
 
-The engine hands each sink a flush's events in one ``deliver`` (slots/sink.py); here that
+The engine hands each sink a flush's events in one ``deliver`` (engine/event_sink.py); here that
 is one ``call_soon_threadsafe``, so a step that produced events for 64 streams of one loop
 wakes it once."""
 
@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ..slots.sink import Delivery, Emitter
+from ..engine.event_sink import Delivery, Emitter
 
 E = TypeVar("E")
 

@@ -13,14 +13,14 @@ from starlette.requests import Request
 from ..api.chat import ChatTemplate
 from ..api.errors import APIError
 from ..api.media_scope import MediaScope, key_pixels, request_pixels
-from ..cache import tenancy
-from ..cache.kv_events import KVEvents
-from ..cache.kv_publisher import KVPublisher
-from ..cache.prompt_cache import PromptCache
+from ..engine.engine import Engine
+from ..engine.model_api import DraftModel, ModelBackend
+from ..kv_events.kv_events import KVEvents
+from ..kv_events.kv_publisher import KVPublisher
+from ..kv_events.kv_watch import SlotWatcher
 from ..settings.config import Settings
-from ..slots.engine import Engine
-from ..slots.kv_watch import SlotWatcher
-from ..slots.model_api import DraftModel, ModelBackend
+from ..tiers import tenancy
+from ..tiers.prompt_cache import PromptCache
 from ..types import ImageProjector
 from .adapters import AdapterRegistry
 from .streams import StreamLimits, StreamRegistry
@@ -132,7 +132,7 @@ class ServerState:
 
 
 def tenant_of(st: ServerState, request: Request | None, cache_salt: str | None = None) -> str:
-    """Whose cached prefixes a request may reuse (--cache-isolation; names: cache/tenancy.py):
+    """Whose cached prefixes a request may reuse (--cache-isolation; names: tiers/tenancy.py):
 
     - ``none``: everyone's, except that a ``cache_salt`` keeps a request to its salt's;
     - ``key``: its API key's (and, within it, its salt's);

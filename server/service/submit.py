@@ -13,10 +13,10 @@ from starlette.requests import Request
 
 from ..api.errors import APIError
 from ..api.schemas import SamplingFields
-from ..cache import tenancy
 from ..constrained import Constraint
-from ..slots.engine import Engine
-from ..slots.model_api import ModelBackend
+from ..engine.engine import Engine
+from ..engine.model_api import ModelBackend
+from ..tiers import tenancy
 from ..types import GenParams, PromptImage, ReasoningBudget
 from .adapters import AdapterChoice
 from .budget import BudgetAsk

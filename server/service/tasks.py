@@ -13,7 +13,7 @@ from functools import partial
 from starlette.requests import Request
 
 from ..api.errors import APIError
-from ..slots.engine import Engine, EngineDead
+from ..engine.engine import Engine, EngineDead
 from ..types import (
     Event,
     GenParams,

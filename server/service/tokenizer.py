@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..api.cancel import checkpoint
 from ..api.tools.control import NO_CONTROL, ControlTokens
-from ..slots.model_api import Tokenizer
+from ..engine.model_api import Tokenizer
 
 CHUNK = 16 * 1024  # characters per piece (a piece holds a few hundred special tokens)
 _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace, which llama.cpp strips with

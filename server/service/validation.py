@@ -9,7 +9,7 @@ import asyncio
 from ..api.errors import APIError
 from ..constrained import Constraint, ConstraintError, request_constraint
 from ..constrained.matcher import compile_executor
-from ..slots.model_api import ModelBackend, Tokenizer
+from ..engine.model_api import ModelBackend, Tokenizer
 from ..types import TokenConstraint
 
 

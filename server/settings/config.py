@@ -127,7 +127,7 @@ class Settings(BaseModel):
     sample_threads: int = Field(-1, ge=-1)  # CPU sampling workers (-1: auto, 0: off)
     slot_prompt_similarity: float = Field(0.10, ge=0.0, le=1.0)
     step_target_ms: float = Field(500.0, ge=0.0)
-    scheduling_policy: str = "fcfs"  # server.slots.priority
+    scheduling_policy: str = "fcfs"  # server.engine.priority
     priority_aging_seconds: float = Field(10.0, ge=0.0)
     n_predict: int = -1
     alias: str | None = None
@@ -180,7 +180,7 @@ class Settings(BaseModel):
     reranking: bool = False
     pooling: str | None = None
     embd_normalize: int = 2
-    # speculative decoding (server.slots.speculative)
+    # speculative decoding (server.slot.speculative)
     spec_type: list[str] = Field(default_factory=lambda: ["none"])
     spec_draft_model: str | None = None
     # the draft model's placement and threads (server.llama.draft.DraftOptions)
@@ -226,7 +226,7 @@ class Settings(BaseModel):
     cache_disk: str | None = None
     cache_disk_mib: int = Field(16384, ge=0)
     cache_isolation: str = "none"
-    kv_events_endpoint: str | None = None  # ZMQ XPUB bind address (server.cache.kv_publisher)
+    kv_events_endpoint: str | None = None  # ZMQ XPUB bind address (server.kv_events.kv_publisher)
     kv_events_topic: str | None = None  # None: kv@<hostname>@<model alias>
     kv_events_allow_remote: bool = False  # bind beyond the loopback (server.http.kv_setup)
     kv_events_token_ids: bool = False  # token ids also under --api-key / --cache-isolation

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from server.slots.cache_reuse import MOST_CHUNKS
+from server.engine.cache_reuse import MOST_CHUNKS
 from tests.e2e.conftest import ServerProc, assert_agrees_with_cold, gemma_path, smollm2_path
 from tests.e2e.test_cache_reuse_e2e import MOVED_TOL, text
 

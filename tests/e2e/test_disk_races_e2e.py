@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from server.cache.disk_files import READ_DELAY_ENV
+from server.tiers.disk_files import READ_DELAY_ENV
 from server.types import lcp
 
 from .conftest import ServerProc, assert_agrees_with_cold, first_token, long_text

@@ -1,7 +1,7 @@
 """Images in every cache tier (issue 42), end to end: real servers on the default model
 (Gemma 3 270M, SWA window 512) with the generated projector (16 tokens per image), prompts
 of several windows. The disk tier and slot files keep an image conversation across a
-restart (the file names each image's identity and span: server.cache.image_file), a file
+restart (the file names each image's identity and span: server.tiers.image_file), a file
 whose image block is tampered with or was made by another projector is refused with
 nothing loaded, and the KV events name the image in its blocks' extra keys."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import image_file
-from server.cache.kv_blocks import block_hash, extra_cbor
+from server.kv_events.kv_blocks import block_hash, extra_cbor
+from server.tiers import image_file
 from tests.mmproj_gen import N_IMAGE_TOKENS, pixels, png, write_gemma3_mmproj
 
 from .conftest import free_port

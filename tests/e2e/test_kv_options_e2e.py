@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from server.cache.slot_file import read_tenant
+from server.tiers.slot_file import read_tenant
 
 from .conftest import free_port, llama_server_client, long_text
 from .test_slots_e2e import LLAMA_SERVER, action

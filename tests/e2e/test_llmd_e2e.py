@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from server.cache.kv_blocks import BlockHasher
+from server.kv_events.kv_blocks import BlockHasher
 from tests import zmtp_peer
 
 from .conftest import ServerProc, free_port, long_text

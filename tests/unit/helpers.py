@@ -8,9 +8,9 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from server.api import errors
+from server.engine.engine import Engine, EngineOptions
 from server.service.state import ServerState
 from server.settings.config import Settings
-from server.slots.engine import Engine, EngineOptions
 from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
 from tests.fake_backend import FakeBackend
 

@@ -72,15 +72,15 @@ def _missing_paths(text: str) -> list[str]:
 
 
 def test_the_checks_see_folders_and_paths() -> None:
-    assert {"slots", "llama", "settings", "webui"} <= _folders()
+    assert {"engine", "llama", "settings", "webui"} <= _folders()
     assert "__pycache__" not in _folders()
-    text = "`server/slots/engine.py`, slots/runner.py, tools/server/x, server/nowhere/x.py"
+    text = "`server/engine/engine.py`, engine/runner.py, tools/server/x, server/nowhere/x.py"
     assert _missing_paths(text) == ["server/nowhere/x.py"]
-    assert _missing_paths("cache/gone.py and llama/backend.py") == ["server/cache/gone.py"]
-    assert _missing_folders("server/slots/ server/llama") and "slots" not in _missing_folders(
-        "server/slots/"
+    assert _missing_paths("tiers/gone.py and llama/backend.py") == ["server/tiers/gone.py"]
+    assert _missing_folders("server/engine/ server/llama") and "engine" not in _missing_folders(
+        "server/engine/"
     )
-    assert "## 2.2" not in _folder_map() and "server/slots/" in _folder_map()
+    assert "## 2.2" not in _folder_map() and "server/engine/" in _folder_map()
     assert "## How it works" not in _readme_architecture()
 
 
@@ -115,7 +115,7 @@ def _scanned() -> list[Path]:
 
 def test_nothing_cites_a_design_outside_the_repository() -> None:
     files = _scanned()
-    assert ROOT / "server" / "slots" / "engine.py" in files
+    assert ROOT / "server" / "engine" / "engine.py" in files
     found = [
         f"{p.relative_to(ROOT)}:{i} {s!r}"
         for p in files

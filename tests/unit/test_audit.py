@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
+from server.kv.audit import kv_problems, seq_state_problem
 from server.llama.backend import window_cache_slides
 from server.llama.kv_state import StateFormatError, read_caches
-from server.slots.audit import kv_problems, seq_state_problem
 from server.types import CacheCells
 
 from .helpers import make_engine, run, task

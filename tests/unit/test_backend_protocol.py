@@ -1,5 +1,5 @@
-"""The engine's Backend protocol (server.slots.backend_api) and the draft's DraftMemory
-(server.slots.draft_kv) against their implementations: the real ones in server.llama and
+"""The engine's Backend protocol (server.slot.backend_api) and the draft's DraftMemory
+(server.kv.draft_kv) against their implementations: the real ones in server.llama and
 the fakes of the unit tests. Every protocol member must exist on each, and every method
 must take the protocol's parameters (by name, in order). The type checker of ./test.sh
 checks the same statically (the ``TYPE_CHECKING`` block below, and server.http.app's)."""
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import pytest
 
+from server.kv.draft_kv import DraftMemory
 from server.llama.backend import LlamaBackend
 from server.llama.draft import DraftContext
-from server.slots.backend_api import Backend
-from server.slots.draft_kv import DraftMemory
+from server.slot.backend_api import Backend
 from tests.fake_backend import FakeBackend, FakeDraft
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def test_engine_code_does_not_probe_the_backend() -> None:
 
     root = Path(__file__).resolve().parents[2] / "server"
     probes = []
-    for p in [*root.glob("slots/*.py"), *root.glob("cache/*.py")]:
+    engine_side = ("engine", "slot", "kv", "speculative", "kv_events", "prefix", "tiers")
+    for p in [q for d in engine_side for q in root.glob(f"{d}/*.py")]:
         for node in ast.walk(ast.parse(p.read_text())):
             if (
                 isinstance(node, ast.Call)

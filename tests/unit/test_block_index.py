@@ -1,14 +1,14 @@
-"""The slots' block index (server.cache.block_index, issue 41): slots and in-flight prompts
+"""The slots' block index (server.prefix.block_index, issue 41): slots and in-flight prompts
 as paths of full blocks, kept as their tokens change; exact shared lengths."""
 
 from __future__ import annotations
 
 import random
 
-from server.cache.block_index import BlockIndex, Path
-from server.cache.items import ImageItem, common_prefix
-from server.slots.locator import Holder, match_holders
-from server.slots.slot import SlotState
+from server.kv.locator import Holder, match_holders
+from server.prefix.block_index import BlockIndex, Path
+from server.prefix.items import ImageItem, common_prefix
+from server.slot.slot import SlotState
 
 from .helpers import make_engine, run, task
 
@@ -151,7 +151,7 @@ def test_appends_within_a_block_go_untold_and_a_late_listener_hears_everything()
     """A sequence tells its watch an append only when it reaches the length the watch
     returned (the end of the next block, of the index's or a listener's size); a listener
     that joins later is told the tokens as they are (``retell``)."""
-    from server.slots.sequence import Sequence
+    from server.slot.sequence import Sequence
 
     class Spy:
         def __init__(self, bs: int) -> None:

@@ -5,7 +5,7 @@ no effect where the memory cannot shift or the option is off."""
 
 from __future__ import annotations
 
-from server.slots.engine import Engine, EngineOptions
+from server.engine.engine import Engine, EngineOptions
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import run, task
 

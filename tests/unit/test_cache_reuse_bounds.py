@@ -6,9 +6,9 @@ scratch sequence empty. Integrity is checked after every step (scratch cells inc
 
 from __future__ import annotations
 
-from server.slots.cache_reuse import GAPPED_MIN, MOST_CHUNKS
-from server.slots.engine import Engine, EngineOptions
-from server.slots.slot import SlotState
+from server.engine.cache_reuse import GAPPED_MIN, MOST_CHUNKS
+from server.engine.engine import Engine, EngineOptions
+from server.slot.slot import SlotState
 from server.types import Task
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import run, task

@@ -1,6 +1,6 @@
-"""--cache-reuse: the two-sided chunk matcher (server.slots.reuse), exact outputs."""
+"""--cache-reuse: the two-sided chunk matcher (server.prefix.reuse), exact outputs."""
 
-from server.slots.reuse import (
+from server.prefix.reuse import (
     ReuseChunk,
     due_chunks,
     gap_tokens,

@@ -1,6 +1,6 @@
 """Context checkpoints on a sliding-window model, against the fake backend."""
 
-from server.slots.checkpoints import CheckpointPolicy, file_checkpoints, restored_serves
+from server.kv.checkpoints import CheckpointPolicy, file_checkpoints, restored_serves
 from server.types import Checkpoint
 
 from .helpers import make_engine, run, task
@@ -112,7 +112,7 @@ def test_restored_state_holds_only_the_last_window():
 def _evicted_conversation(max_tokens: int = 8, **kw):
     """A 1,000-token conversation (window 100) pushed out of the only slot into the RAM
     cache by another prompt; returns the engine, its prompt and what the slot held."""
-    from server.cache.prompt_cache import PromptCache
+    from server.tiers.prompt_cache import PromptCache
 
     e, b = swa_engine(n_seq=1, **kw)
     e.cache = PromptCache(-1, 0)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.slots import engine as engine_mod
+from server.engine import engine as engine_mod
 
 from .helpers import make_engine, task
 

@@ -1,4 +1,4 @@
-"""Engine commands (server/slots/commands.py) against the fake backend, on a real Engine and
+"""Engine commands (server/engine/commands.py) against the fake backend, on a real Engine and
 SlotStore driven step by step on this thread: each result is typed and exact, commands on a
 busy slot wait for it, tenancy refusals and failures are values, never exceptions."""
 
@@ -9,13 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import slot_file as sf
-from server.cache import tenancy
-from server.cache.disk import DiskTier
-from server.cache.saved import InBuffer, InSlot, SavedState
-from server.routes import slots as slots_route
-from server.settings.config import Settings
-from server.slots.commands import (
+from server.engine.commands import (
     DROPPED_APPENDICES,
     REFUSED_STATE,
     AttachAppendices,
@@ -35,8 +29,14 @@ from server.slots.commands import (
     SpillToDisk,
     StateLoaded,
 )
-from server.slots.engine import Engine, EngineDead, EngineOptions
-from server.slots.file_plan import parse_after_state, plan_restore
+from server.engine.engine import Engine, EngineDead, EngineOptions
+from server.kv.file_plan import parse_after_state, plan_restore
+from server.routes import slots as slots_route
+from server.settings.config import Settings
+from server.tiers import slot_file as sf
+from server.tiers import tenancy
+from server.tiers.disk import DiskTier
+from server.tiers.saved import InBuffer, InSlot, SavedState
 from server.types import FinishReason
 
 from .helpers import route_client, run, task

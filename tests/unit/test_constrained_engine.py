@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.slots.engine import Engine, EngineOptions
+from server.engine.engine import Engine, EngineOptions
 from server.types import FinishReason, SamplingParams
 from tests.fake_backend import FakeBackend
 

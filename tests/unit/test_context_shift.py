@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.slots.engine import Engine, EngineOptions
-from server.slots.speculative import SPEC_DRAFT, SpecConfig
-from server.slots.store import shift_span
+from server.engine.engine import Engine, EngineOptions
+from server.kv.store import shift_span
+from server.slot.speculative import SPEC_DRAFT, SpecConfig
 from server.types import FinishReason
 from tests.fake_backend import FakeBackend, FakeDraft, next_token
 from tests.unit.helpers import make_engine, run, task

@@ -1,4 +1,4 @@
-"""The disk tier (server.cache.disk): naming, the index and its eviction order, the writer,
+"""The disk tier (server.tiers.disk): naming, the index and its eviction order, the writer,
 replicas sharing a directory, and hostile files."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import slot_file
-from server.cache.disk import DiskIndex, DiskTier
-from server.cache.disk_files import (
+from server.tiers import slot_file
+from server.tiers.disk import DiskIndex, DiskTier
+from server.tiers.disk_files import (
     NAME_RE,
     TRAILER,
     BadFile,
@@ -26,8 +26,8 @@ from server.cache.disk_files import (
     tmp_name,
     write_entry,
 )
-from server.cache.prompt_cache import PromptCache
-from server.cache.saved import SavedState
+from server.tiers.prompt_cache import PromptCache
+from server.tiers.saved import SavedState
 from server.types import Checkpoint
 
 CHECK = FileCheck(version=3, n_ctx=4096, n_vocab=1000, model="m:1000")
@@ -185,7 +185,7 @@ def test_byte_limit_evicts_oldest_files_first(tmp_path):
 
 
 def _parts(e: SavedState):
-    from server.cache.disk_files import entry_parts
+    from server.tiers.disk_files import entry_parts
 
     return entry_parts(e, CHECK.version, CHECK.model)
 

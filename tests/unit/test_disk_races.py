@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import disk as disk_mod
-from server.cache import disk_files, slot_file
-from server.cache.disk import DiskTier
-from server.cache.disk_files import EntryChanged, read_entry
-from server.slots import disk_glue
-from server.slots.store import Restored
+from server.engine import disk_glue
+from server.kv.store import Restored
+from server.tiers import disk as disk_mod
+from server.tiers import disk_files, slot_file
+from server.tiers.disk import DiskTier
+from server.tiers.disk_files import EntryChanged, read_entry
 
 from .test_disk_cache import CHECK, entry, tier, written
 

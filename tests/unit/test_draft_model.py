@@ -4,9 +4,9 @@ integrity check, which covers both contexts, runs after every step)."""
 
 from __future__ import annotations
 
-from server.cache.prompt_cache import PromptCache
-from server.slots.engine import Engine, EngineOptions
-from server.slots.speculative import SPEC_DRAFT, SpecConfig
+from server.engine.engine import Engine, EngineOptions
+from server.slot.speculative import SPEC_DRAFT, SpecConfig
+from server.tiers.prompt_cache import PromptCache
 from tests.fake_backend import FakeBackend, FakeDraft
 from tests.unit.helpers import run, task
 from tests.unit.test_speculative import PERIOD, cyclic

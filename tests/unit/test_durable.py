@@ -1,5 +1,5 @@
 """Durable slot-file writes into recycled spares, the readers' locks, parallel reads
-(server/cache/durable.py, file_io.pread_into). Real files in a temporary directory."""
+(server/tiers/durable.py, file_io.pread_into). Real files in a temporary directory."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import durable, file_io
-from server.cache import slot_file as sf
+from server.tiers import durable, file_io
+from server.tiers import slot_file as sf
 
 MIB = 1 << 20
 

@@ -1,6 +1,6 @@
 """Embeddings and reranking: request parsing and checks, normalization, response shapes
 (server.api.embeddings), and the engine's embedding path on the fake backend
-(server.slots.embed): shared decodes, slots emptied, generation alongside, errors."""
+(server.engine.embed): shared decodes, slots emptied, generation alongside, errors."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from server.api.embeddings import (
     rerank_response,
 )
 from server.api.errors import APIError
+from server.engine.embed import EmbedResult, EmbedTask
+from server.engine.engine import Engine, EngineOptions
 from server.settings.config import parse_settings
-from server.slots.embed import EmbedResult, EmbedTask
-from server.slots.engine import Engine, EngineOptions
 from server.types import TaskError
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import Collector, task
@@ -414,7 +414,7 @@ def test_routes_refuse_without_the_flags() -> None:
 
 
 def test_engine_never_lends_a_waiting_tasks_prefix_source() -> None:
-    from server.slots.slot import SlotState
+    from server.slot.slot import SlotState
 
     e, b = _engine(n_seq=3)
     t, c = task([1, 2, 3, 4], max_tokens=2)

@@ -1,4 +1,4 @@
-from server.slots.slot import SlotState
+from server.slot.slot import SlotState
 from server.types import FinishReason
 from tests.fake_backend import EOG
 
@@ -204,7 +204,7 @@ def test_dead_engine_fails_pending_tasks_and_refuses_new_ones():
 
     import pytest
 
-    from server.slots.engine import EngineDead
+    from server.engine.engine import EngineDead
 
     e, b = make_engine(n_seq=1)
 

@@ -1,6 +1,6 @@
 """The RAM cache wired into slot selection, against the fake backend."""
 
-from server.cache.prompt_cache import PromptCache
+from server.tiers.prompt_cache import PromptCache
 
 from .helpers import make_engine, run, task
 

@@ -1,4 +1,4 @@
-"""The engine's way out (slots/sink.py): a task's events reach the HTTP side only through
+"""The engine's way out (engine/event_sink.py): a task's events reach the HTTP side only through
 an ``EventSink``, one ``deliver`` per sink per flush, in order; the HTTP side's sink
 (service/sink.py) is one per event loop, so every stream of a loop shares its wake-up."""
 
@@ -9,8 +9,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from server.engine.event_sink import Delivery, Emitter, EventSink
 from server.service.sink import LoopSink, emitter, loop_sink
-from server.slots.sink import Delivery, Emitter, EventSink
 from server.types import Event, GenParams, SamplingParams, Task, TaskResult, TextChunk
 from tests.unit.helpers import make_engine, run
 

@@ -1,4 +1,4 @@
-"""A constraint's forced tokens on the fake backend (slots/executor.py ``_forced``): where
+"""A constraint's forced tokens on the fake backend (engine/executor.py ``_forced``): where
 the constraint leaves no choice (a call frame's literal parts) the engine takes the tokens
 it forces without sampling them, and the next step decodes them in one batch behind the
 last sampled token. Exact token accounting: every forced token is an answer token
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from server.slots.engine import Engine, EngineOptions
+from server.engine.engine import Engine, EngineOptions
 from server.types import FinishReason, SamplingParams
 
 from .helpers import run, task

@@ -1,4 +1,4 @@
-"""The SIMG block (server.cache.image_file): a state's images named by identity and span,
+"""The SIMG block (server.tiers.image_file): a state's images named by identity and span,
 written and proven again; every way a block can lie is refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from server.cache import image_file
+from server.tiers import image_file
 from server.types import IMAGE_NAMES, ImageSpan, image_placeholders
 
 KEY = b"k" * 16

@@ -10,9 +10,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from server.api.infill import FimTokens
+from server.engine.engine import Engine
 from server.routes import infill
 from server.settings.config import Settings
-from server.slots.engine import Engine
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client
 

@@ -14,8 +14,8 @@ import time
 import msgpack
 import zmq
 
-from server.cache.block_index import BlockIndex
-from server.cache.kv_blocks import (
+from server.http import kv_setup
+from server.kv_events.kv_blocks import (
     FNV_OFFSET,
     BlockHasher,
     block_hash,
@@ -24,12 +24,12 @@ from server.cache.kv_blocks import (
     root_hash,
     tenant_extra,
 )
-from server.cache.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, Chain, KVEvents
-from server.cache.kv_publisher import KVPublisher, encode, endpoint_problem, normalize_endpoint
-from server.http import kv_setup
+from server.kv_events.kv_events import TOKENS_ALL, TOKENS_NONE, TOKENS_SHARED, Chain, KVEvents
+from server.kv_events.kv_publisher import KVPublisher, encode, endpoint_problem, normalize_endpoint
+from server.kv_events.kv_watch import SlotWatcher
+from server.prefix.block_index import BlockIndex
 from server.settings.config import Settings
-from server.slots.kv_watch import SlotWatcher
-from server.slots.slot import Slot
+from server.slot.slot import Slot
 from tests import zmtp_peer
 
 
@@ -91,7 +91,7 @@ def test_hasher_chains_full_blocks_only_and_extends_incrementally():
 
 
 def test_hashing_from_many_threads_at_first_use():
-    import server.cache.kv_blocks as kb
+    import server.kv_events.kv_blocks as kb
 
     kb._small = None  # as at import: the first hashes build the integer table
     toks = list(range(70000, 70000 + 64)) + list(range(64))

@@ -10,13 +10,13 @@ import struct
 import llama_cpp as L
 import pytest
 
-from server.cache import slot_file
 from server.http.app import kv_label, model_options
+from server.kv.audit import kv_type_problem
 from server.llama import params
 from server.llama.ggml_types import CACHE_TYPE_IDS, CACHE_TYPES
 from server.llama.kv_state import read_caches
 from server.settings.config import parse_settings
-from server.slots.audit import kv_type_problem
+from server.tiers import slot_file
 from server.types import CacheCells, Checkpoint
 
 F16, Q8 = CACHE_TYPE_IDS["f16"], CACHE_TYPE_IDS["q8_0"]

@@ -26,10 +26,21 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("server.settings.flags",),
     ("server.settings.config", "server.settings"),
     # siblings: llama.cpp itself (the only user of llama_cpp), grammar/schema compiling,
-    # and the RAM cache, disk tier and slot-file formats
-    ("server.llama", "server.constrained", "server.cache"),
-    # the engine: slots, scheduling, sharing, speculation (llama.cpp behind Backend)
-    ("server.slots",),
+    # and the prefix index structures (prompt items, the tiers' radix tree, the slots'
+    # block trie, the --cache-reuse chunk matcher)
+    ("server.llama", "server.constrained", "server.prefix"),
+    # where saved states live: SavedState, the RAM prompt cache, the disk tier, slot files
+    ("server.tiers",),
+    # one slot and what the engine's parts share about it: Slot, its token record, its
+    # run's text and reasoning budget, speculative settings, the Backend protocol, counters
+    ("server.slot",),
+    # the slots' KV state: the slot store, checkpoints, audits, the draft model's KV, the
+    # locator and the reuse policy over it
+    ("server.kv",),
+    # siblings over the KV state: speculative decoding's step, and llm-d's KV events
+    ("server.speculative", "server.kv_events"),
+    # the engine: the step and its parts (llama.cpp behind Backend)
+    ("server.engine",),
     # the API's language: bodies, errors, prompts, chat templates, tools, infill,
     # responses, embeddings
     ("server.api",),
@@ -54,10 +65,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 # lower packages a layer still must not import: the engine reaches llama.cpp through its
-# Backend protocol (server.slots.backend_api) and constraints through server.types'
-# protocols; above it, only server.http.app builds llama objects
+# Backend protocol (server.slot.backend_api) and constraints through server.types'
+# protocols; above it, only server.http.app builds llama objects. That holds for every
+# folder of the engine's side above llama's layer (the llama leaves stay open to them)
+ENGINE_SIDE = ("server.tiers", "server.slot", "server.kv", "server.speculative")
+ENGINE_SIDE += ("server.kv_events", "server.engine")
 KEPT_APART: dict[str, tuple[str, ...]] = {
-    "server.slots": ("server.llama", "server.constrained"),
+    **dict.fromkeys(ENGINE_SIDE, ("server.llama", "server.constrained")),
     "server.api": ("server.llama",),
     "server.service": ("server.llama",),
     "server.frontend": ("server.llama",),
@@ -66,7 +80,7 @@ KEPT_APART: dict[str, tuple[str, ...]] = {
     "server.http.middleware": ("server.routes", "server.service", "server.http.app"),
     "server.http.cors": ("server.routes", "server.service", "server.http.app"),
     "server.http.metrics": ("server.routes", "server.service", "server.http.app"),
-    "server.router": ("server.llama", "server.slots", "server.service", "server.http.app"),
+    "server.router": ("server.llama", *ENGINE_SIDE, "server.service", "server.http.app"),
 }
 
 # modules outside server.llama that import llama_cpp, each inside one function, and why
@@ -156,13 +170,13 @@ def _upward(g: dict[str, set[str]]) -> list[str]:
 
 def test_graph_sees_the_packages_imports():
     g = _graph()
-    assert "server.types" in g["server.slots.engine"]
-    assert "server.slots.ram" in g["server.slots.engine"]  # from . import ram
+    assert "server.types" in g["server.engine.engine"]
+    assert "server.engine.ram" in g["server.engine.engine"]  # from . import ram
     assert "server.api.tools.parse" in g["server.api.responses"]
     assert "server.api.errors" in g["server.http.app"]  # from ..api import errors
     assert "server.http.app" in g["server.cli.main"]
     assert "server.cli.main" in g["server.__main__"]
-    assert "server.llama.ggml_types" in g["server.cache.slot_file"]
+    assert "server.llama.ggml_types" in g["server.tiers.slot_file"]
     assert "server.llama.backend" in g["server.http.app"]  # inside a function
 
 
@@ -173,9 +187,10 @@ def test_every_module_has_a_layer():
 def test_the_rules_catch_upward_and_sideways_imports():
     """The checker itself: each kind of bad edge is reported, the allowed ones are not."""
     bad = {
-        "server.types": {"server.slots.engine"},  # a leaf importing the engine
-        "server.slots.store": {"server.llama.backend"},  # kept apart
-        "server.cache.disk": {"server.llama.params"},  # a sibling
+        "server.types": {"server.engine.engine"},  # a leaf importing the engine
+        "server.kv.store": {"server.llama.backend"},  # kept apart
+        "server.prefix.prefix_index": {"server.llama.params"},  # a sibling
+        "server.tiers.disk": {"server.llama.params"},  # kept apart
         "server.api.chat": {"server.service"},  # upward
         "server.llama.ggml_types": {"server.types"},  # sideways among the leaves
         "server.settings.config": {"server.http.app"},  # settings importing the app
@@ -183,8 +198,8 @@ def test_the_rules_catch_upward_and_sideways_imports():
     }
     assert len(_upward(bad)) == sum(len(v) for v in bad.values())
     good = {
-        "server.cache.slot_file": {"server.llama.ggml_types", "server.types"},
-        "server.slots.engine": {"server.cache.disk", "server.slots.ram"},
+        "server.tiers.slot_file": {"server.llama.ggml_types", "server.types"},
+        "server.engine.engine": {"server.tiers.disk", "server.engine.ram"},
         "server.http.app": {"server.llama.backend", "server.routes.openai"},
         "server.routes.openai": {"server.service", "server.api.chat", "server.settings.config"},
         "server.__main__": {"server.cli.main"},
@@ -236,7 +251,7 @@ def test_only_the_llama_package_loads_llama_cpp():
     assert "server.llama.backend" in users  # the check sees them
     outside = {m for m in users if not m.startswith("server.llama.")}
     assert outside == LLAMA_CPP_OUTSIDE_LLAMA
-    # the ggml table and the package's __init__ stay pure: cache/ and slots/ import them
+    # the ggml table and the package's __init__ stay pure: tiers/ and kv/ import them
     assert "server.llama.ggml_types" not in users
     assert not _graph()["server.llama"] and "server.llama" not in users
 

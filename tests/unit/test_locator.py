@@ -1,4 +1,4 @@
-"""The locator (server.slots.locator): one match over every holder (idle and busy slots,
+"""The locator (server.kv.locator): one match over every holder (idle and busy slots,
 in-flight prefills, RAM and disk entries), and prompt items matched whole (an image is one
 item: a match never ends inside it)."""
 
@@ -9,12 +9,12 @@ from typing import ClassVar
 
 import pytest
 
-from server.cache.items import ImageItem, common_prefix, n_positions
-from server.cache.prefix_index import Held, PrefixIndex
-from server.cache.prompt_cache import PromptCache
-from server.slots.locator import Holder, Locator, match_holders
-from server.slots.policy import SlotView, choose_slot, plan_reuse
-from server.slots.slot import SlotState
+from server.kv.locator import Holder, Locator, match_holders
+from server.kv.policy import SlotView, choose_slot, plan_reuse
+from server.prefix.items import ImageItem, common_prefix, n_positions
+from server.prefix.prefix_index import Held, PrefixIndex
+from server.slot.slot import SlotState
+from server.tiers.prompt_cache import PromptCache
 
 from .helpers import make_engine, run, task
 

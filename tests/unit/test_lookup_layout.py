@@ -1,5 +1,5 @@
 """Structure rule of issue 41's "one lookup" (tests/unit/test_layout.py style): the locator
-(server/slots/locator.py) is the only module that computes what a slot, an in-flight
+(server/kv/locator.py) is the only module that computes what a slot, an in-flight
 prefill or a cached entry shares with a prompt. Slot choice, sharing and the tier loads
 read its match.
 
@@ -19,20 +19,20 @@ MATCHERS = {"lcp", "shared_prefix", "common_prefix"}
 
 # module -> why it may compute a prefix itself
 ALLOWED = {
-    "server/slots/locator.py": "the locator: every holder's match",
-    "server/cache/prefix_index.py": "the index: walks its own tree (the entries' matcher)",
-    "server/cache/block_index.py": "the slots' index: walks its own trie (the locator's)",
-    "server/cache/items.py": "defines the item matcher",
+    "server/kv/locator.py": "the locator: every holder's match",
+    "server/prefix/prefix_index.py": "the index: walks its own tree (the entries' matcher)",
+    "server/prefix/block_index.py": "the slots' index: walks its own trie (the locator's)",
+    "server/prefix/items.py": "defines the item matcher",
     "server/types.py": "defines lcp",
     # the tiers' own rule, for callers that bring no match (find(..., match=None)) and
     # the slot's own baseline (f_keep/f_sim of the slot being loaded into)
-    "server/cache/prompt_cache.py": "RAM tier's find: own baseline, walk when no match given",
-    "server/cache/disk.py": "disk tier's find: own baseline, walk when no match given",
+    "server/tiers/prompt_cache.py": "RAM tier's find: own baseline, walk when no match given",
+    "server/tiers/disk.py": "disk tier's find: own baseline, walk when no match given",
     # not prompt lookups: the draft model's KV against the target's tokens
-    "server/slots/draft_kv.py": "draft KV bookkeeping",
-    "server/slots/store.py": "draft KV bookkeeping",
+    "server/kv/draft_kv.py": "draft KV bookkeeping",
+    "server/kv/store.py": "draft KV bookkeeping",
     # the issue allows --cache-reuse its own chunk matcher
-    "server/slots/cache_reuse.py": "--cache-reuse's chunk matcher",
+    "server/engine/cache_reuse.py": "--cache-reuse's chunk matcher",
 }
 
 
@@ -72,9 +72,10 @@ def test_only_the_locator_computes_prefixes_against_holders():
 
 def test_the_consumers_read_the_match():
     callers = _callers()
-    for m in ("policy.py", "sharing.py", "scheduler.py", "placement.py", "ram.py"):
-        assert f"server/slots/{m}" not in callers
-    assert "server/slots/locator.py" in callers
+    for m in ("kv/policy.py", "engine/sharing.py", "engine/scheduler.py", "engine/placement.py"):
+        assert f"server/{m}" not in callers
+    assert "server/engine/ram.py" not in callers
+    assert "server/kv/locator.py" in callers
 
 
 def test_the_rule_catches_a_scan():

@@ -10,12 +10,12 @@ import pytest
 
 from server.api.errors import APIError
 from server.api.schemas import LoraScale
-from server.cache import slot_file, tenancy
-from server.cache.prompt_cache import PromptCache
+from server.engine.adapter_turns import canonical
+from server.engine.commands import Caller
 from server.service.adapters import Adapter, AdapterRegistry
 from server.settings.config import parse_settings
-from server.slots.adapter_turns import canonical
-from server.slots.commands import Caller
+from server.tiers import slot_file, tenancy
+from server.tiers.prompt_cache import PromptCache
 
 from .helpers import make_engine, run, task
 

@@ -1,4 +1,4 @@
-"""The front end's protocols (server.slots.model_api): the real backend has every member
+"""The front end's protocols (server.engine.model_api): the real backend has every member
 the HTTP side reads (``ModelBackend``, its ``Tokenizer``; the draft's ``DraftModel``), and
 ``ServerState`` holds them typed, with a 503 while no model is loaded."""
 
@@ -9,11 +9,11 @@ import typing
 import pytest
 
 from server.api.errors import APIError
+from server.engine.model_api import DraftModel, ModelBackend, Tokenizer
 from server.llama.backend import LlamaBackend
 from server.llama.draft import DraftContext
 from server.service.state import ServerState
 from server.settings.config import Settings
-from server.slots.model_api import DraftModel, ModelBackend, Tokenizer
 from tests.fake_backend import FakeBackend
 from tests.unit.test_backend_protocol import _instance_attrs, _problems
 

@@ -1,6 +1,6 @@
 """One phase touches memory (issue 41): every call that changes llama.cpp memory or decodes
 (``MEMORY_CALLS``: decode, seq_rm, seq_cp, seq_add, seq_clear, state_set), on the target and
-on a draft model's context, runs inside the runner (server/slots/runner.py). The fake backend
+on a draft model's context, runs inside the runner (server/engine/runner.py). The fake backend
 records the phase of each call from the stack; these tests drive the engine through every
 path that changes memory (cache restores, cuts, checkpoint resumes, prefix sharing and
 waiting, --cache-reuse, context shifts, checkpoints, draft models, ended runs' draft
@@ -11,11 +11,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from server.cache.prompt_cache import PromptCache
-from server.slots.commands import Caller, EraseSlot
-from server.slots.embed import EmbedTask
-from server.slots.engine import Engine, EngineOptions
-from server.slots.speculative import SPEC_DRAFT, SpecConfig
+from server.engine.commands import Caller, EraseSlot
+from server.engine.embed import EmbedTask
+from server.engine.engine import Engine, EngineOptions
+from server.slot.speculative import SPEC_DRAFT, SpecConfig
+from server.tiers.prompt_cache import PromptCache
 from tests.fake_backend import RUNNER, FakeBackend, FakeDraft
 from tests.unit.helpers import Collector, make_engine, run, task
 
@@ -111,20 +111,22 @@ def test_embeddings_cancellations_and_commands_run_in_the_runner():
 def _op(e: Engine, cmd):
     from concurrent.futures import Future
 
-    from server.slots.engine import _Op
+    from server.engine.engine import _Op
 
     return _Op(cmd.run, cmd.slot, Future())
 
 
 # ---- the rule in the source: which modules may call memory operations ------------------
 
-SLOTS = Path(__file__).resolve().parents[2] / "server" / "slots"
+SERVER = Path(__file__).resolve().parents[2] / "server"
+# the engine's side, where the slots' code lives
+ENGINE_SIDE = ("engine", "slot", "kv", "speculative", "kv_events", "prefix")
 MEMORY_ATTRS = {"decode", "seq_rm", "seq_cp", "seq_add", "seq_clear", "state_set"}
 # the runner, and the helpers only it calls: the executor (the batch), the slot store, the
 # draft model's memory and drafter, --cache-reuse's scratch sequence
 MAY_TOUCH = {"runner", "executor", "store", "draft_kv", "drafter", "cache_reuse"}
-# the decisions: they yield operations (slots/plan.py) and never call one
-DECIDE = {"placement", "sharing", "embed", "scheduler", "policy", "update", "engine", "plan"}
+# the decisions: they yield operations (engine/step_plan.py) and never call one
+DECIDE = {"placement", "sharing", "embed", "scheduler", "policy", "update", "engine", "step_plan"}
 
 
 def _memory_callers(path: Path) -> set[str]:
@@ -147,14 +149,15 @@ def _memory_callers(path: Path) -> set[str]:
 
 def test_only_the_runner_and_its_helpers_call_memory_operations():
     # text.py's ``decode`` is an incremental UTF-8 decoder's, not llama_decode
-    calls = {p.stem: _memory_callers(p) for p in SLOTS.glob("*.py") if p.stem != "text"}
+    files = [p for d in ENGINE_SIDE for p in (SERVER / d).glob("*.py")]
+    calls = {p.stem: _memory_callers(p) for p in files if p.stem != "text"}
     assert {m for m, c in calls.items() if c} <= MAY_TOUCH, calls
     assert all(not calls[m] for m in DECIDE)
     assert "decode" in calls["runner"] and "decode" in calls["executor"]
 
 
 def test_the_engine_drives_decisions_through_the_runner():
-    src = (SLOTS / "engine.py").read_text()
+    src = (SERVER / "engine" / "engine.py").read_text()
     for decision in ("self.placer.place(", "self.sharing.resolve_waiters()", "self.embed.step()"):
         assert f"self.runner.drive({decision}" in src, decision
     assert "self.executor.execute(" not in src and "self.executor.settle_ended(" not in src

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.slots import sampling
+from server.engine import sampling_paths as sampling
 from server.types import FinishReason, TaskError
 
 from .helpers import make_engine, run, task
@@ -161,7 +161,7 @@ def test_the_batched_tokens_are_the_ones_taken(monkeypatch):
 
 def test_a_failed_batch_falls_back_to_one_by_one(monkeypatch, caplog):
     _, _, ref = _run_four(monkeypatch, sample_threads=0)
-    with caplog.at_level(logging.ERROR, logger="server.slots.engine"):
+    with caplog.at_level(logging.ERROR, logger="server.engine.engine"):
         _, spy, done = _run_four(monkeypatch, fail=True, sample_threads=0)
     assert spy.calls  # it was tried, every step, and every slot still got its tokens
     assert [c.result.tokens for c in done] == [c.result.tokens for c in ref]

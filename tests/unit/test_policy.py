@@ -1,11 +1,5 @@
-from server.slots.policy import (
-    CheckpointView,
-    SlotView,
-    choose_slot,
-    plan_reuse,
-    window_intact,
-)
-from server.types import lcp  # policy no longer computes prefixes (slots/locator.py)
+from server.kv.policy import CheckpointView, SlotView, choose_slot, plan_reuse, window_intact
+from server.types import lcp  # policy no longer computes prefixes (kv/locator.py)
 
 
 def test_lcp_exact_lengths():

@@ -1,4 +1,4 @@
-"""The prefix index (server.cache.prefix_index): exact match lengths, edge splits and
+"""The prefix index (server.prefix.prefix_index): exact match lengths, edge splits and
 merges, removal leaving no dead nodes, tenant separation, the load rule against a linear
 scan, and concurrent changes."""
 
@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
-from server.cache.prefix_index import Held, PrefixIndex
+from server.prefix.prefix_index import Held, PrefixIndex
 from server.types import lcp
 
 
@@ -224,10 +224,10 @@ def test_concurrent_changes_keep_the_tree_whole():
 
 
 def test_ram_and_disk_share_one_index_without_seeing_each_other(tmp_path):
-    from server.cache.disk import DiskTier
-    from server.cache.disk_files import DiskEntry, FileCheck
-    from server.cache.prompt_cache import PromptCache
-    from server.cache.saved import SavedState
+    from server.tiers.disk import DiskTier
+    from server.tiers.disk_files import DiskEntry, FileCheck
+    from server.tiers.prompt_cache import PromptCache
+    from server.tiers.saved import SavedState
 
     ix = PrefixIndex()
     ram = PromptCache(-1, 0, index=ix)
@@ -290,7 +290,7 @@ def test_two_tiers_scanned_together_equal_a_scan_of_both_in_order():
 
 
 def test_cache_integrity_finds_prefixes_through_the_index_within_a_tenant():
-    from server.cache.prompt_cache import PromptCache
+    from server.tiers.prompt_cache import PromptCache
 
     c = PromptCache(-1, 0)
     c.save([1, 2, 3], 8, lambda: bytearray(8), tenant="a")

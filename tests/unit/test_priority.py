@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 
-from server.cache.prompt_cache import PromptCache
-from server.slots.priority import MAX_PREEMPTIONS, PriorityRule, RunView, pick_victim, victims
-from server.slots.slot import SlotState
+from server.engine.priority import MAX_PREEMPTIONS, PriorityRule, RunView, pick_victim, victims
+from server.slot.slot import SlotState
+from server.tiers.prompt_cache import PromptCache
 from server.types import TaskResult
 
 from .helpers import make_engine, run, task

@@ -1,6 +1,6 @@
 """One test per rule of ARCHITECTURE §7, with exact entries and eviction order."""
 
-from server.cache.prompt_cache import PromptCache
+from server.tiers.prompt_cache import PromptCache
 from server.types import Checkpoint
 
 

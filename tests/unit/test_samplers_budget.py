@@ -1,5 +1,5 @@
 """The sampler order (``samplers`` in both of llama-server's forms), which stages a chain
-runs, where -bs samples them, and the reasoning budget's bookkeeping (slots/budget.py,
+runs, where -bs samples them, and the reasoning budget's bookkeeping (slot/reasoning_budget.py,
 service/budget.py), without a model."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from server.api.errors import APIError
 from server.api.reasoning_tags import ReasoningTags, reasoning_tags
 from server.api.schemas import ChatRequest, NativeCompletionRequest
+from server.engine.sampling_paths import PENALTIES, REQUEST, SAMPLERS, cpu_reason
 from server.service.budget import budget_ask
 from server.settings.config import Settings
-from server.slots.budget import BudgetTracker
-from server.slots.sampling import PENALTIES, REQUEST, SAMPLERS, cpu_reason
+from server.slot.reasoning_budget import BudgetTracker
 from server.types import (
     DEFAULT_SAMPLERS,
     GenParams,

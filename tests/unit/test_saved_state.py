@@ -1,5 +1,5 @@
 """One saved state and one restore path (issue 41): the RAM cache, the disk tier and slot
-files all hand a ``SavedState`` (server/cache/saved.py) to ``SlotStore.restore(slot, state,
+files all hand a ``SavedState`` (server/tiers/saved.py) to ``SlotStore.restore(slot, state,
 trusted)``, the one way a state comes back into a slot; the removed shapes and restore
 paths stay removed (AST checks, tests/unit/test_layout.py style)."""
 
@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import slot_file
-from server.cache.disk import DiskTier
-from server.cache.disk_files import DiskEntry, FileCheck
-from server.cache.prompt_cache import PromptCache
-from server.cache.saved import InBuffer, InSlot, OnDisk, SavedState
-from server.slots import disk_glue
-from server.slots.checkpoints import CheckpointPolicy
-from server.slots.commands import AttachAppendices, RestoreSlot, SlotRestored, StateLoaded
-from server.slots.file_plan import parse_after_state, plan_restore
-from server.slots.store import SlotStore
+from server.engine import disk_glue
+from server.engine.commands import AttachAppendices, RestoreSlot, SlotRestored, StateLoaded
+from server.kv.checkpoints import CheckpointPolicy
+from server.kv.file_plan import parse_after_state, plan_restore
+from server.kv.store import SlotStore
+from server.tiers import slot_file
+from server.tiers.disk import DiskTier
+from server.tiers.disk_files import DiskEntry, FileCheck
+from server.tiers.prompt_cache import PromptCache
+from server.tiers.saved import InBuffer, InSlot, OnDisk, SavedState
 from tests.fake_backend import FakeBackend
 
 from .helpers import run, task
@@ -65,7 +65,9 @@ def test_states_reach_llama_cpp_only_through_the_store():
     slot's own live state, never a saved one."""
     where = []
     for name, tree in _trees():
-        if not name.startswith("slots/"):
+        if not name.startswith(
+            ("engine/", "slot/", "kv/", "speculative/", "kv_events/", "prefix/")
+        ):
             continue
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef):
@@ -73,13 +75,13 @@ def test_states_reach_llama_cpp_only_through_the_store():
             for node in ast.walk(fn):
                 if isinstance(node, ast.Call) and _called(node) == "state_set":
                     where.append((name, fn.name))
-    mine = sorted({w for w in where if w[0] == "slots/store.py"})
+    mine = sorted({w for w in where if w[0] == "kv/store.py"})
     assert mine == [
-        ("slots/store.py", "_load"),
-        ("slots/store.py", "_own_copy"),
-        ("slots/store.py", "resume_at_checkpoint"),
+        ("kv/store.py", "_load"),
+        ("kv/store.py", "_own_copy"),
+        ("kv/store.py", "resume_at_checkpoint"),
     ]
-    assert {w[0] for w in where} <= {"slots/store.py", "slots/draft_kv.py"}
+    assert {w[0] for w in where} <= {"kv/store.py", "kv/draft_kv.py"}
 
 
 def test_every_store_restore_call_says_whether_it_trusts_the_state():
@@ -92,7 +94,7 @@ def test_every_store_restore_call_says_whether_it_trusts_the_state():
                 is_store |= isinstance(owner, ast.Attribute) and owner.attr == "store"
                 if node.func.attr == "restore" and is_store:
                     calls.append((name, [k.arg for k in node.keywords]))
-    assert {n for n, _ in calls} == {"slots/ram.py", "slots/disk_glue.py", "slots/commands.py"}
+    assert {n for n, _ in calls} == {"engine/ram.py", "engine/disk_glue.py", "engine/commands.py"}
     assert all("trusted" in kws for _, kws in calls), calls
 
 
@@ -147,7 +149,7 @@ def test_a_longer_match_on_disk_beats_a_weaker_ram_entry(alive, tmp_path):  # no
     """Agents sharing a system prompt: the RAM cache holds another conversation (it shares
     only the system prompt), the disk this conversation's own state. Both tiers are looked
     at, and the disk's longer match is restored."""
-    from server.slots import ram
+    from server.engine import ram
 
     check = FileCheck(0, 4096, 1000, "m")
     disk = DiskTier(tmp_path, 1 << 30, check, sync_scan_s=10.0)

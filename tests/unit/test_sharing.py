@@ -1,7 +1,7 @@
 """Cross-request prefix sharing (seq_cp) against the fake backend."""
 
-from server.slots.share_cost import StepSpeed
-from server.slots.slot import SlotState
+from server.kv.share_cost import StepSpeed
+from server.slot.slot import SlotState
 
 from .helpers import make_engine, run, task
 
@@ -117,7 +117,7 @@ def test_more_waiters_than_slots_never_deadlock():
     assert all(s.idle for s in e.slots)
 
 
-# --- waiting versus computing: the cost model (slots/share_cost.py) ----------------------
+# --- waiting versus computing: the cost model (kv/share_cost.py) ----------------------
 
 # a step costs mostly its tokens (a CPU) or mostly a fixed overhead (a GPU); alpha 0 keeps
 # these injected estimates fixed whatever the fake steps measure
@@ -216,8 +216,8 @@ def test_a_wait_counts_the_step_it_costs_its_source():
 def test_one_lookup_serves_the_tier_load_and_both_sharing_sources(monkeypatch):
     """Issue 41: a placement takes one match (slots, in-flight prefills, the RAM index) and
     the tier load, held_source and inflight_source all read it; the index is walked once."""
-    from server.cache.prefix_index import PrefixIndex
-    from server.cache.prompt_cache import PromptCache
+    from server.prefix.prefix_index import PrefixIndex
+    from server.tiers.prompt_cache import PromptCache
 
     e, b = make_engine(n_seq=2)
     e.cache = PromptCache(-1, 0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from server.cache import durable, file_io
-from server.cache import slot_file as sf
+from server.tiers import durable, file_io
+from server.tiers import slot_file as sf
 from server.types import Checkpoint
 
 VERSION = 3

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.cache import slot_file as sf
-from server.cache import tenancy
-from server.cache.disk import DiskTier
 from server.routes import slots as slots_route
 from server.service.state import tenant_of
 from server.settings.config import Settings
+from server.tiers import slot_file as sf
+from server.tiers import tenancy
+from server.tiers.disk import DiskTier
 from server.types import Checkpoint
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client, task

@@ -1,10 +1,10 @@
-"""The spare state buffer (server/slots/spare.py): a restored RAM entry's bytes take the next
+"""The spare state buffer (server/kv/spare.py): a restored RAM entry's bytes take the next
 state copied out, in place, when they have room."""
 
 from __future__ import annotations
 
-from server.cache.prompt_cache import PromptCache
-from server.slots.spare import HEADROOM, Spare, room
+from server.kv.spare import HEADROOM, Spare, room
+from server.tiers.prompt_cache import PromptCache
 
 from .helpers import make_engine, run, task
 

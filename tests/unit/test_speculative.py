@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.slots.sequence import Sequence
-from server.slots.speculative import (
+from server.slot.sequence import Sequence
+from server.slot.speculative import (
     SPEC_NGRAM,
     DraftLimits,
     SpecConfig,

@@ -8,10 +8,10 @@ import struct
 
 import pytest
 
-from server.cache import slot_file
+from server.kv.audit import seq_state_problem
 from server.llama.kv_state import read_caches
 from server.llama.state_bytes import narrow, widen, window_shape
-from server.slots.audit import seq_state_problem
+from server.tiers import slot_file
 from server.types import CacheCells, Checkpoint
 
 K_ROW, V_ROW, N_LAYER, N_SWA = 8, 4, 2, 40

@@ -8,13 +8,13 @@ import copy
 
 import pytest
 
-from server.slots.engine import Engine, EngineOptions
-from server.slots.plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
-from server.slots.scheduler import MIN_PROMPT_CHUNK
-from server.slots.share_cost import StepSpeed
-from server.slots.slot import Slot, SlotState
-from server.slots.speculative import SPEC_DRAFT, SpecConfig
-from server.slots.store import shift_span
+from server.engine.engine import Engine, EngineOptions
+from server.engine.scheduler import MIN_PROMPT_CHUNK
+from server.engine.step_plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
+from server.kv.share_cost import StepSpeed
+from server.kv.store import shift_span
+from server.slot.slot import Slot, SlotState
+from server.slot.speculative import SPEC_DRAFT, SpecConfig
 from server.types import FinishReason, TaskError, TaskResult, TextChunk
 from tests.fake_backend import EOG, FakeBackend, FakeDraft
 

@@ -3,8 +3,8 @@ only within one tenant. Exact hit lengths against the fake backend."""
 
 from __future__ import annotations
 
-from server.cache.prompt_cache import PromptCache
-from server.slots.policy import SlotView, choose_slot
+from server.kv.policy import SlotView, choose_slot
+from server.tiers.prompt_cache import PromptCache
 
 from .helpers import make_engine, run, task
 

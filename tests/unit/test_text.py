@@ -1,4 +1,4 @@
-from server.slots.text import TextStream
+from server.slot.text import TextStream
 
 
 def feed(stream, pieces):
