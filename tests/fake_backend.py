@@ -29,7 +29,9 @@ MEMORY_CALLS = (
     "state_set",
 )
 RUNNER = "runner"  # the phase of a call made inside server/engine/runner.py
-# the modules of server/slots that make a step's decisions or drive it: the innermost of
+# the engine side's folders (where the slots' code lives)
+ENGINE_SIDE = ("engine", "slot", "kv", "speculative", "kv_events", "prefix")
+# the modules of the engine side that make a step's decisions or drive it: the innermost of
 # them on the stack is a memory call's phase (helpers such as the store, the executor or
 # the caches run in the phase of whoever called them)
 PHASES = ("runner", "engine", "placement", "sharing", "embed", "scheduler", "update", "policy")
@@ -37,12 +39,12 @@ PHASES = ("runner", "engine", "placement", "sharing", "embed", "scheduler", "upd
 
 def call_phase() -> str:
     """The phase a memory call runs in, read off the stack: the innermost frame of a
-    server/slots module in ``PHASES`` (``RUNNER`` for server/engine/runner.py), as
+    server/<engine-side folder> module in ``PHASES`` (``RUNNER`` for server/engine/runner.py), as
     ``module.function`` for any other; "test" when none is on the stack (a test's own)."""
     f: FrameType | None = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename.replace("\\", "/")
-        if "/server/slots/" in name:
+        if any(f"/server/{d}/" in name for d in ENGINE_SIDE):
             mod = name.rsplit("/", 1)[-1].removesuffix(".py")
             if mod == RUNNER:
                 return RUNNER
