@@ -308,6 +308,38 @@ class CountSlotFile:
 
 
 @dataclass(frozen=True)
+class CacheView:
+    """What GET /cache shows: the RAM cache's and the disk tier's descriptions (``disk``:
+    ``{"enabled": False}`` without one) and --cache-idle-slots."""
+
+    ram: dict[str, object]
+    disk: dict[str, object]
+    idle_slots: bool
+
+
+@dataclass(frozen=True)
+class DescribeCache:
+    """The caches as one snapshot made between two steps: the RAM cache belongs to the
+    engine thread, and read from another its entries and totals could disagree. ``owner``:
+    only that tenant's entries and totals (--cache-isolation), and no disk write queue
+    (whose size would tell of other tenants' saves). None without a RAM cache."""
+
+    owner: str | None = None
+    idle_slots: bool = False
+    slot: int = field(default=-1, init=False)
+
+    def run(self, host: Host) -> CacheView | None:
+        if host.cache is None:
+            return None
+        disk: dict[str, object] = {"enabled": False}
+        if host.disk is not None:
+            disk = host.disk.describe(self.owner)
+            if self.owner is not None:
+                disk = {k: v for k, v in disk.items() if k not in ("n_pending", "pending_bytes")}
+        return CacheView(host.cache.describe(self.owner), disk, self.idle_slots)
+
+
+@dataclass(frozen=True)
 class IntegrityReport:
     problems: list[str]
 

@@ -1,20 +1,17 @@
-"""GET /cache: the RAM prompt cache's entries, totals and limits; GET /debug/integrity."""
+"""GET /cache: the RAM prompt cache's entries, totals and limits; GET /debug/integrity.
+
+Both read the engine's caches through engine commands (server/engine/commands.py), run
+between two steps on the engine thread: the route never walks the caches itself."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 
-from ..engine.commands import CheckIntegrity
+from ..engine.commands import CheckIntegrity, DescribeCache
 from ..service.state import tenant_of
-from ..tiers import tenancy
 from .common import state_of
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 router = APIRouter()
 
@@ -31,55 +28,14 @@ async def cache_info(request: Request) -> dict[str, object]:
     shown."""
     st = state_of(request)
     engine = st.require_engine()
-    if engine.cache is None:
-        return {"enabled": False}
-    disk = engine.disk.describe() if engine.disk is not None else {"enabled": False}
-    ram = engine.cache.describe()
+    owner: str | None = None
     if st.settings.cache_isolation != "none":
-        tenant = tenant_of(st, request, request.query_params.get("cache_salt"))
-        ram = _ram_of(engine, ram, tenant)
-        disk = _disk_of(engine, disk, tenant) if engine.disk is not None else disk
-    return {
-        "enabled": True,
-        "idle_slots": engine.opts.cache_idle_slots,
-        **ram,
-        "disk": disk,  # the tier under RAM (--cache-disk)
-    }
-
-
-def _ram_of(engine: Engine, ram: dict[str, object], tenant: str) -> dict[str, object]:
-    """The RAM cache's description cut to ``tenant``'s entries (and their totals)."""
-    assert engine.cache is not None
-    mine = [e for e in list(engine.cache.entries) if tenancy.owner(e.tenant) == tenant]
-    now = time.time()
-    entries = [
-        {
-            "n_tokens": len(e.tokens),
-            "n_bytes": e.nbytes,
-            "n_checkpoints": len(e.checkpoints),
-            "age_s": round(now - e.created, 3),
-        }
-        for e in mine
-    ]
-    return {
-        **ram,
-        "n_entries": len(entries),
-        "n_bytes": sum(x["n_bytes"] for x in entries),
-        "n_tokens": sum(x["n_tokens"] for x in entries),
-        "entries": entries,
-    }
-
-
-def _disk_of(engine: Engine, disk: dict[str, object], tenant: str) -> dict[str, object]:
-    """The disk tier's description cut to ``tenant``'s entries (file names are unique; an
-    entry indexed or dropped meanwhile is left out, never another tenant's shown)."""
-    assert engine.disk is not None
-    names = {e.name for e in list(engine.disk.index.entries) if tenancy.owner(e.tenant) == tenant}
-    listed = disk.get("entries", [])
-    entries = [x for x in (listed if isinstance(listed, list) else []) if x["name"] in names]
-    out = {k: v for k, v in disk.items() if k not in ("n_pending", "pending_bytes")}
-    out |= {"n_entries": len(entries), "n_bytes": sum(x["n_bytes"] for x in entries)}
-    return out | {"entries": entries}
+        owner = tenant_of(st, request, request.query_params.get("cache_salt"))
+    ask = DescribeCache(owner, engine.opts.cache_idle_slots)
+    view = await asyncio.wrap_future(engine.submit_command(ask))
+    if view is None:
+        return {"enabled": False}
+    return {"enabled": True, "idle_slots": view.idle_slots, **view.ram, "disk": view.disk}
 
 
 @router.get("/debug/integrity")

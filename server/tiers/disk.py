@@ -44,6 +44,7 @@ from typing import ClassVar
 
 from ..prefix.prefix_index import Held, Match, PrefixIndex
 from ..types import lcp
+from . import tenancy
 from .disk_files import (
     NAME_RE,
     READ_DELAY_ENV,
@@ -619,11 +620,16 @@ class DiskTier:
 
     # ---- reporting ----------------------------------------------------------------
 
-    def describe(self) -> dict:
+    def describe(self, owner: str | None = None) -> dict:
+        """Entries, totals, limits, counters and the write queue; any thread (under the
+        tier's lock). ``owner``: only that tenant's entries (``tenancy.owner``), and totals
+        of those."""
         now = time.time_ns()
         with self._lock:
             c = self.counters.__dict__.copy()
-            entries = list(self.index.entries)
+            entries = [
+                e for e in self.index.entries if owner is None or tenancy.owner(e.tenant) == owner
+            ]
             pending = len(self._q.items)
             pending_bytes = self._q.nbytes
             last_bad = list(self.last_bad)

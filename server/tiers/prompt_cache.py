@@ -18,6 +18,7 @@ from typing import ClassVar, NamedTuple
 
 from ..prefix.prefix_index import Held, Match, PrefixIndex
 from ..types import Checkpoint, StateBuf, lcp
+from . import tenancy
 from .saved import InSlot, SavedState
 
 log = logging.getLogger("server.tiers.prompt_cache")
@@ -326,12 +327,16 @@ class PromptCache:
             while self.entries and self.n_tokens > limit:
                 self._evict_oldest("token limit")
 
-    def describe(self) -> dict:
+    def describe(self, owner: str | None = None) -> dict:
+        """Entries, totals, limits and counters; engine thread only (the entries and the
+        totals must agree). ``owner``: only that tenant's entries (``tenancy.owner``), and
+        totals of those: another tenant's sizes would tell its prompts' lengths."""
         now = time.time()
+        mine = [e for e in self.entries if owner is None or tenancy.owner(e.tenant) == owner]
         return {
-            "n_entries": len(self.entries),
-            "n_bytes": self.nbytes,
-            "n_tokens": self.n_tokens,
+            "n_entries": len(mine),
+            "n_bytes": self.nbytes if owner is None else sum(e.nbytes for e in mine),
+            "n_tokens": self.n_tokens if owner is None else sum(len(e.tokens) for e in mine),
             "limit_bytes": self.limit_bytes,
             "limit_tokens": self.limit_tokens,
             "limit_tokens_effective": self.token_limit(),
@@ -343,6 +348,6 @@ class PromptCache:
                     "n_checkpoints": len(e.checkpoints),
                     "age_s": round(now - e.created, 3),
                 }
-                for e in list(self.entries)
+                for e in mine
             ],
         }

@@ -16,6 +16,7 @@ from server.engine.commands import (
     Caller,
     CheckIntegrity,
     CountSlotFile,
+    DescribeCache,
     EraseSlot,
     Failed,
     IntegrityReport,
@@ -36,6 +37,7 @@ from server.settings.config import Settings
 from server.tiers import slot_file as sf
 from server.tiers import tenancy
 from server.tiers.disk import DiskTier
+from server.tiers.prompt_cache import PromptCache
 from server.tiers.saved import InBuffer, InSlot, SavedState
 from server.types import FinishReason
 
@@ -292,6 +294,29 @@ def test_counts_integrity_and_spill(alive, tmp_path):
     fill(e2, 1)
     assert do(e2, SpillToDisk()) == Spilled(1)
     assert [len(x.tokens) for x in disk._q.items] == [100]
+
+
+def test_the_cache_view_is_made_on_the_engine_thread_and_cut_to_its_owner(alive, tmp_path):
+    """GET /cache's snapshot (issue 57: routes never walk the engine's caches): made by the
+    engine's step, not when asked; an owner sees its own entries and totals only."""
+    e, _ = engine_of(cache=PromptCache(-1, 0), disk=DiskTier(tmp_path, 1 << 30, CHECK))
+    fill(e, 0, tenant=A)
+    fill(e, 1, prompt=[5, *PROMPT[:50]], tenant=B)
+    fill(e, 0, prompt=[7, *PROMPT[:30]], tenant=B)  # slot 0's A prompt goes to RAM
+    assert e.cache is not None and len(e.cache.entries) == 2
+    asked = e.submit_command(DescribeCache())
+    assert not asked.done()  # nothing is read until the engine thread's next step
+    every = drive(e, asked)
+    assert [x["n_tokens"] for x in every.ram["entries"]] == [100, 51]
+    assert (every.ram["n_entries"], every.ram["n_tokens"]) == (2, 151)
+    assert "n_pending" in every.disk
+    a, b = do(e, DescribeCache(A)), do(e, DescribeCache(B, idle_slots=True))
+    assert ([x["n_tokens"] for x in a.ram["entries"]], a.ram["n_tokens"]) == ([100], 100)
+    assert ([x["n_tokens"] for x in b.ram["entries"]], b.ram["n_tokens"]) == ([51], 51)
+    assert b.ram["n_bytes"] == e.cache.entries[1].nbytes and b.idle_slots
+    assert "n_pending" not in a.disk  # another tenant's saves would show in the queue
+    e2, _ = engine_of()
+    assert do(e2, DescribeCache()) is None  # no RAM cache: {"enabled": false}
 
 
 def _wait(engine: Engine) -> None:
