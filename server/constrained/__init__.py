@@ -14,8 +14,8 @@ the engine thread:
    vocabulary (the slow step: token trie, lexer) once per key (LRU cache) and returns a
    ``CompiledConstraint``; its ``matcher()`` is a cheap copy for one request. The service
    does this in a worker thread and puts the CompiledConstraint in ``SamplingParams.constraint``:
-   a route passes its Constraint as ``service.submit.Submission(constraint=...)`` and
-   ``service.submit`` compiles it (ConstraintError becomes a 400 there).
+   a request's ``PromptSource.constraint()`` (server/service/submit.py) gives its
+   Constraint, and ``service.submit`` compiles it (ConstraintError becomes a 400 there).
 
 ``request_constraint(response_format=..., json_schema=..., grammar=...)`` reads the request
 fields (OpenAI's ``response_format``, llama-server's ``json_schema``/``grammar``).
