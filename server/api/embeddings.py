@@ -1,6 +1,6 @@
 """Embedding and reranking requests (--embedding, --reranking): their inputs, checks and
 response shapes, as llama-server's ``handle_embeddings_impl`` and ``post_rerank`` make them.
-``server.routes.embeddings.run_embeddings`` hands the prompts to the engine and waits.
+``server.service.embedding_runs.run_embeddings`` hands the prompts to the engine and waits.
 
 Nothing here talks to llama.cpp: prompts are tokenized through a ``tokenize(text,
 add_special)`` callable and the rerank prompt's special tokens come in ``RerankParts``."""

@@ -440,7 +440,7 @@ def test_a_disconnected_client_cancels_its_prompts_not_embedded_yet() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from server.routes.embeddings import run_embeddings
+    from server.service.embedding_runs import run_embeddings
 
     class StuckEngine:  # takes the tasks and never runs them
         def __init__(self) -> None:
