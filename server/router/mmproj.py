@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 from dataclasses import dataclass
-from typing import BinaryIO
+
+from ..llama.gguf_header import BOOL, GGUFError, Limits, read_header
 
 _VISION = "clip.has_vision_encoder"
 _AUDIO = "clip.has_audio_encoder"
-_MAX_KV = 4096
-_MAX_STR = 1 << 20
-_MAX_READ = 64 << 20
-# GGUF value types -> fixed sizes (8: string, 9: array are read apart)
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_BOOL = 7
+# the projector's header, bounded as every client-placed file is (server/llama/gguf_header.py)
+_LIMITS = Limits(
+    max_header_bytes=64 << 20, max_kv=4096, max_tensors=1 << 16, max_string=1 << 20,
+    max_array=1 << 24,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -28,75 +27,20 @@ class Caps:
     audio: bool = False
 
 
-class _Bad(Exception):
-    pass
-
-
-class _Reader:
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
-        self.n = 0
-
-    def take(self, n: int) -> bytes:
-        self.n += n
-        if n < 0 or self.n > _MAX_READ:
-            raise _Bad
-        b = self.f.read(n)
-        if len(b) != n:
-            raise _Bad
-        return b
-
-    def u32(self) -> int:
-        return int(struct.unpack("<I", self.take(4))[0])
-
-    def u64(self) -> int:
-        return int(struct.unpack("<Q", self.take(8))[0])
-
-    def string(self) -> bytes:
-        n = self.u64()
-        if n > _MAX_STR:
-            raise _Bad
-        return self.take(n)
-
-    def skip(self, kind: int) -> None:
-        if kind == 8:
-            self.string()
-        elif kind == 9:
-            inner, count = self.u32(), self.u64()
-            if inner in _SIZES:
-                self.take(_SIZES[inner] * count)
-            else:
-                for _ in range(min(count, _MAX_READ)):
-                    self.skip(inner)
-        elif kind in _SIZES:
-            self.take(_SIZES[kind])
-        else:
-            raise _Bad
-
-
 def projector_caps(path: str) -> Caps:
     """The projector's vision and audio flags (both False for a file that is no readable
     GGUF projector)."""
-    found: dict[str, bool] = {}
     try:
         with open(path, "rb") as f:
-            r = _Reader(f)
-            if r.take(4) != b"GGUF" or r.u32() not in (2, 3):
-                return Caps()
-            r.u64()  # tensors
-            n_kv = r.u64()
-            for _ in range(min(n_kv, _MAX_KV)):
-                key = r.string().decode("utf-8", "replace")
-                kind = r.u32()
-                if key in (_VISION, _AUDIO) and kind == _BOOL:
-                    found[key] = r.take(1) != b"\0"
-                    if len(found) == 2:
-                        break
-                else:
-                    r.skip(kind)
-    except (OSError, _Bad, struct.error):
-        pass
-    return Caps(found.get(_VISION, False), found.get(_AUDIO, False))
+            kv = read_header(f, os.fstat(f.fileno()).st_size, _LIMITS).kv
+    except (OSError, GGUFError):
+        return Caps()
+
+    def flag(key: str) -> bool:
+        v = kv.get(key)
+        return v is not None and v.type == BOOL and v.value is True
+
+    return Caps(flag(_VISION), flag(_AUDIO))
 
 
 @functools.lru_cache(maxsize=256)

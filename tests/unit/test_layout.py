@@ -20,8 +20,15 @@ PKG = ROOT / "server"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: typed values and protocols; the ggml type table and the sequence-state byte
     # layout (pure data and numpy, no llama.cpp), which the caches, slot files and restore
-    # plans read without loading llama.cpp; the byte-bounded LRU map (no server imports)
-    ("server.types", "server.lru", "server.llama.ggml_types", "server.llama.state_bytes"),
+    # plans read without loading llama.cpp; the byte-bounded LRU map (no server imports); the
+    # bounded GGUF header reader (pure Python: the router reads projector headers with it)
+    (
+        "server.types",
+        "server.lru",
+        "server.llama.ggml_types",
+        "server.llama.state_bytes",
+        "server.llama.gguf_header",
+    ),
     # the flag table, and the Settings it fills: plain data every layer above may read
     ("server.settings.flags",),
     ("server.settings.config", "server.settings"),
