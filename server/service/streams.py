@@ -250,15 +250,19 @@ class StreamRegistry:
         self._arm(s)  # the requester's reader attaches at once and disarms it
         return s
 
+    def _bounds(self) -> list[tuple[int, bool]]:
+        """Each bound as (cap, counts the owner's sessions only): the owner's own (only
+        where owners are told apart), then every session."""
+        every = (self.limits.max_streams, False)
+        return [(self.limits.per_owner, True), every] if self.limits.keyed else [every]
+
     def _pools(self, owner: str, skip: tuple[str, str] | None) -> list[Bound]:
         """The bounds a new session of ``owner`` must fit, each with the sessions it counts
-        (all but ``skip``'s): the owner's own (only where owners are told apart), then
-        every session."""
+        (all but ``skip``'s)."""
         every = [s for k, s in self.sessions.items() if k != skip]
-        pools = [(self.limits.max_streams, every)]
-        if self.limits.keyed:
-            pools.insert(0, (self.limits.per_owner, [s for s in every if s.owner == owner]))
-        return pools
+        return [
+            (cap, [s for s in every if not own or s.owner == owner]) for cap, own in self._bounds()
+        ]
 
     def check_room(self, owner: str, conv_id: str | None) -> None:
         """APIError 429 when a new session of ``owner`` would find no room (``open``'s
@@ -292,10 +296,7 @@ class StreamRegistry:
         told apart, then all) holds ``room`` more, or none finished is left: the buffers
         kept are those of at most ``max_streams`` sessions and the ones generating (a
         queued session's buffer stays nearly empty)."""
-        bounds = [(self.limits.max_streams, False)]
-        if self.limits.keyed:
-            bounds.insert(0, (self.limits.per_owner, True))
-        for cap, own in bounds:
+        for cap, own in self._bounds():
             pool = [s for s in self.sessions.values() if not own or s.owner == owner]
             finished = sorted((s for s in pool if s.done), key=lambda s: s.completed)
             for oldest in finished[: max(0, len(pool) + room - cap)]:
