@@ -24,7 +24,6 @@ import argparse
 import collections
 import json
 import random
-import struct
 import sys
 import tempfile
 import threading
@@ -38,19 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.e2e.conftest import ServerProc, vm_rss_kib  # noqa: E402
-from tests.mmproj_gen import pixels, png, write_gemma3_mmproj  # noqa: E402
+from tests.mmproj_gen import pixels, png, tiny_gif, write_gemma3_mmproj  # noqa: E402
 
 KEYS = ("soak-k1", "soak-k2")
 RSS_SLACK_MIB = 128
 N_IMAGES = 8
-
-
-def huge_frame_gif(width: int = 8192, height: int = 4096) -> bytes:
-    """A GIF of a few dozen bytes whose screen and one frame claim ``width`` x ``height``:
-    the decoding cost of the full frame, from almost no bytes (issue 56, item 2)."""
-    screen = struct.pack("<6sHHBBB", b"GIF89a", width, height, 0, 0, 0)
-    frame = b"," + struct.pack("<HHHHB", 0, 0, width, height, 0)
-    return screen + frame + b"\x02\x02\x44\x01\x00;"
 
 
 def data_url(data: bytes, mime: str) -> str:
@@ -169,7 +160,7 @@ class Client:
             self._check("lookup", r3)
 
     def huge_frames(self) -> None:
-        gif = data_url(huge_frame_gif(), "image/gif")
+        gif = data_url(tiny_gif(8192, 4096), "image/gif")  # 35 bytes, a huge frame
         parts: list[dict] = [{"type": "text", "text": "Describe."}]
         parts += [{"type": "image_url", "image_url": {"url": gif}}] * 16
         r = self.http.post("/v1/chat/completions", json=self._chat(parts, 0, 4))
