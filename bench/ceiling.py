@@ -82,11 +82,11 @@ def serve(port: int, slots: int, decode_ms: float) -> None:
     """Run the real app on the ceiling backend (``load`` replaced: no model file)."""
     import uvicorn
 
-    from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
     from server.engine.engine import Engine
     from server.http import app as app_module
     from server.http.heap import settle_heap
     from server.settings.config import Settings
+    from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 
     def load(st) -> None:  # noqa: ANN001
         b = _ceiling_backend(slots, decode_ms)

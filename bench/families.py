@@ -41,10 +41,10 @@ from typing import Any
 
 import httpx
 
-from server.api.chat import ChatTemplate
-from server.api.tools.families import reasoning_tags
-from server.api.tools.prompt import template_tools
 from server.cli.models import smollm2_path
+from server.templates.chat_template import ChatTemplate
+from server.templates.families import reasoning_tags
+from server.templates.tools_prompt import template_tools
 
 from . import servers
 from .servers import LLAMA_SERVER, OURS, ServerSpec

@@ -1,6 +1,6 @@
 """A least-recently-used map bounded by the bytes its values hold: the one shape behind the
 images' embedding cache (server.llama.mtmd) and the base64 texts decoded lately
-(server.api.media). Imports nothing of the server's, so any layer may use it."""
+(server.media.image_inputs). Imports nothing of the server's, so any layer may use it."""
 
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ TOKEN_NULL = -1  # llama.cpp's LLAMA_TOKEN_NULL
 @dataclass(frozen=True)
 class FimTokens:
     """The vocabulary's fill-in-the-middle tokens (TOKEN_NULL where it has none): read by
-    the backend, used by server.api.infill to build /infill prompts."""
+    the backend, used by server.prompts.infill_prompt to build /infill prompts."""
 
     pre: int = TOKEN_NULL
     suf: int = TOKEN_NULL

@@ -14,10 +14,10 @@ from ..http import kv_setup
 from ..http.app import create_app
 from ..http.heap import settle_heap
 from ..http.listen import bind
-from ..router.app import UvicornOptions, router_mode
-from ..router.app import serve as serve_router
 from ..router.forked import zygote_enabled
-from ..router.template import fork_template
+from ..router.router_app import UvicornOptions, router_mode
+from ..router.router_app import serve as serve_router
+from ..router.template_process import fork_template
 from ..service.state import ServerState
 from ..settings.config import Settings, csv_list, parse_settings, warn_ignored
 

@@ -1,13 +1,13 @@
 """``python -m server.cli.zygote FD``: the router's template process, started as its own
 interpreter where the router could not fork it from itself (a thread already ran); see
-``server.router.template``."""
+``server.router.template_process``."""
 
 from __future__ import annotations
 
 import socket
 import sys
 
-from ..router.template import run_instance, template
+from ..router.template_process import run_instance, template
 
 
 def preload() -> None:

@@ -26,7 +26,7 @@ The engine drives a ``Matcher`` per slot: ``allows(token)`` (one token, cheap),
 them without sampling, engine/executor.py), ``is_done()`` (the grammar is complete and nothing may follow: finish with
 "stop"), ``can_end()`` (end-of-generation tokens are allowed), ``rollback(n)`` and ``reset()``.
 
-Tool calling (server.api.tools) forces a call format with ``json_schema_constraint(schema,
+Tool calling (server.templates) forces a call format with ``json_schema_constraint(schema,
 prefix=..., suffix=...)`` or, for alternatives/repetitions, ``lark_constraint`` (Lark with
 ``%json {...}`` islands, llguidance's syntax). Literal text (prefix, suffix, Lark strings)
 matches ordinary tokens only: a control token (Mistral's ``[TOOL_CALLS]``, tokens the

@@ -16,39 +16,39 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from ..api import errors
-from ..api.chat import pick_template
-from ..api.embeddings import embeddings_on, pooling_of
 from ..constrained import llama_compiler, worker
 from ..constrained.limits import ConstraintLimits
 from ..engine.commands import SaveIdleSlots, SpillToDisk
 from ..engine.engine import Engine, EngineOptions
 from ..engine.priority import PriorityRule
-from ..routes import (
+from ..protocols import (
     anthropic,
+    apply_template,
     cors_proxy,
-    gcp,
     infill,
-    lora,
+    lora_adapters,
     native,
     openai,
     render,
     responses,
     slots,
-    template,
+    vertex,
     webui,
 )
-from ..routes import cache as cache_routes
-from ..routes import embeddings as embedding_routes
-from ..routes import metrics as metrics_routes
-from ..routes import sleep as sleep_routes
-from ..routes import streams as stream_routes
+from ..protocols import cache as cache_routes
+from ..protocols import embeddings as embedding_routes
+from ..protocols import prometheus as metrics_routes
+from ..protocols import sleep as sleep_routes
+from ..protocols import streams as stream_routes
+from ..protocols.embedding_shapes import embeddings_on, pooling_of
+from ..schemas import errors
 from ..service.adapters import registry_of
 from ..service.state import KeptModel, ServerState
-from ..service.streams import StreamLimits, StreamRegistry
+from ..service.stream_buffers import StreamLimits, StreamRegistry
 from ..service.tokenizer import control_tokens
 from ..settings.config import Settings, csv_list, load_api_keys
 from ..slot.speculative import SPEC_DRAFT, SPEC_IMPLEMENTED, SPEC_NONE, SpecConfig
+from ..templates.chat_template import pick_template
 from ..tiers.disk import DiskTier
 from ..tiers.disk_files import FileCheck
 from ..tiers.prompt_cache import MiB, PromptCache
@@ -57,7 +57,7 @@ from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, ApiPrefix, BodyLimit, RequestCounter, RequestGuard
-from .sleep import SleepController, SleepGate, release_memory
+from .model_sleep import SleepController, SleepGate, release_memory
 
 log = logging.getLogger("server")
 
@@ -513,13 +513,13 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
     app.include_router(openai.router)
     app.include_router(render.router)  # vLLM's /v1/(chat/)completions/render (llm-d)
     app.include_router(infill.router)
-    app.include_router(template.router)
+    app.include_router(apply_template.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)
     app.include_router(stream_routes.router)
     app.include_router(slots.router)
     app.include_router(cache_routes.router)
-    app.include_router(lora.router)
+    app.include_router(lora_adapters.router)
     app.include_router(metrics_routes.router)
     app.include_router(sleep_routes.router)
     app.include_router(embedding_routes.router)
@@ -528,7 +528,7 @@ def install_routes(app: FastAPI, settings: Settings) -> frozenset[str]:
     if page:  # the chat page at / (--no-webui: off, as llama-server)
         app.include_router(webui.make_router(page))
     if settings.gcp is not None:  # after every route: it dispatches to them
-        gcp.install(app, settings.gcp)
+        vertex.install(app, settings.gcp)
     health = {settings.gcp.health_route} if settings.gcp and settings.gcp.health_route else set()
     return webui.page_paths(page) | health
 

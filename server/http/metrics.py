@@ -73,7 +73,7 @@ class MetricsSource(Protocol):
 
 
 class _StreamCounts(Protocol):
-    """The resumable streams' counters (server.service.streams.StreamStats)."""
+    """The resumable streams' counters (server.service.stream_buffers.StreamStats)."""
 
     opened: int
     replays: int
@@ -85,7 +85,7 @@ class _StreamCounts(Protocol):
 
 
 class _Streams(Protocol):
-    """The resumable streams (server.service.streams.StreamRegistry)."""
+    """The resumable streams (server.service.stream_buffers.StreamRegistry)."""
 
     @property
     def stats(self) -> _StreamCounts: ...
@@ -510,7 +510,7 @@ def _disk(disk: DiskTier) -> Iterator[Metric]:
 
 
 def _streams(reg: _Streams) -> Iterator[Metric]:
-    """Resumable streams (server.service.streams): sessions, buffers, what became of them."""
+    """Resumable streams (server.service.stream_buffers): sessions, buffers, what became of them."""
     st = reg.stats
     yield _gauge("llamaslot_streams", "Resumable streams kept", len(reg.sessions))
     yield _gauge(

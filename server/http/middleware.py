@@ -1,6 +1,6 @@
 """Pure ASGI middlewares (they keep streaming responses and disconnect detection intact).
 
-They sit below the routes: they import nothing from ``server.routes``."""
+They sit below the routes: they import nothing from ``server.protocols``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api.errors import error_body_for
+from ..schemas.errors import error_body_for
 from .cors import (
     LOCAL_HOSTS,
     CorsPolicy,

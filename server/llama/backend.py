@@ -455,7 +455,7 @@ class LlamaBackend(SeqMemory):
 
     @property
     def fim(self) -> FimTokens:
-        """The fill-in-the-middle tokens /infill builds its prompt with (server.api.infill)."""
+        """The fill-in-the-middle tokens /infill builds its prompt with (server.prompts.infill_prompt)."""
         return _fim_tokens(self.vocab)
 
     @property
@@ -577,7 +577,7 @@ class LlamaBackend(SeqMemory):
         return rows[start:].copy()
 
     def rerank_parts(self) -> tuple[str | None, int, int, int, bool, bool, bool]:
-        """What a rerank prompt is built from (server.api.embeddings.RerankParts): the model's
+        """What a rerank prompt is built from (server.protocols.embedding_shapes.RerankParts): the model's
         "rerank" template (None: none), BOS, EOS (SEP without one), SEP, and whether the
         vocabulary adds BOS, EOS and SEP."""
         ptr = L.llama_model_chat_template(self.model, b"rerank")

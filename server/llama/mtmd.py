@@ -6,10 +6,10 @@ tokens and ``EncodedImage``s (server.types: the image's identity and embeddings)
 bytes (stb_image inside libmtmd), tokenizing and CLIP-encoding run on the caller's thread
 (the prep pools' media lane, never the event loop or the engine thread), one at a time per
 projector (an mtmd context is not thread-safe; ``lock``), with the caller's ``between``
-called while waiting for the lock and before each image (server.api.cancel.checkpoint: a
+called while waiting for the lock and before each image (server.cancel.checkpoint: a
 request whose client left stops within one image). Every image's bytes must have been
-bounded by the caller first (server/api/media.py reads the size from the header: no
-decompression bombs reach stb_image; server/api/media_scope.py bounds a request's pixels).
+bounded by the caller first (server/media/image_inputs.py reads the size from the header: no
+decompression bombs reach stb_image; server/media/media_scope.py bounds a request's pixels).
 
 An image's identity is a hash of its decoded pixels (RGB bytes, width, height) and of the
 projector (its file's hash and the token limits): the same picture in other bytes (another
@@ -67,7 +67,7 @@ CHUNK_IMAGE = 1
 
 # What stb_image does not decode, libmtmd's helper hands to ffmpeg/ffprobe (a subprocess on
 # client bytes): pointed at a directory without them, that path fails without running one.
-# The callers also pass only PNG, JPEG, GIF and BMP bytes (server/api/media.py).
+# The callers also pass only PNG, JPEG, GIF and BMP bytes (server/media/image_inputs.py).
 _NO_VIDEO = M.mtmd_helper_init_opt_default()
 _NO_VIDEO.video_params.ffmpeg_bin_dir = b"/nonexistent/llama-slot-server-no-video"
 

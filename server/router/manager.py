@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ..api.errors import APIError
+from ..schemas.errors import APIError
 from . import process
 from .forked import Zygote, zygote_enabled
 from .instances import LOADED, LOADING, READY, SLEEPING, UNLOADED, Instance, has_room, pick_victim

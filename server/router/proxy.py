@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..api.errors import APIError, anthropic_path, error_body_for
+from ..schemas.errors import APIError, anthropic_path, error_body_for
 
 log = logging.getLogger("server.router")
 

@@ -16,16 +16,16 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..api.errors import APIError
-from ..api.json_body import parse_json_body
 from ..http.middleware import from_foreign_page
+from ..schemas.errors import APIError
+from ..schemas.json_body import parse_json_body
 from .conv_map import ConvMap, Pending
 from .instances import LOADING, READY, Instance
 from .manager import Manager
 from .mmproj import input_modalities
 from .presets import ModelSpec
 from .proxy import Upstream, forward, upstream_headers
-from .streams import note_request, settle_request
+from .stream_routes import note_request, settle_request
 
 router = APIRouter()
 
@@ -259,7 +259,7 @@ async def _proxy(
     """Hold the named instance (starting it when allowed: ``autoload``, by default the
     request's or the router's), then pass the request on. ``named``: a request that may
     name a stream (``X-Conversation-Id``): once its model is known it is pending
-    (router.streams.note_request), remembered when its instance opened the stream."""
+    (router.stream_routes.note_request), remembered when its instance opened the stream."""
     st = state_of(request)
     inst = st.manager.require(name, autoload_of(st, request) if autoload is None else autoload)
     pending = note_request(st, request, inst.name) if named else None

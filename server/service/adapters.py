@@ -25,8 +25,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from ..api.errors import APIError
-from ..api.schemas import LORA_SCALE_MAX, LoraScale
+from ..schemas.bodies import LORA_SCALE_MAX, LoraScale
+from ..schemas.errors import APIError
 
 
 @dataclass
@@ -223,7 +223,7 @@ class AdapterRegistry:
 
 def lora_scale(text: str) -> float:
     """A --lora-scaled scale; ValueError unless a finite number within ``LORA_SCALE_MAX``
-    either way (the bound requests are held to: api/schemas.py)."""
+    either way (the bound requests are held to: schemas/bodies.py)."""
     scale = float(text)
     if not abs(scale) <= LORA_SCALE_MAX:  # NaN fails too
         raise ValueError(

@@ -1,7 +1,7 @@
 """A request's reasoning budget: llama-server's ``reasoning_budget_tokens`` (chat alias
 ``thinking_budget_tokens``, Anthropic's ``thinking.budget_tokens``; -1: the server's
 --reasoning-budget), its message (--reasoning-budget-message) and the tags it works
-between (the template's, server.api.reasoning_tags, or the request's
+between (the template's, server.templates.reasoning_tags, or the request's
 ``reasoning_budget_start_tag`` / ``reasoning_budget_end_tags``). The engine enforces it
 (server.slot.reasoning_budget)."""
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..api.errors import APIError
-from ..api.reasoning_tags import ReasoningTags
-from ..api.schemas import SamplingFields
 from ..engine.model_api import Tokenizer
+from ..schemas.bodies import SamplingFields
+from ..schemas.errors import APIError
 from ..settings.config import Settings
+from ..templates.reasoning_tags import ReasoningTags
 from ..types import ReasoningBudget
 
 

@@ -1,5 +1,5 @@
 """Embedding and rerank prompts run on the engine: one ``EmbedTask`` each, their events
-gathered in prompt order (the routes in server/routes/embeddings.py shape the answers).
+gathered in prompt order (the routes in server/protocols/embeddings.py shape the answers).
 
 The routes reach the engine only through the service layer: this module submits the tasks,
 waits for their events on the request's event loop, and cancels what is left when the
@@ -12,10 +12,10 @@ import time
 
 from starlette.requests import Request
 
-from ..api.errors import APIError
 from ..engine.embed import EmbedEvent, EmbedResult, EmbedTask
 from ..engine.engine import EngineDead
 from ..engine.event_sink import Emitter
+from ..schemas.errors import APIError
 from ..types import TaskError
 from .sink import emitter
 from .state import ServerState

@@ -37,7 +37,7 @@ import os
 import stat
 from typing import Protocol, runtime_checkable
 
-from ..api.errors import APIError
+from ..schemas.errors import APIError
 from .state import ServerState
 
 MAX_NAME = 128

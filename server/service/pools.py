@@ -9,7 +9,7 @@ Three lanes, each a bounded pool of its own: requests whose body is over ``HEAVY
 (or of unknown size) take the heavy lane (``HEAVY_WORKERS`` threads), the rest the light
 lane (``LIGHT_WORKERS``). However many huge bodies arrive, a small chat's preparation never
 waits behind them. A request whose images are to be decoded moves to the media lane
-(``MEDIA_WORKERS``) when it gets there (server.api.media_scope: ``NeedsMediaLane``, raised
+(``MEDIA_WORKERS``) when it gets there (server.media.media_scope: ``NeedsMediaLane``, raised
 before any image is decoded), so a small body holding images that are slow to decode (a
 35-byte GIF may declare 8192x4096 pixels) never holds a light worker while it decodes.
 
@@ -18,7 +18,7 @@ returns its result, with three guarantees:
 
 - the client leaving (polled every ``POLL_S`` once the work has run ``WATCH_AFTER_S``)
   abandons the work: queued work is dropped without running, running work stops at its
-  next ``server.api.cancel.checkpoint`` (between messages, items, tokenizer chunks);
+  next ``server.cancel.checkpoint`` (between messages, items, tokenizer chunks);
 - ``timeout`` seconds (--request-prep-timeout) after the request's first ``prepare`` (the
   wait in the queue and every later hand-off of the same request count) the work is
   abandoned the same way and the request is answered 408 ``timeout_error``;
@@ -41,9 +41,9 @@ from typing import ParamSpec, TypeVar
 
 from starlette.requests import Request
 
-from ..api.cancel import CancelFlag, run_with
-from ..api.errors import APIError
-from ..api.media_scope import MediaScope, NeedsMediaLane, run_in
+from ..cancel import CancelFlag, run_with
+from ..media.media_scope import MediaScope, NeedsMediaLane, run_in
+from ..schemas.errors import APIError
 
 T = TypeVar("T")
 P = ParamSpec("P")

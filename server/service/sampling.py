@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from ..api.errors import APIError
-from ..api.schemas import SamplingFields
 from ..engine.model_api import Tokenizer
+from ..schemas.bodies import SamplingFields
+from ..schemas.errors import APIError
 from ..settings.config import Settings
 from ..types import SamplingParams, sampler_order
 

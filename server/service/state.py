@@ -10,20 +10,20 @@ from typing import Protocol, runtime_checkable
 
 from starlette.requests import Request
 
-from ..api.chat import ChatTemplate
-from ..api.errors import APIError
-from ..api.media_scope import MediaScope, key_pixels, request_pixels
 from ..engine.engine import Engine
 from ..engine.model_api import DraftModel, ModelBackend
 from ..kv_events.kv_events import KVEvents
 from ..kv_events.kv_publisher import KVPublisher
 from ..kv_events.kv_watch import SlotWatcher
+from ..media.media_scope import MediaScope, key_pixels, request_pixels
+from ..schemas.errors import APIError
 from ..settings.config import Settings
+from ..templates.chat_template import ChatTemplate
 from ..tiers import tenancy
 from ..tiers.prompt_cache import PromptCache
 from ..types import ImageProjector
 from .adapters import AdapterRegistry
-from .streams import StreamLimits, StreamRegistry
+from .stream_buffers import StreamLimits, StreamRegistry
 
 
 class Metrics(Protocol):
@@ -97,7 +97,7 @@ class ServerState:
     # Set on SIGTERM (time.monotonic): running requests may finish until then; the rest end
     # with an error event (streams) or a 503.
     drain_deadline: float | None = None
-    # --sleep-idle-seconds (server.http.sleep): while sleeping there is no backend or
+    # --sleep-idle-seconds (server.http.model_sleep): while sleeping there is no backend or
     # engine; /props and /metrics answer from what they said just before
     sleeping: bool = False
     sleep_props: dict[str, object] = field(default_factory=dict)
@@ -153,7 +153,7 @@ def tenant_of(st: ServerState, request: Request | None, cache_salt: str | None =
 
 
 def media_scope_of(st: ServerState, request: Request | None, tenant: str) -> MediaScope:
-    """The scope of a hand-off of ``request``'s preparation (server.api.media_scope):
+    """The scope of a hand-off of ``request``'s preparation (server.media.media_scope):
     ``tenant``'s image caches (``tenant_of``, without its adapter set: an image's
     embeddings do not depend on it), its API key's in-flight pixels ("" without keys: all
     clients share one budget), and the pixel budgets of the flags."""

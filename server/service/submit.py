@@ -1,5 +1,5 @@
 """The one path from a generating request to running tasks (``submit``): the front end
-(server.frontend) turns each API body into one ``Submission``, the typed engine request,
+(server.prompts) turns each API body into one ``Submission``, the typed engine request,
 whose ``source`` (a ``PromptSource``) does the body's tokenizer work."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import NamedTuple, Protocol
 
 from starlette.requests import Request
 
-from ..api.errors import APIError
-from ..api.schemas import SamplingFields
 from ..constrained import Constraint
 from ..engine.engine import Engine
 from ..engine.model_api import ModelBackend
+from ..schemas.bodies import SamplingFields
+from ..schemas.errors import APIError
 from ..tiers import tenancy
 from ..types import GenParams, PromptImage, ReasoningBudget
 from .adapters import AdapterChoice
@@ -23,7 +23,7 @@ from .budget import BudgetAsk
 from .pools import prepare_in
 from .sampling import sampling_from, stops_from
 from .state import ServerState, media_scope_of
-from .streams import requested_name
+from .stream_buffers import requested_name
 from .tasks import TaskGroup
 from .validation import bind_constraint, check_fits, check_tokens
 
@@ -39,7 +39,7 @@ class Prompt(NamedTuple):
 
 class PromptSource(Protocol):
     """What an API body asks the engine to run, as tokens: the front end implements it
-    (server.frontend.sources), one class per kind of body.
+    (server.prompts.sources), one class per kind of body.
 
     ``prompts()`` does the tokenizer work (it may render a chat template first) and runs in
     a worker thread; it may raise APIError. ``constraint()`` is the structured output /
@@ -75,7 +75,7 @@ class Submission:
     post_sampling: bool = False
     # the reasoning budget (server.service.budget); a constrained request runs without it
     budget: BudgetAsk | None = None
-    # control tokens the answer renders as text (a chat plan's markers: api.tools.control)
+    # control tokens the answer renders as text (a chat plan's markers: templates.control_tokens)
     preserved: frozenset[int] = frozenset()
 
 
@@ -165,7 +165,7 @@ async def submit(
     prompt ``i // job.n``). Raises APIError before anything runs: nothing to cancel then.
     The slow checks run on the request's preparation pool (``service.pools.prepare``):
     with ``request``, abandoned when its client leaves; 408 after --request-prep-timeout.
-    A streamed request's ``X-Conversation-Id`` is checked first (service.streams).
+    A streamed request's ``X-Conversation-Id`` is checked first (service.stream_buffers).
     From its start until its tasks are handed over, the request counts as arriving on the
     engine (``Engine.arrival``), which coalesces a burst of arrivals only while one is on
     its way."""

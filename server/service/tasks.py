@@ -12,8 +12,8 @@ from functools import partial
 
 from starlette.requests import Request
 
-from ..api.errors import APIError
 from ..engine.engine import Engine, EngineDead
+from ..schemas.errors import APIError
 from ..types import (
     Event,
     GenParams,
@@ -193,7 +193,7 @@ class TaskGroup:
         streaming route shapes and writes a batch at once. A timeout, a shutdown's end of
         grace or a dead engine ends the unfinished tasks with a TaskError each (so streams
         can report it). With ``ping`` > 0, an empty batch after that many seconds without
-        one (a stream's keep-alive, ``routes.common.sse_batches``). ``coalesce``: a task with more than COALESCE_AFTER events waiting
+        one (a stream's keep-alive, ``protocols.common.sse_batches``). ``coalesce``: a task with more than COALESCE_AFTER events waiting
         (a reader that far behind) gets its adjacent TextChunks merged into one
         (``merge_text``); a reader that keeps up gets every event as it was sent."""
         open_ = set(range(len(self.tasks)))

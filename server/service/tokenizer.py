@@ -23,9 +23,9 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..api.cancel import checkpoint
-from ..api.tools.control import NO_CONTROL, ControlTokens
+from ..cancel import checkpoint
 from ..engine.model_api import Tokenizer
+from ..templates.control_tokens import NO_CONTROL, ControlTokens
 
 CHUNK = 16 * 1024  # characters per piece (a piece holds a few hundred special tokens)
 _SPACE = frozenset(" \t\n\v\f\r")  # C's isspace, which llama.cpp strips with

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from ..api.errors import APIError
 from ..constrained import Constraint, ConstraintError, request_constraint
 from ..constrained.matcher import compile_executor
 from ..engine.model_api import ModelBackend, Tokenizer
+from ..schemas.errors import APIError
 from ..types import TokenConstraint
 
 

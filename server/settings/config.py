@@ -90,7 +90,7 @@ class Settings(BaseModel):
     # every route under this prefix ("" none): server.http.middleware.ApiPrefix
     api_prefix: str = ""
     # seconds a stream may stay silent before an SSE comment ping (<= 0: never), llama-server's
-    # default; a request's ``sse_ping_interval`` overrides it (server.routes.common)
+    # default; a request's ``sse_ping_interval`` overrides it (server.protocols.common)
     sse_ping_interval: float = 30.0
     ctx_size: int = Field(8192, ge=0)
     parallel: int = Field(AUTO_PARALLEL, ge=1, le=256)
@@ -143,7 +143,7 @@ class Settings(BaseModel):
     reasoning_budget: int = Field(-1, ge=-1, le=1_000_000)  # server.service.budget
     reasoning_budget_message: str | None = Field(None, max_length=4096)
     # Default sampling: a request gets these for the fields it leaves out (the ranges are the
-    # request fields' own, server.api.schemas.SamplingFields).
+    # request fields' own, server.schemas.bodies.SamplingFields).
     seed: int = -1
     temperature: float = Field(0.8, ge=0.0, le=100.0)
     top_k: int = Field(40, ge=0, le=1_000_000)
@@ -153,7 +153,7 @@ class Settings(BaseModel):
     repeat_penalty: float = Field(1.0, gt=0.0, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    # llama-server's other samplers (server.api.sampler_fields has the request fields)
+    # llama-server's other samplers (server.schemas.sampler_fields has the request fields)
     samplers: str | None = None  # names separated by ';'
     sampler_seq: str | None = None  # letters; over ``samplers``
     top_n_sigma: float = Field(-1.0, ge=-1.0, le=100.0)
@@ -173,10 +173,10 @@ class Settings(BaseModel):
     mirostat_tau: float = Field(5.0, ge=0.0, le=100.0)
     mirostat_eta: float = Field(0.1, ge=0.0, le=10.0)
     keep: int = Field(0, ge=-1)  # a request's n_keep default (context shift)
-    # embeddings and reranking (server.api.embeddings): --reranking implies --embedding with
+    # embeddings and reranking (server.protocols.embedding_shapes): --reranking implies --embedding with
     # pooling rank, as in llama-server; pooling None is the model's own
     embedding: bool = False
-    spm_infill: bool = False  # /infill builds suffix/prefix/middle (server.api.infill)
+    spm_infill: bool = False  # /infill builds suffix/prefix/middle (server.prompts.infill_prompt)
     reranking: bool = False
     pooling: str | None = None
     embd_normalize: int = 2
@@ -259,7 +259,7 @@ class Settings(BaseModel):
     constraint_workers: int = Field(2, gt=0)
     timeout: float = Field(600, gt=0)
     request_prep_timeout: float = Field(60, gt=0)  # server.service.pools.prepare
-    # resumable streams (server.service.streams): expiry, per-stream buffer, how many
+    # resumable streams (server.service.stream_buffers): expiry, per-stream buffer, how many
     stream_ttl: float = Field(300.0, gt=0, le=86400)
     stream_max_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1 << 30)
     stream_max_events: int = Field(32768, ge=16, le=1 << 24)
@@ -271,7 +271,7 @@ class Settings(BaseModel):
     prefill_assistant: bool = True
     log_disable: bool = False
     log_file: str | None = None
-    # router mode (server.router) and sleep (server.http.sleep)
+    # router mode (server.router) and sleep (server.http.model_sleep)
     models_dir: str | None = None
     models_preset: str | None = None
     models_max: int = Field(4, ge=0)

@@ -183,7 +183,7 @@ OPTIONS: list[Opt] = [
     _o("--mirostat", "mirostat", "", "default Mirostat (default: 0 = off, 1 = Mirostat, 2 = Mirostat 2.0)", int),
     _o("--mirostat-lr", "mirostat_eta", "", "default Mirostat learning rate, eta (default: 0.10)", float),
     _o("--mirostat-ent", "mirostat_tau", "", "default Mirostat target entropy, tau (default: 5.00)", float),
-    # --- embeddings and reranking (server.api.embeddings) ---
+    # --- embeddings and reranking (server.protocols.embedding_shapes) ---
     _o("--spm-infill", "spm_infill", "", "POST /infill: suffix/prefix/middle order instead of prefix/suffix/middle, for models trained so (default: off)", "bool"),
     _o("--embedding --embeddings", "embedding", "LLAMA_ARG_EMBEDDINGS", "serve POST /embedding(s) and /v1/embeddings (generation keeps working) (default: off)", "bool"),
     _o("--rerank --reranking", "reranking", "LLAMA_ARG_RERANKING", "serve POST /rerank (/v1/rerank): --embedding with --pooling rank, for reranker models (default: off)", "bool"),
@@ -419,7 +419,7 @@ OPTIONS += [
     _o("--lora-runtime-dir", "lora_runtime_dir", "LLAMA_ARG_LORA_RUNTIME_DIR", "the directory run-time adapter paths must lie in (symlinks resolved; needed by --enable-lora-runtime)"),
     _o("--lora-runtime-max", "lora_runtime_max", "LLAMA_ARG_LORA_RUNTIME_MAX", "most distinct adapter files loaded at run time over the server's life; their memory stays with the model (default: 16)", int),
     _o("--lora-alias", "lora_alias", "", "NAME=FNAME,...: requests with model NAME run under that adapter (added at scale 0 if not loaded yet); /v1/models lists the names (repeatable)", lora_aliases, repeat=True),
-    # --- images (issue 42; server.llama.mtmd, server.api.media) ---
+    # --- images (issue 42; server.llama.mtmd, server.media.image_inputs) ---
     _o("-mm --mmproj", "mmproj", "LLAMA_ARG_MMPROJ", "multimodal projector file: images in chat messages (default: none)"),
     _o("--mmproj-offload", "mmproj_offload", "LLAMA_ARG_MMPROJ_OFFLOAD", "run the projector on the GPU when there is one (default: on)", "bool", neg="--no-mmproj-offload"),
     _o("--image-min-tokens", "image_min_tokens", "LLAMA_ARG_IMAGE_MIN_TOKENS", "least tokens an image takes, for dynamic-resolution projectors (default: the projector's)", int),
@@ -432,7 +432,7 @@ OPTIONS += [
     _o("--image-max-count", "image_max_count", "", "most images in one request (default: 16)", int),
     _o("--image-max-request-pixels", "image_max_request_pixels", "", "most pixels of one request's images together, read from their headers before any is decoded (default: 0 = 4 x --image-max-pixels)", int),
     _o("--image-max-key-pixels", "image_max_key_pixels", "", "most pixels the requests of one API key may hold while their images are prepared, queueing included; past it 429 (default: 0 = 2 x --image-max-request-pixels)", int),
-    # --- router mode (server.router) and sleeping when idle (server.http.sleep) ---
+    # --- router mode (server.router) and sleeping when idle (server.http.model_sleep) ---
     _o("--models-dir", "models_dir", "LLAMA_ARG_MODELS_DIR", "router mode (without -m): serve the GGUF files of this directory, one server process per model, named by file stem (a subfolder per multi-file model) (default: off)"),
     _o("--models-preset", "models_preset", "LLAMA_ARG_MODELS_PRESET", "router mode (without -m): INI file of model presets, [*] defaults and one section per model whose keys are flags (default: off)"),
     _o("--models-max", "models_max", "LLAMA_ARG_MODELS_MAX", "router mode: most model instances running at once; the least recently used idle one is stopped to make room (default: 4, 0 = unlimited)", int),

@@ -1,7 +1,7 @@
 """Test servers forked from a template process, as the router forks its instances.
 
 Each pytest worker starts ``python -m server.cli.zygote`` once (the router's template
-process, ``server.router.template``): it imports the server (~1.4 s of a ~2.8 s start on
+process, ``server.router.template_process``): it imports the server (~1.4 s of a ~2.8 s start on
 a quiet machine, more under load) and loads no model; every test server after that is
 forked from it and goes straight to parsing its flags and loading its model. The forked
 server is the same ``server.cli.main.main`` as ``python -m server`` runs, in its own

@@ -24,9 +24,9 @@ import openai
 import pytest
 
 from bench.families import WEATHER  # the same tool the side-by-side bench asks for
-from server.api.chat import ChatTemplate
-from server.api.tools.parse import ToolFormat
-from server.api.tools.prompt import template_tools
+from server.templates.chat_template import ChatTemplate
+from server.templates.output_parse import ToolFormat
+from server.templates.tools_prompt import template_tools
 from tests.llama_sdist import vendored
 
 from .conftest import ServerProc, smollm2_path

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from server.frontend.chat import image_prompt
 from server.http.app import default_model_path
 from server.llama.backend import LlamaBackend, ModelOptions
 from server.llama.mtmd import Projector, ProjectorOptions
+from server.prompts.chat import image_prompt
 from server.service.state import ServerState
 from server.settings.config import Settings
 from server.types import EncodedImage, MediaError

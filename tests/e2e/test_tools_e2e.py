@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from server.api.tools.parse import OutputParser, ToolFormat, parse_message
-from server.api.tools.plan import message_of
+from server.templates.chat_plan import message_of
+from server.templates.output_parse import OutputParser, ToolFormat, parse_message
 from tests.tool_cases import PYTHON, TEST_TOOL
 
 from .conftest import ServerProc

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from server.api import errors
 from server.engine.engine import Engine, EngineOptions
+from server.schemas import errors
 from server.service.state import ServerState
 from server.settings.config import Settings
 from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk

@@ -1,25 +1,25 @@
 """The Anthropic Messages body -> chat body mapping, and the answer's blocks, stop reasons and
-usage (server.api.anthropic): exact outputs for exact inputs."""
+usage (server.protocols.anthropic_mapping): exact outputs for exact inputs."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from server.api.anthropic import (
+from server.protocols.anthropic_mapping import (
     AnthropicInputError,
-    chat_messages,
+    anthropic_chat_messages,
     content_blocks,
     stop_reason,
     to_chat_body,
     tool_input,
     usage,
 )
-from server.api.anthropic_schemas import CountTokensRequest, MessagesRequest
-from server.api.errors import anthropic_error_body, anthropic_path, error_body_for
-from server.api.schemas import ChatRequest
-from server.api.tools.parse import Message, ToolCall
-from server.routes.gcp import request_format
+from server.protocols.vertex import request_format
+from server.schemas.anthropic_bodies import CountTokensRequest, MessagesRequest
+from server.schemas.bodies import ChatRequest
+from server.schemas.errors import anthropic_error_body, anthropic_path, error_body_for
+from server.templates.output_parse import Message, ToolCall
 from server.types import FinishReason, TaskResult, Timings
 
 
@@ -42,7 +42,7 @@ def test_system_and_text_blocks():
             {"role": "user", "content": "z"},
         ],
     )
-    assert chat_messages(req) == [
+    assert anthropic_chat_messages(req) == [
         {
             "role": "system",
             "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
@@ -54,7 +54,7 @@ def test_system_and_text_blocks():
 
 
 def test_no_messages_is_one_empty_user_turn():
-    assert chat_messages(body(system="S")) == [
+    assert anthropic_chat_messages(body(system="S")) == [
         {"role": "system", "content": [{"type": "text", "text": "S"}]},
         {"role": "user", "content": ""},
     ]
@@ -62,10 +62,10 @@ def test_no_messages_is_one_empty_user_turn():
 
 def test_claude_code_billing_stamp_is_blanked():
     stamp = "x-anthropic-billing-header: cc_version=2.1.1; cc_entrypoint=cli; cch=a5145;You are Claude Code."
-    (system,) = chat_messages(body(system=stamp))[:1]
+    (system,) = anthropic_chat_messages(body(system=stamp))[:1]
     assert system["content"][0]["text"] == stamp.replace("cch=a5145;", "cch=fffff;")
     other = "cch=a5145; is not a header"
-    assert chat_messages(body(system=other))[0]["content"][0]["text"] == other
+    assert anthropic_chat_messages(body(system=other))[0]["content"][0]["text"] == other
 
 
 def test_tool_use_and_results_become_calls_and_tool_messages():
@@ -97,7 +97,7 @@ def test_tool_use_and_results_become_calls_and_tool_messages():
             },
         ]
     )
-    msgs = chat_messages(req)
+    msgs = anthropic_chat_messages(req)
     assert msgs[1] == {
         "role": "assistant",
         "content": [{"type": "text", "text": "Let me check."}],
@@ -158,7 +158,7 @@ def test_tool_use_and_results_become_calls_and_tool_messages():
 )
 def test_history_that_cannot_be_mapped(messages, named):
     with pytest.raises(AnthropicInputError, match=named):
-        chat_messages(body(messages=messages))
+        anthropic_chat_messages(body(messages=messages))
 
 
 def test_text_document_is_text():
@@ -167,7 +167,7 @@ def test_text_document_is_text():
         "title": "T",
         "source": {"type": "text", "media_type": "text/plain", "data": "D"},
     }
-    assert chat_messages(body(messages=[{"role": "user", "content": [doc]}])) == [
+    assert anthropic_chat_messages(body(messages=[{"role": "user", "content": [doc]}])) == [
         {"role": "user", "content": [{"type": "text", "text": "T\n\nD"}]}
     ]
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.api.chat import ChatTemplate
-from server.frontend.chat import plan_chat as _plan
-from server.routes.template import ApplyTemplateRequest, render_text
+from server.prompts.chat import plan_chat as _plan
+from server.protocols.apply_template import ApplyTemplateRequest, render_text
 from server.service.state import ServerState
 from server.settings.config import Settings
+from server.templates.chat_template import ChatTemplate
 from tests.llama_sdist import vendored
 from tests.tool_cases import TEST_TOOL
 

@@ -9,7 +9,7 @@ import gc
 import time
 import weakref
 
-from server.api.errors import APIError
+from server.schemas.errors import APIError
 from server.service.tasks import DISCONNECT_POLL_S, MAX_BACKLOG, TaskGroup
 from server.types import GenParams, SamplingParams, TaskResult
 

@@ -11,9 +11,14 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, Continuation, TemplateError
-from server.routes import openai, template
+from server.protocols import apply_template, openai
 from server.settings.config import Settings
+from server.templates.chat_template import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    Continuation,
+    TemplateError,
+)
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client
 
@@ -39,7 +44,7 @@ class TextBackend(FakeBackend):
 
 def _app(settings: Settings) -> Iterator[TestClient]:
     template_ = ChatTemplate(BUILTIN_TEMPLATES["gemma"], "<bos>", name="gemma")
-    routers = [openai.router, template.router]
+    routers = [openai.router, apply_template.router]
     with route_client(TextBackend(n_ctx=2048), settings, routers, template=template_) as c:
         yield c
 

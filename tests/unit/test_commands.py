@@ -32,7 +32,7 @@ from server.engine.commands import (
 )
 from server.engine.engine import Engine, EngineDead, EngineOptions
 from server.kv.file_plan import parse_after_state, plan_restore
-from server.routes import slots as slots_route
+from server.protocols import slots as slots_route
 from server.settings.config import Settings
 from server.tiers import slot_file as sf
 from server.tiers import tenancy

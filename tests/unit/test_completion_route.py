@@ -1,5 +1,5 @@
 """/completion's request forms over the engine on the fake backend: llama-server's prompt forms
-(server.api.prompts), several prompts in one request, logit_bias forms, post_sampling_probs and
+(server.prompts.completion_forms), several prompts in one request, logit_bias forms, post_sampling_probs and
 --n-predict as the default limit."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from server.api.errors import APIError
-from server.api.prompts import prompt_echo, prompt_tokens, split_prompts
-from server.routes import native
+from server.prompts.completion_forms import prompt_echo, prompt_tokens, split_prompts
+from server.protocols import native
+from server.schemas.errors import APIError
 from server.service.sampling import _logit_bias
 from server.settings.config import Settings
 from tests.fake_backend import EOG, FakeBackend

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, TemplateError, pick_template
 from server.settings.config import load_api_keys, parse_settings
+from server.templates.chat_template import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    TemplateError,
+    pick_template,
+)
 
 
 def test_defaults_are_llama_servers():

@@ -1,14 +1,14 @@
-"""Control tokens as the chat families meet them (server/api/tools/control.py): a literal
+"""Control tokens as the chat families meet them (server/templates/control_tokens.py): a literal
 cut at control texts (longest first), the markers a template holds, a forced call's grammar
 naming them by id, and a plan rendering them only where its parser reads them."""
 
 from __future__ import annotations
 
-from server.api.chat import ChatTemplate
-from server.api.tools.control import NO_CONTROL, ControlTokens
-from server.api.tools.frames import derive, grammar
-from server.api.tools.plan import plan_chat
-from server.api.tools.spec import Tool
+from server.templates.chat_plan import plan_chat
+from server.templates.chat_template import ChatTemplate
+from server.templates.control_tokens import NO_CONTROL, ControlTokens
+from server.templates.frames import derive, grammar
+from server.templates.tool_fields import Tool
 from tests.llama_sdist import vendored
 
 TEMPLATES = vendored("models/templates/README.md").parent

@@ -97,7 +97,7 @@ def test_cross_site_cookies_are_refused_under_the_wildcard():
 
 
 def test_completions_is_the_native_route():
-    from server.routes import native, openai
+    from server.protocols import native, openai
 
     def paths(router) -> set[str]:
         return {r.path for r in router.routes}

@@ -1,5 +1,5 @@
 """JSON text nesting deeper than this server reads (issue 56, item 7): ``loads_bounded``
-(server.api.json_body) refuses it as a ValueError, never a RecursionError; a history call's
+(server.schemas.json_body) refuses it as a ValueError, never a RecursionError; a history call's
 arguments that deep are a client's error (400, tests/e2e/test_deep_json_e2e.py), and calls a
 model writes that deep are kept as text: the gpt-oss (Harmony) and region parsers give the
 text as content, Anthropic's ``input`` is ``{}`` as for any arguments that are not JSON."""
@@ -10,15 +10,15 @@ import json
 
 import pytest
 
-from server.api.anthropic import content_blocks, tool_input
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
-from server.api.json_body import MAX_DEPTH, TooDeep, loads_bounded
-from server.api.tools.families import BY_NAME
-from server.api.tools.harmony import HarmonyParser
-from server.api.tools.parse import Message, OutputParser, ToolFormat, parse_message
-from server.api.tools.prompt import prepare
-from server.api.tools.regions import RegionParser
-from server.api.tools.spec import tool_spec
+from server.protocols.anthropic_mapping import content_blocks, tool_input
+from server.schemas.json_body import MAX_DEPTH, TooDeep, loads_bounded
+from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate, TemplateError
+from server.templates.families import BY_NAME
+from server.templates.harmony import HarmonyParser
+from server.templates.output_parse import Message, OutputParser, ToolFormat, parse_message
+from server.templates.regions import RegionParser
+from server.templates.tool_fields import tool_spec
+from server.templates.tools_prompt import prepare
 from tests.llama_sdist import vendored
 
 DEPTHS = [MAX_DEPTH + 1, 1000, 5000]

@@ -1,5 +1,5 @@
 """Embeddings and reranking: request parsing and checks, normalization, response shapes
-(server.api.embeddings), and the engine's embedding path on the fake backend
+(server.protocols.embedding_shapes), and the engine's embedding path on the fake backend
 (server.engine.embed): shared decodes, slots emptied, generation alongside, errors."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import base64
 import numpy as np
 import pytest
 
-from server.api.embeddings import (
+from server.engine.embed import EmbedResult, EmbedTask
+from server.engine.engine import Engine, EngineOptions
+from server.protocols.embedding_shapes import (
     EmbeddingRequest,
     RerankParts,
     RerankRequest,
@@ -25,9 +27,7 @@ from server.api.embeddings import (
     rerank_prompt,
     rerank_response,
 )
-from server.api.errors import APIError
-from server.engine.embed import EmbedResult, EmbedTask
-from server.engine.engine import Engine, EngineOptions
+from server.schemas.errors import APIError
 from server.settings.config import parse_settings
 from server.types import TaskError
 from tests.fake_backend import FakeBackend

@@ -16,9 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 import server.cli.main as cli
-from server.api.chat import BUILTIN_TEMPLATES, pick_template
-from server.api.schemas import ChatRequest, CompletionRequest
-from server.routes.common import generation_settings
+from server.protocols.common import generation_settings
+from server.schemas.bodies import ChatRequest, CompletionRequest
 from server.service.sampling import sampling_from
 from server.service.state import ServerState
 from server.settings.config import (
@@ -30,6 +29,7 @@ from server.settings.config import (
     parse_settings,
     warn_ignored,
 )
+from server.templates.chat_template import BUILTIN_TEMPLATES, pick_template
 from tests.llama_sdist import vendored
 
 # Flags that print something and exit 0.
@@ -405,8 +405,8 @@ def test_post_props_needs_the_flag():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from server.api import errors
-    from server.routes import native
+    from server.protocols import native
+    from server.schemas import errors
 
     for argv, status in (([], 501), (["--props"], 200)):
         app = FastAPI()

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from server.http.app import create_app
-from server.router.app import create_router_app
+from server.router.router_app import create_router_app
 from server.settings.config import parse_settings
 
 EVIL = {"Origin": "http://evil.example"}

@@ -1,5 +1,5 @@
 """Bodies a route reads by hand (issue 40): ``/predict``, ``POST /lora-adapters`` and the slot
-actions parse through ``server.api.json_body``, so a deeply nested body is a 400, never a
+actions parse through ``server.schemas.json_body``, so a deeply nested body is a 400, never a
 500 ``RecursionError``, and the server keeps answering. The engine runs on the fake backend."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from server.routes import gcp, lora, native, slots
+from server.protocols import lora_adapters, native, slots, vertex
 from server.service.adapters import Adapter, AdapterRegistry
 from server.settings.config import GcpCompat, Settings
 from tests.fake_backend import FakeBackend
@@ -24,9 +24,9 @@ DEEP_OBJ = b'{"instances": ' + DEEP + b"}"
 def client(tmp_path) -> Iterator[TestClient]:
     registry = AdapterRegistry([Adapter(0, "a.gguf", "0" * 32, 1.0, 1.0)])
     settings = Settings(slot_save_path=str(tmp_path))
-    routers = [lora.router, slots.router, native.router]
+    routers = [lora_adapters.router, slots.router, native.router]
     with route_client(FakeBackend(), settings, routers, adapters=registry) as c:
-        gcp.install(c.app, GcpCompat())
+        vertex.install(c.app, GcpCompat())
         yield c
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.api.infill import (
+from server.prompts.infill_prompt import (
     CHUNK_PREFIX,
     FimTokens,
     InfillInputError,

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from server.api.infill import FimTokens
 from server.engine.engine import Engine
-from server.routes import infill
+from server.prompts.infill_prompt import FimTokens
+from server.protocols import infill
 from server.settings.config import Settings
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import route_client

@@ -21,10 +21,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: typed values and protocols; the ggml type table and the sequence-state byte
     # layout (pure data and numpy, no llama.cpp), which the caches, slot files and restore
     # plans read without loading llama.cpp; the byte-bounded LRU map (no server imports); the
-    # bounded GGUF header reader (pure Python: the router reads projector headers with it)
+    # bounded GGUF header reader (pure Python: the router reads projector headers with it);
+    # a request preparation's cooperative cancellation (the templates, libmtmd's image
+    # decoding and the preparation pools all check it)
     (
         "server.types",
         "server.lru",
+        "server.cancel",
         "server.llama.ggml_types",
         "server.llama.state_bytes",
         "server.llama.gguf_header",
@@ -48,16 +51,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("server.speculative", "server.kv_events"),
     # the engine: the step and its parts (llama.cpp behind Backend)
     ("server.engine",),
-    # the API's language: bodies, errors, prompts, chat templates, tools, infill,
-    # responses, embeddings
-    ("server.api",),
+    # what clients send: request bodies, sampler fields, errors, bounded JSON, stream names
+    ("server.schemas",),
+    # siblings over the bodies: chat templates with tool-call and reasoning parsing, and
+    # image inputs with their bounds and scope
+    ("server.templates", "server.media"),
     # server state, tenancy, submission of tasks
     ("server.service",),
-    # the front end: every API body as one typed engine request (service.submit.Submission),
-    # the chat pipeline (render, plan, constraint) and the completion prompts
-    ("server.frontend",),
-    # the FastAPI routers
-    ("server.routes",),
+    # each API body's prompt and the one typed engine request it becomes
+    # (service.submit.Submission): the chat pipeline (render, plan, constraint), the
+    # completion prompts and fill-in-the-middle
+    ("server.prompts",),
+    # the HTTP endpoints, one module per API (FastAPI routers, with an API's mapping onto
+    # chat beside its routes)
+    ("server.protocols",),
     # the app (the one place that builds the llama backend and wires everything),
     # middleware, CORS, metrics
     ("server.http",),
@@ -79,14 +86,16 @@ ENGINE_SIDE = ("server.tiers", "server.slot", "server.kv", "server.speculative")
 ENGINE_SIDE += ("server.kv_events", "server.engine")
 KEPT_APART: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(ENGINE_SIDE, ("server.llama", "server.constrained")),
-    "server.api": ("server.llama",),
+    "server.schemas": ("server.llama",),
+    "server.templates": ("server.llama",),
+    "server.media": ("server.llama",),
     "server.service": ("server.llama",),
-    "server.frontend": ("server.llama",),
-    "server.routes": ("server.llama",),
+    "server.prompts": ("server.llama",),
+    "server.protocols": ("server.llama",),
     # the HTTP plumbing beside the app serves it; it never reaches for the app's parts
-    "server.http.middleware": ("server.routes", "server.service", "server.http.app"),
-    "server.http.cors": ("server.routes", "server.service", "server.http.app"),
-    "server.http.metrics": ("server.routes", "server.service", "server.http.app"),
+    "server.http.middleware": ("server.protocols", "server.service", "server.http.app"),
+    "server.http.cors": ("server.protocols", "server.service", "server.http.app"),
+    "server.http.metrics": ("server.protocols", "server.service", "server.http.app"),
     "server.router": ("server.llama", *ENGINE_SIDE, "server.service", "server.http.app"),
 }
 
@@ -179,8 +188,8 @@ def test_graph_sees_the_packages_imports():
     g = _graph()
     assert "server.types" in g["server.engine.engine"]
     assert "server.engine.ram" in g["server.engine.engine"]  # from . import ram
-    assert "server.api.tools.parse" in g["server.api.responses"]
-    assert "server.api.errors" in g["server.http.app"]  # from ..api import errors
+    assert "server.templates.output_parse" in g["server.protocols.responses_mapping"]
+    assert "server.schemas.errors" in g["server.http.app"]  # from ..schemas import errors
     assert "server.http.app" in g["server.cli.main"]
     assert "server.cli.main" in g["server.__main__"]
     assert "server.llama.ggml_types" in g["server.tiers.slot_file"]
@@ -198,17 +207,21 @@ def test_the_rules_catch_upward_and_sideways_imports():
         "server.kv.store": {"server.llama.backend"},  # kept apart
         "server.prefix.prefix_index": {"server.llama.params"},  # a sibling
         "server.tiers.disk": {"server.llama.params"},  # kept apart
-        "server.api.chat": {"server.service"},  # upward
+        "server.templates.chat_template": {"server.service"},  # upward
         "server.llama.ggml_types": {"server.types"},  # sideways among the leaves
         "server.settings.config": {"server.http.app"},  # settings importing the app
-        "server.http.metrics": {"server.routes.metrics"},  # kept apart
+        "server.http.metrics": {"server.protocols.prometheus"},  # kept apart
     }
     assert len(_upward(bad)) == sum(len(v) for v in bad.values())
     good = {
         "server.tiers.slot_file": {"server.llama.ggml_types", "server.types"},
         "server.engine.engine": {"server.tiers.disk", "server.engine.ram"},
-        "server.http.app": {"server.llama.backend", "server.routes.openai"},
-        "server.routes.openai": {"server.service", "server.api.chat", "server.settings.config"},
+        "server.http.app": {"server.llama.backend", "server.protocols.openai"},
+        "server.protocols.openai": {
+            "server.service",
+            "server.templates.chat_template",
+            "server.settings.config",
+        },
         "server.__main__": {"server.cli.main"},
     }
     assert _upward(good) == []
@@ -294,17 +307,17 @@ def test_no_module_imports_another_modules_private_names():
     assert found == []
 
 
-# what the front end owns: no route module defines them (they live in server.frontend)
+# what the prompts' chat pipeline owns: no route module defines them (server.prompts.chat)
 FRONT_END_NAMES = {"render_chat", "render_prompt", "plan_chat", "chat_constraint", "chat_messages"}
 
 
-def test_the_chat_pipeline_lives_in_the_front_end():
+def test_the_chat_pipeline_lives_in_the_prompts_chat_module():
     defined: dict[str, set[str]] = {}
-    for p in [*(PKG / "routes").rglob("*.py"), PKG / "frontend" / "chat.py"]:
+    for p in [*(PKG / "protocols").rglob("*.py"), PKG / "prompts" / "chat.py"]:
         for node in ast.parse(p.read_text()).body:
             if isinstance(node, ast.FunctionDef) and node.name in FRONT_END_NAMES:
                 defined.setdefault(node.name, set()).add(_module_name(p))
-    assert defined == dict.fromkeys(FRONT_END_NAMES, {"server.frontend.chat"})
+    assert defined == dict.fromkeys(FRONT_END_NAMES, {"server.prompts.chat"})
 
 
 def test_submit_takes_typed_inputs_not_callbacks():
@@ -336,7 +349,7 @@ def _folder_graph() -> dict[str, set[str]]:
 
 def test_no_folder_imports_a_folder_that_imports_it_back():
     """Folders, not just modules: no circle among ``server``'s packages (Settings in
-    ``server/cli`` once made one through api, frontend, http, router, routes and service)."""
+    ``server/cli`` once made one through the HTTP side's folders and the router)."""
     g = _folder_graph()
 
     def reachable(f: str) -> set[str]:
@@ -362,3 +375,14 @@ def test_settings_and_the_entry_point_sit_at_the_ends():
     flags = _graph()["server.settings.flags"] | _graph()["server.settings.config"]
     assert {d for d in flags if d.startswith("server.llama")} <= {"server.llama.ggml_types"}
     assert sorted(f for f, deps in g.items() if "server.cli" in deps) == ["server.__main__"]
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says which module it is: no two modules of ``server/`` (packages'
+    ``__init__`` aside) share one (16 did: ``streams.py`` three times, ``anthropic.py`` in
+    the bodies and the routes, ...)."""
+    seen: dict[str, list[str]] = {}
+    for p in PKG.rglob("*.py"):
+        if p.name != "__init__.py":
+            seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from server.api.errors import APIError
-from server.api.schemas import LoraScale
 from server.engine.adapter_turns import canonical
 from server.engine.commands import Caller
+from server.schemas.bodies import LoraScale
+from server.schemas.errors import APIError
 from server.service.adapters import Adapter, AdapterRegistry
 from server.settings.config import parse_settings
 from server.tiers import slot_file, tenancy

@@ -218,7 +218,7 @@ def _returns(fifo: Path, call) -> BaseException | None:
 
 
 def test_a_fifo_is_not_a_regular_file_and_nothing_waits_on_it(tmp_path):
-    from server.api.errors import APIError
+    from server.schemas.errors import APIError
     from server.service.adapters import file_digest
     from server.service.lora_runtime import open_checked
 

@@ -1,4 +1,4 @@
-"""server/api/media.py (issue 42): image inputs bounded before any decoder sees them:
+"""server/media/image_inputs.py (issue 42): image inputs bounded before any decoder sees them:
 the kind and size from each format's header, truncation from its structure, data URLs
 and base64, file:// only under --media-path, the count per request."""
 
@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from server.api.errors import APIError
-from server.api.media import (
+from server.llama.mtmd import media_marker
+from server.media.image_inputs import (
     MediaInput,
     MediaLimits,
     RecentlyDecoded,
@@ -19,8 +19,8 @@ from server.api.media import (
     image_bytes,
     image_size,
 )
-from server.api.prompts import multimodal_prompt
-from server.llama.mtmd import media_marker
+from server.prompts.completion_forms import multimodal_prompt
+from server.schemas.errors import APIError
 from tests.mmproj_gen import pixels, png, png_header_only
 
 LIMITS = MediaLimits(max_bytes=1 << 20, max_pixels=4096 * 4096, max_count=2)

@@ -1,4 +1,4 @@
-"""server/api/media_scope.py (issue 56): a request's image pixels bounded from the headers
+"""server/media/media_scope.py (issue 56): a request's image pixels bounded from the headers
 before anything decodes them (per request: 413; per API key in flight: 429), decoding moved
 off the text lanes onto the media lane, image caches kept per tenant, and audio never
 advertised while audio inputs are refused."""
@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.api import media_scope
-from server.api.errors import APIError
-from server.api.media import (
+from server.media import media_scope
+from server.media.image_inputs import (
     MAX_JPEG_SCANS,
     MediaInput,
     MediaLimits,
@@ -22,8 +21,9 @@ from server.api.media import (
     check_image,
     decode_base64,
 )
-from server.api.media_scope import InFlight, MediaScope, NeedsMediaLane, run_in
-from server.routes import native, openai
+from server.media.media_scope import InFlight, MediaScope, NeedsMediaLane, run_in
+from server.protocols import native, openai
+from server.schemas.errors import APIError
 from server.service import pools
 from server.service.state import media_scope_of
 from server.settings.config import Settings

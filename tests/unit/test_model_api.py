@@ -8,10 +8,10 @@ import typing
 
 import pytest
 
-from server.api.errors import APIError
 from server.engine.model_api import DraftModel, ModelBackend, Tokenizer
 from server.llama.backend import LlamaBackend
 from server.llama.draft import DraftContext
+from server.schemas.errors import APIError
 from server.service.state import ServerState
 from server.settings.config import Settings
 from tests.fake_backend import FakeBackend

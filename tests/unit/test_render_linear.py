@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
-from server.routes import anthropic, render, responses, template
+from server.protocols import anthropic, apply_template, render, responses
 from server.service.tokenizer import Special
 from server.settings.config import Settings
+from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 from tests.unit.helpers import route_client
 from tests.unit.test_chat_route import TextBackend
 
@@ -57,7 +57,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TestClient, Any, 
     monkeypatch.setattr(ChatTemplate, "render", render_counted)
     tpl = ChatTemplate(BUILTIN_TEMPLATES["gemma"], "<bos>", name="gemma")
     backend = CountingBackend()
-    routers = [anthropic.router, render.router, template.router, responses.router]
+    routers = [anthropic.router, render.router, apply_template.router, responses.router]
     with route_client(backend, Settings(), routers, template=tpl) as c:
         yield c, backend, renders
 

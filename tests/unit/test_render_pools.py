@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from server.api.cancel import CancelFlag, Cancelled, Watched, checkpoint, run_with
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
-from server.api.errors import APIError
+from server.cancel import CancelFlag, Cancelled, Watched, checkpoint, run_with
+from server.schemas.errors import APIError
 from server.service import pools
+from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 
 
 class FakeRequest:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from server.api.cancel import CancelFlag, Cancelled, run_with
+from server.cancel import CancelFlag, Cancelled, run_with
 from server.llama.vocab import SpecialToken, special_tokens
 from server.service import tokenizer
 from server.service.tokenizer import CHUNK, Special, Splitter, tokenize, tokenize_at

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
-from server.api.responses import ResponsesInputError, output_items, to_chat_body
-from server.api.schemas import ChatRequest
-from server.api.tools.parse import Message, ToolCall
-from server.api.tools.plan import plan_chat
-from server.routes.responses import _ResponseStream
+from server.protocols.responses import _ResponseStream
+from server.protocols.responses_mapping import ResponsesInputError, output_items, to_chat_body
+from server.schemas.bodies import ChatRequest
+from server.templates.chat_plan import plan_chat
+from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
+from server.templates.output_parse import Message, ToolCall
 from server.types import FinishReason, PromptProgress, TaskResult, TextChunk, Timings
 
 

@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.requests import Request
 
-from server.router.app import create_router_app
 from server.router.proxy import cut_off_event, upstream_headers, upstream_url
+from server.router.router_app import create_router_app
 from server.router.routes import UPSTREAM_GRACE_S, silence_limit
 from server.settings.config import parse_settings
 

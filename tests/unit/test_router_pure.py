@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from server.http.sleep import SleepController, is_task
+from server.http.model_sleep import SleepController, is_task
 from server.router.instances import (
     LOADED,
     LOADING,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from server.api.errors import APIError
-from server.api.reasoning_tags import ReasoningTags, reasoning_tags
-from server.api.schemas import ChatRequest, NativeCompletionRequest
 from server.engine.sampling_paths import PENALTIES, REQUEST, SAMPLERS, cpu_reason
+from server.schemas.bodies import ChatRequest, NativeCompletionRequest
+from server.schemas.errors import APIError
 from server.service.budget import budget_ask
 from server.settings.config import Settings
 from server.slot.reasoning_budget import BudgetTracker
+from server.templates.reasoning_tags import ReasoningTags, reasoning_tags
 from server.types import (
     DEFAULT_SAMPLERS,
     GenParams,

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.routes import slots as slots_route
+from server.protocols import slots as slots_route
 from server.service.state import tenant_of
 from server.settings.config import Settings
 from server.tiers import slot_file as sf

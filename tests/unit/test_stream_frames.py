@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from server.api import responses as api_responses
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate
-from server.api.tools.plan import plan_chat
-from server.routes import anthropic, common, native, openai, responses
-from server.routes.common import Frame, json_ints, json_str, sse
+from server.protocols import anthropic, common, native, openai, responses
+from server.protocols import responses_mapping as api_responses
+from server.protocols.common import Frame, json_ints, json_str, sse
 from server.service.tasks import COALESCE_AFTER, coalesced, merge_text
+from server.templates.chat_plan import plan_chat
+from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 from server.types import (
     FinishReason,
     PromptProgress,

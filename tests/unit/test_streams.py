@@ -1,4 +1,4 @@
-"""The resumable streams' buffer and registry (server.service.streams) on their own: framing,
+"""The resumable streams' buffer and registry (server.service.stream_buffers) on their own: framing,
 bounds, positions, limits, expiry and stop, with async generators standing in for routes."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from server.api.errors import APIError
-from server.api.stream_ids import check_id, valid_id
-from server.service.streams import StreamLimits, StreamRegistry, StreamSession
+from server.schemas.errors import APIError
+from server.schemas.stream_ids import check_id, valid_id
+from server.service.stream_buffers import StreamLimits, StreamRegistry, StreamSession
 
 pytestmark = pytest.mark.unit
 

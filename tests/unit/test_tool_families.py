@@ -1,4 +1,4 @@
-"""Tool-call families (server.api.tools.families / regions / harmony / frames).
+"""Tool-call families (server.templates.families / regions / harmony / frames).
 
 - every template of llama.cpp's corpus (the pinned sdist's ``models/templates``) that takes
   tools has a detected family, enumerated from the corpus itself: a new template whose
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from server.api.chat import ChatTemplate
-from server.api.tools.families import BY_NAME, FAMILIES, detect_family, reasoning_end_tag
-from server.api.tools.frames import derive, grammar, text_of
-from server.api.tools.harmony import HarmonyParser
-from server.api.tools.parse import Message, OutputParser, ToolFormat
-from server.api.tools.plan import plan_chat
-from server.api.tools.prompt import template_tools
-from server.api.tools.regions import RegionParser
-from server.api.tools.spec import Tool
 from server.constrained import lark_constraint
+from server.templates.chat_plan import plan_chat
+from server.templates.chat_template import ChatTemplate
+from server.templates.families import BY_NAME, FAMILIES, detect_family, reasoning_end_tag
+from server.templates.frames import derive, grammar, text_of
+from server.templates.harmony import HarmonyParser
+from server.templates.output_parse import Message, OutputParser, ToolFormat
+from server.templates.regions import RegionParser
+from server.templates.tool_fields import Tool
+from server.templates.tools_prompt import template_tools
 from tests.llama_sdist import vendored
 
 TEMPLATES = vendored("models/templates/README.md").parent

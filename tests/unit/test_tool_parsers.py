@@ -10,13 +10,7 @@ import random
 
 import pytest
 
-from server.api.tools.parse import (
-    Message,
-    OutputParser,
-    ToolCall,
-    ToolFormat,
-    parse_message,
-)
+from server.templates.output_parse import Message, OutputParser, ToolCall, ToolFormat, parse_message
 
 H, L3, MI, G = ToolFormat.HERMES, ToolFormat.LLAMA3, ToolFormat.MISTRAL, ToolFormat.GENERIC
 

@@ -10,15 +10,11 @@ import re
 import jsonschema
 import pytest
 
-from server.api.chat import BUILTIN_TEMPLATES, ChatTemplate, thinking_forced_open
-from server.api.tools.parse import OutputParser, ToolCall, ToolFormat, parse_message
-from server.api.tools.plan import ChatPlan, plan_chat
-from server.api.tools.prompt import (
-    _call_text,
-    prepare,
-    template_tools,
-)
-from server.api.tools.spec import ToolSpecError, forced_call, tool_spec
+from server.templates.chat_plan import ChatPlan, plan_chat
+from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate, thinking_forced_open
+from server.templates.output_parse import OutputParser, ToolCall, ToolFormat, parse_message
+from server.templates.tool_fields import ToolSpecError, forced_call, tool_spec
+from server.templates.tools_prompt import _call_text, prepare, template_tools
 from tests.llama_sdist import vendored
 
 WEATHER = {
@@ -73,7 +69,7 @@ def builtin(name: str) -> ChatTemplate:
         ("meta-llama-Llama-3.3-70B-Instruct", ToolFormat.LLAMA3, True),
         ("mistralai-Mistral-Nemo-Instruct-2407", ToolFormat.MISTRAL, True),
         ("unsloth-mistral-Devstral-Small-2507", ToolFormat.MISTRAL, True),
-        # other call syntaxes: their family (server.api.tools.families)
+        # other call syntaxes: their family (server.templates.families)
         ("Qwen3-Coder", ToolFormat.FAMILY, True),
         # no tool support: the generic form
         ("microsoft-Phi-3.5-mini-instruct", ToolFormat.GENERIC, False),

@@ -1,4 +1,4 @@
-"""The chat page's routes (server/routes/webui.py) without a model: / and /webui/* serve the
+"""The chat page's routes (server/protocols/webui.py) without a model: / and /webui/* serve the
 shipped files with a strict CSP, need no API key, and are off with --no-webui. The page in a
 browser: tests/e2e/test_webui_e2e.py."""
 
@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 
 from server.cli.main import parse_settings
 from server.http.app import create_app
-from server.routes import webui
+from server.protocols import webui
 
 pytestmark = pytest.mark.unit
 

@@ -1,3 +1,0 @@
-"""Tool calling and reasoning for chat: request checks (``spec``), tools in the prompt
-(``prompt``), and incremental output parsers (``parse``). See README "Tool calling and
-reasoning"."""
