@@ -19,12 +19,6 @@ if TYPE_CHECKING:
 
 import numpy as np
 
-# JSON as ``json.loads`` returns it: for the values of a client's body that are arbitrary by
-# nature (a tool's parameters, chat_template_kwargs, a JSON schema). Whoever reads one
-# narrows it with isinstance first; a value a module only passes on is typed ``object``.
-JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
-JsonObject = dict[str, JsonValue]
-
 # Sequence state bytes live in one buffer (a ctypes array or a bytearray), never a list.
 StateBuf = ctypes.Array | bytearray
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import unquote
 
+from ..json_value import JsonObject, JsonValue
+
 
 @dataclass(frozen=True)
 class ConstraintLimits:
@@ -43,9 +45,9 @@ N = TypeVar("N")  # a node of the graph _longest_path walks
 # -- JSON schemas ------------------------------------------------------------------------
 
 
-def _anchors(root: object) -> dict[str, object]:
+def _anchors(root: JsonValue) -> JsonObject:
     """``$id`` and ``$anchor`` names (``#name`` too) -> the subschema carrying them."""
-    out: dict[str, object] = {}
+    out: JsonObject = {}
     todo = [root]
     while todo:
         node = todo.pop()
@@ -62,7 +64,7 @@ def _anchors(root: object) -> dict[str, object]:
     return out
 
 
-def _pointer(root: object, pointer: str) -> object:
+def _pointer(root: JsonValue, pointer: str) -> JsonValue:
     """The value a JSON pointer (``/a/b``, RFC 6901) names in ``root``; None when none."""
     node = root
     for raw in pointer.split("/")[1:]:
@@ -76,7 +78,7 @@ def _pointer(root: object, pointer: str) -> object:
     return node
 
 
-def _resolve(root: object, anchors: dict[str, object], ref: str) -> object:
+def _resolve(root: JsonValue, anchors: JsonObject, ref: str) -> JsonValue:
     """The subschema a ``$ref`` names, or None: ``#``, ``#/pointer``, ``#anchor``, an ``$id``
     (with or without a fragment)."""
     if ref in anchors:
@@ -92,14 +94,15 @@ def _resolve(root: object, anchors: dict[str, object], ref: str) -> object:
     return anchors.get("#" + frag)
 
 
-def _successors(node: object, root: object, anchors: dict[str, object]) -> Iterator[object]:
+def _successors(node: JsonValue, root: JsonValue, anchors: JsonObject) -> Iterator[JsonValue]:
     """What a walk goes on to from ``node``: its JSON values that nest, and a ``$ref``'s target."""
     values = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
     for v in values:
         if isinstance(v, dict | list):
             yield v
-    if isinstance(node, dict) and isinstance(node.get("$ref"), str):
-        target = _resolve(root, anchors, node["$ref"])
+    ref = node.get("$ref") if isinstance(node, dict) else None
+    if isinstance(ref, str):
+        target = _resolve(root, anchors, ref)
         if isinstance(target, dict | list):
             yield target
 
@@ -146,7 +149,7 @@ def _longest_path(
     return done[key(root)]
 
 
-def schema_depth(root: object, limit: int) -> int:
+def schema_depth(root: JsonValue, limit: int) -> int:
     """The longest path from ``root`` through nested JSON values and ``$ref`` hops (cycles cut
     where they close). Stops early and returns a value above ``limit`` as soon as a path
     passes it."""
@@ -154,7 +157,7 @@ def schema_depth(root: object, limit: int) -> int:
     return _longest_path(root, lambda n: _successors(n, root, anchors), id, limit)
 
 
-def enum_entries(root: object) -> int:
+def enum_entries(root: JsonValue) -> int:
     """How many ``enum`` entries the schema lists, in all its subschemas."""
     n = 0
     todo = [root]
@@ -170,7 +173,7 @@ def enum_entries(root: object) -> int:
     return n
 
 
-def check_schema_shape(schema: object, limits: ConstraintLimits) -> None:
+def check_schema_shape(schema: JsonValue, limits: ConstraintLimits) -> None:
     """ShapeError unless the schema keeps ``max_depth`` and ``max_enum``."""
     depth = schema_depth(schema, limits.max_depth)
     if depth > limits.max_depth:

@@ -6,10 +6,11 @@ two. Every malformed field is a ConstraintError whose ``where`` names it."""
 
 from __future__ import annotations
 
+from ..json_value import JsonValue
 from .spec import Constraint, ConstraintError, gbnf_constraint, json_schema_constraint
 
 
-def _schema(value: object, field: str) -> Constraint:
+def _schema(value: JsonValue, field: str) -> Constraint:
     """``value`` as a JSON-schema constraint; an empty schema means any object (llama-server)."""
     if not isinstance(value, dict):
         raise ConstraintError(field, "the schema must be a JSON object")
@@ -19,7 +20,7 @@ def _schema(value: object, field: str) -> Constraint:
         raise ConstraintError(field + e.where, e.reason) from None
 
 
-def _response_format(rf: object) -> Constraint | None:
+def _response_format(rf: JsonValue) -> Constraint | None:
     """OpenAI's ``response_format``; llama-server's ``json_object`` may carry a ``schema``."""
     if not isinstance(rf, dict):
         raise ConstraintError("response_format", "must be an object with a type")
@@ -42,7 +43,7 @@ def _response_format(rf: object) -> Constraint | None:
 
 
 def request_constraint(
-    *, response_format: object = None, json_schema: object = None, grammar: object = None
+    *, response_format: JsonValue = None, json_schema: JsonValue = None, grammar: JsonValue = None
 ) -> Constraint | None:
     """The one constraint these fields ask for (None: free text). A request may set one of
     ``response_format``, ``json_schema`` and ``grammar`` (a GBNF string); two of them, a

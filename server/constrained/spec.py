@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from llguidance import LLMatcher, grammar_from
 
+from ..json_value import JsonObject, JsonValue
 from ..types import Constraint
 from .limits import ShapeError, check_grammar_shape, check_schema_shape
 from .worker import CompileRequest, limits, pool
@@ -26,7 +27,7 @@ from .worker import CompileRequest, limits, pool
 # (``space ::= | " " | "\n"{1,2} [ \t]{0,20}``): a weak model that keeps choosing blanks must
 # still come to the next token of the document.
 WHITESPACE = r"(?:\x20|\x0A{1,2}[\x20\x09]{0,20})?"
-JSON_OPTIONS: dict[str, object] = {"whitespace_pattern": WHITESPACE}
+JSON_OPTIONS: JsonObject = {"whitespace_pattern": WHITESPACE}
 
 MAX_NUMBER = 2**53 - 1  # largest integer a JSON number holds exactly (JavaScript's safe integer)
 CACHE_SIZE = 256  # distinct schemas/grammars whose check (or failure) is remembered
@@ -56,13 +57,13 @@ def _check(grammar: str, where: str) -> None:
         raise ConstraintError(where, messages[0] if messages else "invalid")
 
 
-def _canonical(value: object) -> str:
+def _canonical(value: JsonValue) -> str:
     """Compact JSON text. Key order is kept: it is the order properties are generated in,
     so two schemas that differ only in order are different constraints."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def _with_options(schema: dict[str, object]) -> dict[str, object]:
+def _with_options(schema: JsonObject) -> JsonObject:
     """The schema as compiled (``_normalized``), with the server's JSON options (bounded
     whitespace) in ``x-guidance``."""
     schema = _normalized(schema)
@@ -76,7 +77,7 @@ def _with_options(schema: dict[str, object]) -> dict[str, object]:
 _NOT_INFERRED = ("type", "anyOf", "oneOf", "allOf", "enum", "const", "$ref", "not")
 
 
-def _normalized(node: dict[str, object]) -> dict[str, object]:
+def _normalized(node: JsonObject) -> JsonObject:
     """A copy of ``node`` (and of its subschemas, never of enum/const/default values) that
     only narrows what it accepts, as llama.cpp's schema converter reads schemas:
 
@@ -110,7 +111,7 @@ def _normalized(node: dict[str, object]) -> dict[str, object]:
     return out
 
 
-def _bound_numbers(node: dict[str, object]) -> None:
+def _bound_numbers(node: JsonObject) -> None:
     """Give a numeric schema without a bound +-MAX_NUMBER (in place); a bound the schema
     sets beyond ours wins (no empty range of our making)."""
     types = node.get("type")
@@ -125,7 +126,7 @@ def _bound_numbers(node: dict[str, object]) -> None:
         node["maximum"] = MAX_NUMBER
 
 
-def _schema_error(schema: dict[str, object]) -> str:
+def _schema_error(schema: JsonObject) -> str:
     """llguidance's complaint about ``schema`` alone, or "" when it compiles."""
     try:
         grammar = LLMatcher.grammar_from_json_schema(_with_options(schema))
@@ -135,7 +136,7 @@ def _schema_error(schema: dict[str, object]) -> str:
     return (messages[0] if messages else "invalid") if is_error else ""
 
 
-def _children(node: dict[str, object]) -> list[tuple[str, dict[str, object]]]:
+def _children(node: JsonObject) -> list[tuple[str, JsonObject]]:
     """(pointer suffix, subschema) for every subschema directly under ``node``."""
     out: list[tuple[str, object]] = []
     for k in _ONE:
@@ -160,11 +161,11 @@ def _escape(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
 
-def _locate(root: dict[str, object], reason: str) -> str:
+def _locate(root: JsonObject, reason: str) -> str:
     """The JSON pointer of the deepest subschema that fails alone with the same ``reason``
     as the whole schema (``#`` when only the whole fails that way). A subschema is checked
     with the root's ``$defs``/``definitions`` beside it, so its references still resolve."""
-    defs: dict[str, object] = {k: root[k] for k in ("$defs", "definitions") if k in root}
+    defs: JsonObject = {k: root[k] for k in ("$defs", "definitions") if k in root}
     where, node = "#", root
     while True:
         for suffix, child in _children(node):
@@ -253,9 +254,7 @@ def _schema_constraint(canon: str, prefix: str, suffix: str) -> Constraint:
     return _remembered(("json_schema", canon, prefix, suffix), make)
 
 
-def json_schema_constraint(
-    schema: dict[str, object], *, prefix: str = "", suffix: str = ""
-) -> Constraint:
+def json_schema_constraint(schema: JsonObject, *, prefix: str = "", suffix: str = "") -> Constraint:
     """Output is one JSON value valid against ``schema`` (JSON Schema as llguidance
     implements it: types, properties/required/additionalProperties, items/prefixItems,
     enum/const, anyOf/oneOf/allOf, $ref/$defs, string length/pattern/format, numeric

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from ..json_value import JsonObject
 from ..kv.file_plan import RestorePlan, saved_state
 from ..kv.store import SlotStore
 from ..slot.slot import Slot
@@ -312,8 +313,8 @@ class CacheView:
     """What GET /cache shows: the RAM cache's and the disk tier's descriptions (``disk``:
     ``{"enabled": False}`` without one) and --cache-idle-slots."""
 
-    ram: dict[str, object]
-    disk: dict[str, object]
+    ram: JsonObject
+    disk: JsonObject
     idle_slots: bool
 
 
@@ -331,7 +332,7 @@ class DescribeCache:
     def run(self, host: Host) -> CacheView | None:
         if host.cache is None:
             return None
-        disk: dict[str, object] = {"enabled": False}
+        disk: JsonObject = {"enabled": False}
         if host.disk is not None:
             disk = host.disk.describe(self.owner)
             if self.owner is not None:

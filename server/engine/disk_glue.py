@@ -23,6 +23,7 @@ from ..slot.slot import Slot
 from ..tiers.disk import DiskHit, DiskTier
 from ..tiers.disk_files import BadFile, DiskEntry, EntryChanged
 from ..tiers.prompt_cache import PromptCache
+from ..tiers.saved import InSlot
 
 log = logging.getLogger("server.engine.disk_glue")
 
@@ -104,7 +105,8 @@ def spill(store: SlotStore, cache: PromptCache | None, disk: DiskTier) -> int:
             continue
         snap = store.snapshot(s)
         # the target state only (as before: a spilled slot's draft state is not kept)
-        snap.data = replace(snap.data, read_draft=None)  # type: ignore[type-var]
+        assert isinstance(snap.data, InSlot)  # a snapshot reads the slot's KV
+        snap.data = replace(snap.data, read_draft=None)
         try:
             e = snap.read()
         except MemoryError:

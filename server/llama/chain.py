@@ -125,8 +125,7 @@ def build_chain(p: SamplingParams, env: ChainEnv, history: list[int]) -> Chain:
     if p.logit_bias:
         arr = (L.llama_logit_bias * len(p.logit_bias))()
         for i, (tok, bias) in enumerate(p.logit_bias.items()):
-            arr[i].token = tok  # type: ignore[assignment]  # ctypes converts the int
-            arr[i].bias = bias
+            arr[i] = L.llama_logit_bias(tok, bias)
         add(chain, L.llama_sampler_init_logit_bias(env.n_vocab, len(p.logit_bias), arr))
     stages = p.stages()
     for name in stages:

@@ -75,6 +75,14 @@ class KV:
     type: int  # a gguf_type id; ARR for an array (``value`` is then a GGUFArray)
     value: object
 
+    def number(self) -> int | float:
+        """The value of a key of a numeric type (the caller checked ``type``); GGUFError for
+        any other value."""
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise GGUFError(f"a {kv_type_name(self.type)} value is not a number")
+        return v
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -202,7 +210,7 @@ def _alignment(kv: dict[str, KV]) -> int:
         return DEFAULT_ALIGNMENT
     if a.type != U32:
         raise GGUFError(f"general.alignment is a {kv_type_name(a.type)}: expected u32")
-    n = int(a.value)  # type: ignore[call-overload]  # a u32: an int
+    n = int(a.number())  # a u32: an int
     if n <= 0 or n & (n - 1):
         raise GGUFError(f"general.alignment {n} is not a power of two")
     return n

@@ -112,8 +112,8 @@ def _base_model(path: str, _size: int, _mtime: int) -> BaseModel:
     headers = [first]
     count = first.kv.get("split.count")
     m = _SPLIT.match(path)
-    if count is not None and count.type == U16 and int(count.value) > 1 and m:  # type: ignore[call-overload]
-        n = int(count.value)  # type: ignore[call-overload]
+    if count is not None and count.type == U16 and int(count.number()) > 1 and m:
+        n = int(count.number())
         # llama.cpp's llama_split_path: PREFIX-%05d-of-%05d.gguf, numbered from 1
         headers += [_header_of(f"{m.group(1)}-{i:05d}-of-{n:05d}.gguf") for i in range(2, n + 1)]
     shapes = {t.name: t.ne for h in headers for t in h.tensors}
@@ -144,7 +144,7 @@ def check_keys(kv: dict[str, KV], arch: str) -> None:
     _require_str(kv, "general.architecture", arch, " (the base model's)")
     _require_str(kv, "adapter.type", "lora", "")
     alpha = _typed(kv, "adapter.lora.alpha", F32)
-    if alpha is not None and not math.isfinite(float(alpha.value)):  # type: ignore[arg-type]
+    if alpha is not None and not math.isfinite(alpha.number()):
         raise LoraFileError(f"adapter.lora.alpha is {alpha.value}: expected a finite number")
     for key in ("adapter.lora.task_name", "adapter.lora.prompt_prefix"):
         _typed(kv, key, STR)
@@ -154,7 +154,7 @@ def check_keys(kv: dict[str, KV], arch: str) -> None:
         et = kv_type_name(arr.elem_type)
         raise LoraFileError(f"adapter.alora.invocation_tokens holds {et}: expected u32")
     align = _typed(kv, "general.alignment", U32)
-    if align is not None and int(align.value) > MAX_ALIGNMENT:  # type: ignore[call-overload]
+    if align is not None and int(align.number()) > MAX_ALIGNMENT:
         raise LoraFileError(f"general.alignment {align.value} is above {MAX_ALIGNMENT}")
 
 

@@ -145,8 +145,9 @@ def _sections(buf: memoryview, n_caches: int, end: int) -> list[_Section] | None
             out = [_section(r, ext) for _ in range(n_caches)]
         except StateFormatError:
             continue
-        if r.pos == end and all(s is not None for s in out):
-            return out  # type: ignore[return-value]
+        sections = [s for s in out if s is not None]
+        if r.pos == end and len(sections) == len(out):
+            return sections
     return None
 
 

@@ -15,6 +15,7 @@ import re
 import uuid
 
 from ..cancel import checkpoint
+from ..json_value import JsonObject
 from ..schemas.anthropic_bodies import (
     AnthropicMessage,
     CountTokensRequest,
@@ -190,11 +191,11 @@ def anthropic_chat_messages(req: CountTokensRequest) -> list[dict[str, object]]:
     return out
 
 
-def _tools(tools: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
+def _tools(tools: list[JsonObject] | None) -> list[JsonObject] | None:
     """Custom tools as chat functions; Anthropic's own and server tools are refused."""
     if tools is None:
         return None
-    out: list[dict[str, object]] = []
+    out: list[JsonObject] = []
     for i, t in enumerate(tools):
         kind = t.get("type")
         if kind not in (None, "custom"):
@@ -211,7 +212,7 @@ def _tools(tools: list[dict[str, object]] | None) -> list[dict[str, object]] | N
                 f"tools.{i}.strict: strict tool use is not supported (force the call with "
                 'tool_choice {"type": "tool"} to constrain its input)'
             )
-        fn: dict[str, object] = {"name": t["name"], "parameters": t["input_schema"]}
+        fn: JsonObject = {"name": t["name"], "parameters": t["input_schema"]}
         if t.get("description") is not None:
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})
@@ -288,7 +289,7 @@ def to_chat_body(req: CountTokensRequest) -> dict[str, object]:
 # ---- the answer ----------------------------------------------------------------------
 
 
-def tool_input(arguments: str) -> dict[str, object]:
+def tool_input(arguments: str) -> JsonObject:
     """A call's arguments as the ``input`` object; a call cut short by ``max_tokens`` (not
     valid JSON) has ``{}``, as llama-server's, and so has one nesting deeper than any body
     this server reads (the model's text, never a RecursionError)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ..json_value import JsonObject
 from ..prompts.chat import media_input, plan_chat, render_chat, render_prompt
 from ..schemas.bodies import ChatRequest
 from ..service.state import ServerState
@@ -32,7 +33,7 @@ def _n_tokens(st: ServerState, body: ChatRequest) -> int:
 
 
 @router.post("/apply-template")
-async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, object]:
+async def apply_template(body: ApplyTemplateRequest, request: Request) -> JsonObject:
     """``{"prompt": text}``: the rendered conversation, nothing generated."""
     st = state_of(request)
     # requires the engine (the template comes with the model); checks tool schemas: off the loop
@@ -41,7 +42,7 @@ async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[s
 
 @router.post("/v1/chat/completions/input_tokens")
 @router.post("/chat/completions/input_tokens")
-async def chat_input_tokens(body: ChatRequest, request: Request) -> dict[str, object]:
+async def chat_input_tokens(body: ChatRequest, request: Request) -> JsonObject:
     """llama-server's token count of a chat body: the tokens its prompt feeds the model."""
     st = state_of(request)
     n = await prep(request, _n_tokens, st, body)  # checks tool schemas: off the loop

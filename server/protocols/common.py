@@ -16,6 +16,7 @@ from fastapi import Request
 from typing_extensions import NotRequired
 
 from ..engine.model_api import Tokenizer
+from ..json_value import JsonObject
 from ..schemas.errors import error_body
 from ..service.pools import prepare_in
 from ..service.sampling import default_sampling
@@ -192,11 +193,11 @@ def token_logprobs(
     ]
 
 
-def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, object]:
+def generation_settings(st: ServerState, task: Task | None = None) -> JsonObject:
     """The settings a task runs with: ``task``'s own, or without one the server defaults.
     Only a task adds the per-request fields (stop strings, logit bias, streaming, ...)."""
     p = task.sampling if task is not None else default_sampling(st.settings)
-    out: dict[str, object] = {
+    out: JsonObject = {
         "n_ctx": st.require_backend().n_ctx_slot,
         "n_predict": task.gen.max_tokens if task is not None else st.settings.n_predict,
         "temperature": p.temperature,
@@ -228,7 +229,7 @@ def generation_settings(st: ServerState, task: Task | None = None) -> dict[str, 
     return out
 
 
-def sampler_settings(p: SamplingParams) -> dict[str, object]:
+def sampler_settings(p: SamplingParams) -> JsonObject:
     """The rest of llama-server's sampler settings, under its names."""
     return {
         "dynatemp_range": p.dynatemp_range,

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import TypeAdapter, ValidationError
 
+from ..json_value import JsonObject
 from ..schemas.bodies import LoraScale
 from ..schemas.errors import APIError
 from ..schemas.json_body import parse_json_body
@@ -19,14 +20,14 @@ _ITEMS = TypeAdapter(list[LoraScale])
 
 
 @router.get("/lora-adapters")
-async def get_lora_adapters(request: Request) -> list[dict[str, object]]:
+async def get_lora_adapters(request: Request) -> list[JsonObject]:
     """Each adapter: ``id``, ``path``, ``scale`` (global), ``task_name``, ``prompt_prefix``
     (llama-server's fields) and ``alias`` where --lora-alias names it."""
     return state_of(request).adapters.describe()
 
 
 @router.post("/lora-adapters")
-async def post_lora_adapters(request: Request) -> dict[str, object]:
+async def post_lora_adapters(request: Request) -> JsonObject:
     """Set the global scales: ``[{"id": 0, "scale": 0.5}]``; an adapter left out gets 0
     (llama-server's rule). 400 for a malformed body or an unknown id. Runs already started
     keep the scales they started with; cached states stay keyed by theirs."""
@@ -40,7 +41,7 @@ async def post_lora_adapters(request: Request) -> dict[str, object]:
     return {"success": True}
 
 
-def _object(raw: bytes) -> dict[str, object]:
+def _object(raw: bytes) -> JsonObject:
     body = parse_json_body(raw)
     if not isinstance(body, dict):
         raise APIError(400, "expected a JSON object")

@@ -10,6 +10,7 @@ import time
 import uuid
 
 from ..cancel import checkpoint
+from ..json_value import JsonObject, JsonValue
 from ..templates.output_parse import Message, ToolCall
 
 
@@ -22,17 +23,17 @@ def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
 
-def _is_str(item: dict[str, object], key: str) -> bool:
+def _is_str(item: JsonObject, key: str) -> bool:
     return isinstance(item.get(key), str)
 
 
-def _is_list(item: dict[str, object], key: str) -> bool:
+def _is_list(item: JsonObject, key: str) -> bool:
     return isinstance(item.get(key), list)
 
 
-def _input_parts(content: list[object]) -> list[dict[str, object]]:
+def _input_parts(content: list[JsonValue]) -> list[JsonValue]:
     """A user/system/developer message's parts as chat content parts."""
-    parts = []
+    parts: list[JsonValue] = []
     for item in content:
         p = item if isinstance(item, dict) else {}
         kind = p.get("type", "")
@@ -53,15 +54,16 @@ def _input_parts(content: list[object]) -> list[dict[str, object]]:
     return parts
 
 
-def _output_parts(item: dict[str, object]) -> list[dict[str, object]]:
+def _output_parts(item: JsonObject) -> list[JsonValue]:
     """An assistant message item's content (a string, or output_text/refusal parts) as chat
     text parts; a refusal is kept as text (chat content here is text only)."""
     content = item.get("content")
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    parts = []
+    parts: list[JsonValue] = []
     for p in content if isinstance(content, list) else []:
-        kind = p.get("type", "") if isinstance(p, dict) else ""
+        p = p if isinstance(p, dict) else {}  # no "type": refused below
+        kind = p.get("type", "")
         if kind in ("output_text", "input_text"):
             if not _is_str(p, "text"):
                 raise ResponsesInputError("'Output text' requires 'text'")
@@ -75,18 +77,18 @@ def _output_parts(item: dict[str, object]) -> list[dict[str, object]]:
     return parts
 
 
-def _assistant(messages: list[dict[str, object]]) -> dict[str, object] | None:
+def _assistant(messages: list[JsonObject]) -> JsonObject | None:
     """The previous message when it is the assistant's: later items merge into it."""
     if messages and messages[-1].get("role") == "assistant":
         return messages[-1]
     return None
 
 
-def _tool_output(item: dict[str, object]) -> dict[str, object]:
+def _tool_output(item: JsonObject) -> JsonObject:
     """A function_call_output item as a ``tool`` message."""
     out = item["output"]
     if isinstance(out, list):
-        parts = []
+        parts: list[JsonValue] = []
         for p in out:
             if not isinstance(p, dict) or "type" not in p:
                 raise ResponsesInputError("Output of tool call missing 'type' field")
@@ -104,7 +106,26 @@ def _tool_output(item: dict[str, object]) -> dict[str, object]:
     return {"role": "tool", "content": out, "tool_call_id": item["call_id"]}
 
 
-def _add_item(messages: list[dict[str, object]], item: object) -> None:
+def _add_function_call(
+    messages: list[JsonObject], prev: JsonObject | None, item: JsonObject
+) -> None:
+    """A function_call item as a tool call on the last assistant message (or a new one)."""
+    call = {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
+    if prev is not None:
+        # a list unless the client's own assistant item set it otherwise (then a 400)
+        calls = prev.setdefault("tool_calls", [])
+        if not isinstance(calls, list):
+            raise ResponsesInputError("an assistant item's 'tool_calls' must be a list")
+        calls.append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _add_item(messages: list[JsonObject], item: JsonValue) -> None:
     """One input item appended to (or merged into the last of) the chat messages."""
     if not isinstance(item, dict):
         raise ResponsesInputError("Cannot determine type of 'item'")
@@ -115,7 +136,9 @@ def _add_item(messages: list[dict[str, object]], item: object) -> None:
         item["content"] = [{"type": "input_text", "text": item["content"]}]
     if _is_list(item, "content") and role in ("user", "system", "developer"):
         msg = {k: v for k, v in item.items() if k not in ("type", "status")}
-        messages.append({**msg, "content": _input_parts(item["content"])})
+        content = item["content"]
+        assert isinstance(content, list)  # _is_list above
+        messages.append({**msg, "content": _input_parts(content)})
     elif role == "assistant" and kind in (None, "message"):  # llama-server: "message" only
         parts = _output_parts(item)
         if prev is not None:
@@ -129,17 +152,7 @@ def _add_item(messages: list[dict[str, object]], item: object) -> None:
     elif kind == "function_call" and all(
         _is_str(item, k) for k in ("arguments", "call_id", "name")
     ):
-        call = {
-            "id": item["call_id"],
-            "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]},
-        }
-        if prev is not None:
-            # a list unless the client's own assistant item set it otherwise (then this
-            # fails as it always has)
-            prev.setdefault("tool_calls", []).append(call)  # type: ignore[attr-defined]
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        _add_function_call(messages, prev, item)
     elif kind == "function_call_output" and _is_str(item, "call_id") and "output" in item:
         if not isinstance(item["output"], str | list):
             raise ResponsesInputError("Cannot determine type of 'item'")
@@ -162,12 +175,12 @@ def _add_item(messages: list[dict[str, object]], item: object) -> None:
         raise ResponsesInputError("Cannot determine type of 'item'")
 
 
-def _tools(tools: object) -> list[dict[str, object]]:
+def _tools(tools: JsonValue) -> list[JsonObject]:
     """Function tools in chat's shape; other tool types (web search, ...) are skipped, as
     llama-server skips them."""
     if not isinstance(tools, list):
         raise ResponsesInputError("'tools' must be an array of objects")
-    out: list[dict[str, object]] = []
+    out: list[JsonObject] = []
     for t in tools:
         if not isinstance(t, dict) or t.get("type") != "function":
             continue
@@ -177,14 +190,14 @@ def _tools(tools: object) -> list[dict[str, object]]:
     return out
 
 
-def _tool_choice(choice: object) -> object:
+def _tool_choice(choice: JsonValue) -> JsonValue:
     """Responses' ``{"type": "function", "name": ...}`` as chat's named tool choice."""
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
 
-def to_chat_body(body: dict[str, object]) -> dict[str, object]:
+def to_chat_body(body: JsonObject) -> JsonObject:
     """The chat body of a Responses body: ``instructions`` as a system message, then
     ``input`` (text, or message / function call / call output / reasoning items),
     ``max_output_tokens`` as ``max_tokens``, function ``tools``, ``reasoning.effort``.
@@ -192,7 +205,7 @@ def to_chat_body(body: dict[str, object]) -> dict[str, object]:
     if "input" not in body:
         raise ResponsesInputError("'input' is required")
     chat = {k: v for k, v in body.items() if k not in ("input", "instructions", "n")}
-    messages: list[dict[str, object]] = []
+    messages: list[JsonObject] = []
     if "instructions" in body:
         messages.append({"role": "system", "content": body["instructions"] or ""})
     value = body["input"]
@@ -204,12 +217,12 @@ def to_chat_body(body: dict[str, object]) -> dict[str, object]:
             _add_item(messages, item)
     else:
         raise ResponsesInputError("'input' must be a string or array of objects")
-    chat["messages"] = messages
+    chat["messages"] = [*messages]
     if "tools" in body:
         tools = _tools(body["tools"]) if body["tools"] is not None else []
         chat.pop("tools")
         if tools:
-            chat["tools"] = tools
+            chat["tools"] = [*tools]
     if "tool_choice" in body:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if "max_output_tokens" in body:
@@ -223,7 +236,7 @@ def to_chat_body(body: dict[str, object]) -> dict[str, object]:
 # ---- output ------------------------------------------------------------------------------
 
 
-def call_item(c: ToolCall, status: str = "completed") -> dict[str, object]:
+def call_item(c: ToolCall, status: str = "completed") -> JsonObject:
     """A function_call output item: ``call_id`` is the chat call's id, ``id`` its fc_ twin."""
     return {
         "id": "fc_" + c.id.removeprefix("call_"),
@@ -235,7 +248,7 @@ def call_item(c: ToolCall, status: str = "completed") -> dict[str, object]:
     }
 
 
-def reasoning_item(item_id: str, text: str) -> dict[str, object]:
+def reasoning_item(item_id: str, text: str) -> JsonObject:
     return {
         "id": item_id,
         "summary": [],
@@ -246,11 +259,11 @@ def reasoning_item(item_id: str, text: str) -> dict[str, object]:
     }
 
 
-def text_part(text: str) -> dict[str, object]:
+def text_part(text: str) -> JsonObject:
     return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
 
 
-def message_item(item_id: str, text: str) -> dict[str, object]:
+def message_item(item_id: str, text: str) -> JsonObject:
     return {
         "id": item_id,
         "type": "message",
@@ -260,7 +273,7 @@ def message_item(item_id: str, text: str) -> dict[str, object]:
     }
 
 
-def output_items(m: Message, msg_id: str, rs_id: str) -> list[dict[str, object]]:
+def output_items(m: Message, msg_id: str, rs_id: str) -> list[JsonObject]:
     """A whole answer's output: reasoning, then the message, then each tool call (items
     that would be empty are left out)."""
     out = []
@@ -272,7 +285,7 @@ def output_items(m: Message, msg_id: str, rs_id: str) -> list[dict[str, object]]
     return out
 
 
-def usage(n_prompt: int, n_output: int, n_cached: int) -> dict[str, object]:
+def usage(n_prompt: int, n_output: int, n_cached: int) -> JsonObject:
     return {
         "input_tokens": n_prompt,
         "output_tokens": n_output,
@@ -282,8 +295,8 @@ def usage(n_prompt: int, n_output: int, n_cached: int) -> dict[str, object]:
 
 
 def response_object(
-    resp_id: str, model: str, output: list[dict[str, object]], use: dict[str, object]
-) -> dict[str, object]:
+    resp_id: str, model: str, output: list[JsonObject], use: JsonObject
+) -> JsonObject:
     """The completed ``response`` object."""
     t = int(time.time())
     return {
@@ -293,6 +306,6 @@ def response_object(
         "completed_at": t,
         "status": "completed",
         "model": model,
-        "output": output,
+        "output": [*output],
         "usage": use,
     }

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from fastapi import APIRouter, Request
 
+from ..json_value import JsonObject
 from ..schemas.errors import APIError
 
 router = APIRouter()
@@ -38,7 +39,7 @@ def controller(request: Request) -> Sleeper:
 
 
 @router.post("/sleep")
-async def sleep(request: Request) -> dict[str, object]:
+async def sleep(request: Request) -> JsonObject:
     """Level 1: free the context and KV cache, keep the model and the conversations (RAM
     cache or disk tier); level 2: free the model and the RAM cache too (the disk tier
     keeps them). 409 while requests run."""
@@ -55,7 +56,7 @@ async def sleep(request: Request) -> dict[str, object]:
 
 
 @router.post("/wake_up")
-async def wake_up(request: Request) -> dict[str, object]:
+async def wake_up(request: Request) -> JsonObject:
     """Wake the server (any task does: this one waits until it is awake). ``tags``:
     vLLM's ``weights`` / ``kv_cache``, accepted (both wake together); others are 400."""
     tags = [t for v in request.query_params.getlist("tags") for t in v.split(",") if t]

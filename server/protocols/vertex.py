@@ -20,6 +20,8 @@ from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute
 from starlette.types import Message
 
+from server.json_value import JsonObject
+
 from ..schemas.errors import APIError, error_body
 from ..schemas.json_body import loads_bounded, parse_json_body
 from ..settings.config import GcpCompat
@@ -69,7 +71,7 @@ def post_routes(app: FastAPI) -> dict[str, str]:
 
 
 async def _dispatch(
-    request: Request, gone: asyncio.Event, path: str, payload: dict[str, object]
+    request: Request, gone: asyncio.Event, path: str, payload: JsonObject
 ) -> object:
     """Run ``payload`` as a POST to ``path`` through the whole application; its JSON body.
     ``gone`` is set when the client of the outer request disconnects: the inner request
@@ -141,9 +143,9 @@ def install(app: FastAPI, gcp: GcpCompat) -> None:
 
     async def predict(request: Request) -> Response:
         data = parse_json_body(await request.body())  # depth-bounded: a 400, never a 500
-        if not isinstance(data, dict) or not isinstance(data.get("instances"), list):
+        instances = data.get("instances") if isinstance(data, dict) else None
+        if not isinstance(instances, list):
             raise APIError(400, "request body must include an array field named instances")
-        instances = data["instances"]
         if len(instances) > MAX_INSTANCES:
             raise APIError(400, f"instances array exceeds maximum size of {MAX_INSTANCES}")
         gone = asyncio.Event()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ..json_value import JsonObject
 from ..schemas.errors import APIError
 from . import process
 from .forked import Zygote, zygote_enabled
@@ -51,19 +52,19 @@ class Events:
     """``/models/sse`` subscribers: each gets every event published after it subscribed."""
 
     def __init__(self) -> None:
-        self.queues: set[asyncio.Queue[dict[str, object]]] = set()
+        self.queues: set[asyncio.Queue[JsonObject]] = set()
         self.closed = False  # set on shutdown: open streams end (uvicorn waits for them)
 
-    def publish(self, model: str, event: str, data: dict[str, object] | None = None) -> None:
-        msg: dict[str, object] = {"model": model, "event": event}
+    def publish(self, model: str, event: str, data: JsonObject | None = None) -> None:
+        msg: JsonObject = {"model": model, "event": event}
         if data is not None:
             msg["data"] = data
         for q in self.queues:
             q.put_nowait(msg)
 
     @contextlib.contextmanager
-    def subscribe(self) -> Iterator[asyncio.Queue[dict[str, object]]]:
-        q: asyncio.Queue[dict[str, object]] = asyncio.Queue()
+    def subscribe(self) -> Iterator[asyncio.Queue[JsonObject]]:
+        q: asyncio.Queue[JsonObject] = asyncio.Queue()
         self.queues.add(q)
         try:
             yield q
@@ -331,7 +332,7 @@ class Manager:
         inst.exited.set()
         if crashed:
             log.warning("model %s: instance exited with status %s", inst.name, code)
-        data: dict[str, object] = {"status": UNLOADED}
+        data: JsonObject = {"status": UNLOADED}
         if inst.failed:
             data.update(failed=True, exit_code=code)
         self.events.publish(inst.name, "model_status", data)

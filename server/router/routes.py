@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..http.middleware import from_foreign_page
+from ..json_value import JsonValue
 from ..schemas.errors import APIError
 from ..schemas.json_body import parse_json_body
 from .conv_map import ConvMap, Pending
@@ -175,7 +176,7 @@ async def _body_model(request: Request) -> RoutedBody:
     )
 
 
-def _seconds(value: object) -> float | None:
+def _seconds(value: JsonValue) -> float | None:
     """``value`` when it is a positive finite number of seconds, else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None

@@ -25,6 +25,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..json_value import JsonObject
 from ..schemas.errors import APIError
 from ..schemas.stream_ids import HEADER, LOOKUP_MAX, check_id, lookup_ids, owner_of, valid_id
 from .conv_map import (
@@ -148,9 +149,7 @@ async def stop(request: Request) -> Response:
     return Response(status_code=204)
 
 
-async def _ask(
-    st: RouterState, request: Request, model: str, ids: list[str]
-) -> list[dict[str, object]]:
+async def _ask(st: RouterState, request: Request, model: str, ids: list[str]) -> list[JsonObject]:
     """One instance's lookup entries for ``ids`` (none when it is not running or fails)."""
     inst = st.manager.get(model)
     if inst is None or inst.status not in READY:

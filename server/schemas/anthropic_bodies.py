@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..json_value import BodyJson, JsonObject, JsonValue
 from .bodies import MAX_STOP_CHARS, MAX_STOPS, SamplingFields
 
 MAX_MESSAGES = 100_000  # Anthropic's own limit
@@ -27,7 +28,7 @@ class _Block(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     # prompt caching breakpoints: every prompt is cached here without being asked
-    cache_control: object = None
+    cache_control: BodyJson = None
 
 
 class TextBlock(_Block):
@@ -37,14 +38,14 @@ class TextBlock(_Block):
 
 class ImageBlock(_Block):
     type: Literal["image"]
-    source: dict[str, object] = Field(default_factory=dict)
+    source: JsonObject = Field(default_factory=dict)
 
 
 class DocumentBlock(_Block):
     """A document; only a plain-text source is served (``{"type": "text", "data": ...}``)."""
 
     type: Literal["document"]
-    source: dict[str, object] = Field(default_factory=dict)
+    source: JsonObject = Field(default_factory=dict)
     title: str | None = None
     context: str | None = None
 
@@ -53,7 +54,7 @@ class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: Annotated[str, Field(min_length=1, max_length=256)]
     name: Annotated[str, Field(min_length=1, max_length=256)]
-    input: dict[str, object] = Field(default_factory=dict)
+    input: JsonObject = Field(default_factory=dict)
 
 
 class ToolResultBlock(_Block):
@@ -107,7 +108,7 @@ class AnthropicMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _known_blocks(cls, v: object) -> object:
+    def _known_blocks(cls, v: JsonValue) -> JsonValue:
         """An unknown block type named plainly (not as pydantic's union of failures)."""
         for j, b in enumerate(v if isinstance(v, list) else []):
             kind = b.get("type") if isinstance(b, dict) else None
@@ -146,7 +147,7 @@ class OutputFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["json_schema"]
-    schema_: dict[str, object] = Field(alias="schema")
+    schema_: dict[str, BodyJson] = Field(alias="schema")
 
 
 class OutputConfig(BaseModel):
@@ -164,7 +165,7 @@ REFUSED = {
 }
 
 
-def _refuse(v: object, info: ValidationInfo) -> object:
+def _refuse(v: JsonValue, info: ValidationInfo) -> JsonValue:
     if v is not None:
         why = REFUSED[info.field_name or ""]
         raise PydanticCustomError("unsupported_field", f"{why} (this server refuses the field)")
@@ -177,24 +178,24 @@ class CountTokensRequest(SamplingFields):
     model: str | None = None
     messages: Annotated[list[AnthropicMessage], Field(max_length=MAX_MESSAGES)]
     system: str | list[TextBlock] | None = None
-    tools: list[dict[str, object]] | None = None  # server.protocols.anthropic_mapping checks each
+    tools: list[dict[str, BodyJson]] | None = None  # server.protocols.anthropic_mapping checks each
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    chat_template_kwargs: dict[str, object] | None = None  # llama-server's, passed to chat
+    chat_template_kwargs: dict[str, BodyJson] | None = None  # llama-server's, passed to chat
     # accepted: they ask nothing of the answer
-    metadata: dict[str, object] | None = None
+    metadata: dict[str, BodyJson] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    cache_control: object = None
+    cache_control: BodyJson = None
     speed: Literal["standard", "fast"] | None = None
     inference_geo: str | None = None
     # refused when set (REFUSED)
-    container: object = None
-    mcp_servers: object = None
-    context_management: object = None
+    container: BodyJson = None
+    mcp_servers: BodyJson = None
+    context_management: BodyJson = None
 
     _refused = field_validator(*REFUSED)(_refuse)
 

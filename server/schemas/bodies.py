@@ -15,6 +15,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..json_value import BodyJson, JsonObject, JsonValue
 from .sampler_fields import LlamaRefusedFields, SamplerFields, refuse
 
 MAX_N = 16  # choices per request
@@ -31,11 +32,11 @@ class BaseBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-def _absent(v: object) -> bool:
+def _absent(v: JsonValue) -> bool:
     return v is None
 
 
-def _not_true(v: object) -> bool:
+def _not_true(v: JsonValue) -> bool:
     return v is None or v is False
 
 
@@ -43,7 +44,7 @@ def _not_true(v: object) -> bool:
 # asks for their behaviour is a 400 naming the field, never silently dropped (README "Fields
 # that are refused"); the value each one may take where it asks for nothing is accepted.
 # Fields unknown to the server are still ignored, as llama-server does.
-UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
+UNSUPPORTED: dict[str, tuple[Callable[[JsonValue], bool], str]] = {
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], 'only ["text"] is supported'),
     "prediction": (_absent, "predicted outputs are not supported"),
@@ -62,7 +63,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[object], bool], str]] = {
 }
 
 
-def _refuse_unsupported(v: object, info: ValidationInfo) -> object:
+def _refuse_unsupported(v: JsonValue, info: ValidationInfo) -> JsonValue:
     """The field validator of the UNSUPPORTED fields a request model declares."""
     ok, why = UNSUPPORTED[info.field_name or ""]  # always set for a field validator
     if not ok(v):
@@ -108,7 +109,9 @@ class SamplingFields(BaseBody, SamplerFields):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     repeat_last_n: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
-    logit_bias: dict[str, object] | list[list[object]] | None = None  # service.sampling._logit_bias
+    logit_bias: dict[str, BodyJson] | list[list[object]] | None = (
+        None  # service.sampling._logit_bias
+    )
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     id_slot: Annotated[int, Field(ge=-1, le=1023)] = -1
@@ -126,8 +129,8 @@ class SamplingFields(BaseBody, SamplerFields):
     # vLLM's field: names the tenant whose cached prefixes this request may reuse
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # llama-server's constrained decoding (server.constrained.request_constraint reads them)
-    json_schema: object = None
-    grammar: object = None
+    json_schema: BodyJson = None
+    grammar: BodyJson = None
     # speculative decoding, in llama-server's former per-request keys (dotted JSON names):
     # narrow the server's --spec-* settings; "speculative.n_max": 0 turns it off
     spec_n_max: int | None = Field(None, ge=0, le=256, alias="speculative.n_max")
@@ -158,15 +161,15 @@ class SamplingFields(BaseBody, SamplerFields):
     @field_validator("logit_bias")
     @classmethod
     def _bias(
-        cls, v: dict[str, object] | list[list[object]] | None
-    ) -> dict[str, object] | list[list[object]] | None:
+        cls, v: JsonObject | list[list[object]] | None
+    ) -> JsonObject | list[list[object]] | None:
         if v is not None and len(v) > MAX_BIAS:
             raise ValueError(f"at most {MAX_BIAS} logit_bias entries")
         return v
 
 
 # the object form is llama-server's {"prompt_string": ..., "multimodal_data": [...]}
-Prompt = str | list[int] | list[str] | list[list[int]] | dict[str, object]
+Prompt = str | list[int] | list[str] | list[list[int]] | JsonObject
 
 
 class CompletionRequest(SamplingFields):
@@ -182,8 +185,8 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     user: str | None = None
-    suffix: object = None  # refused (UNSUPPORTED)
-    best_of: object = None  # refused above 1 (UNSUPPORTED)
+    suffix: BodyJson = None  # refused (UNSUPPORTED)
+    best_of: BodyJson = None  # refused above 1 (UNSUPPORTED)
 
     _refused = field_validator("suffix", "best_of")(_refuse_unsupported)
 
@@ -201,7 +204,7 @@ class ContentPart(BaseBody):
 
     type: str
     text: str | None = None
-    image_url: dict[str, object] | str | None = None
+    image_url: JsonObject | str | None = None
 
 
 class CalledFunction(BaseBody):
@@ -209,7 +212,7 @@ class CalledFunction(BaseBody):
     text (an object is accepted too)."""
 
     name: str
-    arguments: str | dict[str, object] = "{}"
+    arguments: str | JsonObject = "{}"
 
 
 class MessageToolCall(BaseBody):
@@ -248,28 +251,28 @@ class ChatRequest(SamplingFields, LlamaRefusedFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None
-    response_format: object = None  # server.constrained.request_constraint reads it
+    response_format: BodyJson = None  # server.constrained.request_constraint reads it
     # tool calling and reasoning (server.templates checks them: 400 for malformed tools)
-    tools: object = None
-    tool_choice: object = None
+    tools: BodyJson = None
+    tool_choice: BodyJson = None
     parallel_tool_calls: bool | None = None
     reasoning_format: Literal["none", "auto", "deepseek"] | None = None
-    chat_template_kwargs: dict[str, object] | None = None
+    chat_template_kwargs: dict[str, BodyJson] | None = None
     reasoning_effort: str | None = None
     # vLLM's: open the assistant turn; continue the final message instead (llama-server
     # also continues a final assistant message by itself: --prefill-assistant)
     add_generation_prompt: bool = True
     continue_final_message: bool | Literal["content", "reasoning_content"] | None = None
     # refused when they ask for something (UNSUPPORTED)
-    audio: object = None
-    modalities: object = None
-    prediction: object = None
-    web_search_options: object = None
-    functions: object = None
-    function_call: object = None
-    store: object = None
-    verbosity: object = None
-    service_tier: object = None
+    audio: BodyJson = None
+    modalities: BodyJson = None
+    prediction: BodyJson = None
+    web_search_options: BodyJson = None
+    functions: BodyJson = None
+    function_call: BodyJson = None
+    store: BodyJson = None
+    verbosity: BodyJson = None
+    service_tier: BodyJson = None
     return_tokens: bool | None = None  # refused (sampler_fields.REFUSED): /completion's
     response_fields: list[str] | None = None
 
@@ -299,7 +302,7 @@ class NativeCompletionRequest(SamplingFields, LlamaRefusedFields):
     """llama-server's /completion. ``max_tokens`` wins over ``n_predict``. ``prompt`` takes
     every form of llama-server's (server.prompts.completion_forms checks it)."""
 
-    prompt: object
+    prompt: BodyJson
     model: str | None = None  # a --lora-alias runs that adapter (service/adapters.py)
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
@@ -348,10 +351,10 @@ class InfillRequest(SamplingFields, LlamaRefusedFields):
     """llama-server's /infill. The FIM fields are checked by ``server.prompts.infill_prompt`` (in llama-server's
     order and words, after the model's FIM tokens), so they are untyped here."""
 
-    input_prefix: object = None
-    input_suffix: object = None
-    input_extra: object = None
-    prompt: object = None
+    input_prefix: BodyJson = None
+    input_suffix: BodyJson = None
+    input_extra: BodyJson = None
+    prompt: BodyJson = None
     model: str | None = None  # as /completion's
     n_predict: Annotated[int, Field(ge=-1, le=1_000_000)] = -1
     max_tokens: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
@@ -369,10 +372,10 @@ class ResponsesRequest(SamplingFields):
 
     model: str | None = None
     stream: bool = False
-    previous_response_id: object = None
-    store: object = None
-    background: object = None
-    conversation: object = None
+    previous_response_id: BodyJson = None
+    store: BodyJson = None
+    background: BodyJson = None
+    conversation: BodyJson = None
 
     _refused = field_validator("previous_response_id", "store", "background", "conversation")(
         _refuse_unsupported

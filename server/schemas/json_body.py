@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+from ..json_value import JsonValue
 from .errors import APIError
 
 # Deeper than any real request body (OpenAI's schemas nest a few levels; JSON schemas inside
@@ -23,7 +24,7 @@ from .errors import APIError
 MAX_DEPTH = 512
 
 
-def json_depth(value: object, limit: int | None = None) -> int:
+def json_depth(value: JsonValue, limit: int | None = None) -> int:
     """The deepest nesting of lists and dicts in ``value`` (0 for a scalar); stops early and
     returns ``limit + 1`` once ``limit`` is exceeded."""
     deepest = 0
@@ -47,7 +48,7 @@ class TooDeep(ValueError):
     """JSON text nesting deeper than the bound (a ValueError: not JSON this server reads)."""
 
 
-def loads_bounded(text: str | bytes, max_depth: int = MAX_DEPTH) -> object:
+def loads_bounded(text: str | bytes, max_depth: int = MAX_DEPTH) -> JsonValue:
     """``json.loads(text)``, nesting at most ``max_depth`` levels. Raises ``TooDeep`` for
     deeper text and ``json.JSONDecodeError`` for text that is not JSON (both ValueErrors);
     never ``RecursionError``. Linear time (the decoder, then one iterative walk)."""
@@ -60,7 +61,9 @@ def loads_bounded(text: str | bytes, max_depth: int = MAX_DEPTH) -> object:
     return value
 
 
-def parse_json_body(raw: bytes | str, max_depth: int = MAX_DEPTH, empty: object = None) -> object:
+def parse_json_body(
+    raw: bytes | str, max_depth: int = MAX_DEPTH, empty: JsonValue = None
+) -> JsonValue:
     """``raw`` decoded, or ``empty`` when it is empty. Raises ``APIError(400)`` when it is not
     JSON or nests deeper than ``max_depth``; never ``RecursionError``."""
     data = raw.encode() if isinstance(raw, str) else raw

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..json_value import JsonObject, JsonValue
 from ..types import sampler_order
 
 MAX_BREAKERS = 64  # DRY sequence breakers per request
@@ -81,16 +82,16 @@ class SamplerFields(BaseModel):
         return v
 
 
-def _unset(v: object) -> bool:
+def _unset(v: JsonValue) -> bool:
     return v is None
 
 
-def _falsy(v: object) -> bool:
+def _falsy(v: JsonValue) -> bool:
     return not v
 
 
 # field -> (whether the value asks for nothing, why it is refused)
-REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
+REFUSED: dict[str, tuple[Callable[[JsonValue], bool], str]] = {
     "n_indent": (_falsy, "n_indent (minimum line indentation) is not supported"),
     "n_cmpl": (lambda v: v in (None, 1), "n_cmpl other than 1 is not supported here"),
     "t_max_predict_ms": (
@@ -140,7 +141,7 @@ COMMON = (
 )
 
 
-def refuse(v: object, info: ValidationInfo) -> object:
+def refuse(v: JsonValue, info: ValidationInfo) -> JsonValue:
     """The field validator of the REFUSED fields a request model declares."""
     ok, why = REFUSED[info.field_name or ""]  # always set for a field validator
     if not ok(v):
@@ -148,7 +149,7 @@ def refuse(v: object, info: ValidationInfo) -> object:
     return v
 
 
-Json = str | int | float | bool | list[object] | dict[str, object]
+Json = str | int | float | bool | list[object] | JsonObject
 
 
 class LlamaRefusedFields(BaseModel):

@@ -25,6 +25,7 @@ import os
 import stat
 from dataclasses import dataclass
 
+from ..json_value import JsonObject
 from ..schemas.bodies import LORA_SCALE_MAX, LoraScale
 from ..schemas.errors import APIError
 
@@ -100,13 +101,13 @@ class AdapterRegistry:
     def paths(self) -> list[str]:
         return [a.path for a in self.adapters]
 
-    def describe(self) -> list[dict[str, object]]:
+    def describe(self) -> list[JsonObject]:
         """GET /lora-adapters: llama-server's list (``alias`` added where one is set)."""
         out = []
         for a in self.adapters:
             if a.removed:
                 continue
-            d: dict[str, object] = {
+            d: JsonObject = {
                 "id": a.id,
                 "path": a.path,
                 "scale": a.scale,

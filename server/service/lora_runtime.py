@@ -37,6 +37,7 @@ import os
 import stat
 from typing import Protocol, runtime_checkable
 
+from ..json_value import JsonObject, JsonValue
 from ..schemas.errors import APIError
 from .state import ServerState
 
@@ -68,13 +69,13 @@ def _enabled(st: ServerState) -> str:
     return os.path.realpath(s.lora_runtime_dir)
 
 
-def _name(v: object) -> str:
+def _name(v: JsonValue) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME or not v.isprintable():
         raise APIError(400, f"lora_name must be a printable string of 1-{MAX_NAME} characters")
     return v
 
 
-def _new_name(st: ServerState, v: object) -> str:
+def _new_name(st: ServerState, v: JsonValue) -> str:
     """A name a load may take: not the served model's (module docstring)."""
     name = _name(v)
     if name == st.model_name or name in st.model_aliases:
@@ -82,7 +83,7 @@ def _new_name(st: ServerState, v: object) -> str:
     return name
 
 
-def checked_path(root: str, given: object) -> str:
+def checked_path(root: str, given: JsonValue) -> str:
     """The real path of ``given`` (relative: to ``root``), which must lie under ``root``;
     APIError 400 for a malformed path, 403 for one outside."""
     if not isinstance(given, str) or not 0 < len(given) <= MAX_PATH or "\0" in given:
@@ -175,7 +176,7 @@ def _prepare(st: ServerState, b: AdapterLoading, root: str, real: str) -> tuple[
         os.close(copy)
 
 
-async def load(st: ServerState, body: dict[str, object]) -> str:
+async def load(st: ServerState, body: JsonObject) -> str:
     """POST /v1/load_lora_adapter (module docstring); vLLM's success text."""
     root = _enabled(st)
     name = _new_name(st, body.get("lora_name"))
@@ -203,7 +204,7 @@ async def load(st: ServerState, body: dict[str, object]) -> str:
     return f"Success: LoRA adapter '{name}' added successfully."
 
 
-async def unload(st: ServerState, body: dict[str, object]) -> str:
+async def unload(st: ServerState, body: JsonObject) -> str:
     """POST /v1/unload_lora_adapter (module docstring); vLLM's success text."""
     _enabled(st)
     name = _name(body.get("lora_name"))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ..engine.model_api import Tokenizer
+from ..json_value import JsonObject
 from ..schemas.bodies import SamplingFields
 from ..schemas.errors import APIError
 from ..settings.config import Settings
@@ -80,9 +81,7 @@ def sampling_from(
     return p
 
 
-def _logit_bias(
-    raw: dict[str, object] | list[list[object]], backend: Tokenizer
-) -> dict[int, float]:
+def _logit_bias(raw: JsonObject | list[list[object]], backend: Tokenizer) -> dict[int, float]:
     """llama-server's logit_bias forms as token -> bias: ``[[tok, bias], ...]`` or
     ``{"tok": bias}``, where ``tok`` is a token id or a text whose every token (tokenized
     without BOS) gets the bias, and ``false`` as the bias bans the token. Unlike there, an

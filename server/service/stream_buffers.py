@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
+from ..json_value import JsonObject
 from ..schemas.errors import APIError
 from ..schemas.stream_ids import HEADER, check_id, owner_of
 
@@ -192,7 +193,7 @@ class StreamSession:
         i = self.head + event - self.first_event
         return b"".join(self.events[i:])
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> JsonObject:
         """llama-server's lookup entry, plus ``total_events``."""
         return {
             "conversation_id": self.conv_id,
@@ -323,7 +324,7 @@ class StreamRegistry:
     def get(self, owner: str, conv_id: str) -> StreamSession | None:
         return self.sessions.get((owner, conv_id))
 
-    def lookup(self, owner: str, ids: list[str]) -> list[dict[str, object]]:
+    def lookup(self, owner: str, ids: list[str]) -> list[JsonObject]:
         """The owner's sessions each id names: the id itself, and llama-server's per-model
         variants ``<id>::<model>``. Never any session that was not named."""
         out = []

@@ -3,6 +3,7 @@ llama-server Timings over several choices."""
 
 from __future__ import annotations
 
+from ..json_value import JsonObject
 from ..types import FinishReason, TaskResult, Timings
 
 
@@ -25,7 +26,7 @@ def merged_timings(results: list[TaskResult]) -> Timings:
     return t
 
 
-def usage_of(results: list[TaskResult]) -> dict[str, object]:
+def usage_of(results: list[TaskResult]) -> JsonObject:
     """OpenAI's ``usage`` object over every choice."""
     prompt = sum(r.n_prompt for r in results)
     completion = sum(r.timings.predicted_n for r in results)

@@ -9,12 +9,13 @@ import asyncio
 from ..constrained import Constraint, ConstraintError, request_constraint
 from ..constrained.matcher import compile_executor
 from ..engine.model_api import ModelBackend, Tokenizer
+from ..json_value import JsonValue
 from ..schemas.errors import APIError
 from ..types import TokenConstraint
 
 
 def constraint_of(
-    *, response_format: object = None, json_schema: object = None, grammar: object = None
+    *, response_format: JsonValue = None, json_schema: JsonValue = None, grammar: JsonValue = None
 ) -> Constraint | None:
     """The constraint a request's fields ask for (``constrained.request_constraint``);
     APIError 400 naming the field and the offending part of its schema or grammar."""

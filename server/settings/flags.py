@@ -16,8 +16,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..json_value import JsonObject, JsonValue
 from ..llama.ggml_types import CACHE_TYPES
-from ..types import JsonObject, JsonValue
 
 
 def n_gpu_layers(text: str) -> int:

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..constrained import Constraint, ConstraintError, json_schema_constraint, lark_constraint
+from ..json_value import JsonObject, JsonValue
 from .chat_template import ChatTemplate
 from .control_tokens import NO_CONTROL, ControlTokens
 from .families import BY_NAME, reasoning_tags
@@ -125,8 +126,8 @@ def _kwargs(
 def plan_chat(
     template: ChatTemplate,
     *,
-    tools: object = None,
-    tool_choice: object = None,
+    tools: JsonValue = None,
+    tool_choice: JsonValue = None,
     parallel_tool_calls: bool | None = None,
     reasoning_format: str | None = None,
     default_reasoning_format: str = "auto",
@@ -203,9 +204,9 @@ def _frame(template: ChatTemplate, kw: dict[str, object]) -> Frame | None:
 # ---- response shapes --------------------------------------------------------------------
 
 
-def message_of(m: Message) -> dict[str, object]:
+def message_of(m: Message) -> JsonObject:
     """The OpenAI ``message``: content null when the answer is only tool calls."""
-    out: dict[str, object] = {"role": "assistant", "content": m.content}
+    out: JsonObject = {"role": "assistant", "content": m.content}
     if m.tool_calls and not m.content:
         out["content"] = None
     if m.reasoning:
@@ -215,11 +216,11 @@ def message_of(m: Message) -> dict[str, object]:
     return out
 
 
-def deltas_of(d: Delta) -> list[dict[str, object]]:
+def deltas_of(d: Delta) -> list[JsonObject]:
     """A parser delta as OpenAI ``delta`` objects: reasoning and content first, then one per
     call piece (index, id, type and name first; argument fragments after)."""
-    out: list[dict[str, object]] = []
-    text: dict[str, object] = {}
+    out: list[JsonObject] = []
+    text: JsonObject = {}
     if d.reasoning:
         text["reasoning_content"] = d.reasoning
     if d.content:
@@ -227,7 +228,7 @@ def deltas_of(d: Delta) -> list[dict[str, object]]:
     if text:
         out.append(text)
     for c in d.calls:
-        piece: dict[str, object] = {"index": c.index}
+        piece: JsonObject = {"index": c.index}
         if c.id is not None:
             piece.update(id=c.id, type="function")
             piece["function"] = {"name": c.name, "arguments": c.arguments}

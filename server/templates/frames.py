@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ..json_value import JsonObject
 from .chat_template import ChatTemplate, TemplateError
 from .control_tokens import NO_CONTROL, ControlTokens
 from .tool_fields import Tool
@@ -183,7 +184,7 @@ def _markup(text: str, control: ControlTokens) -> str:
     return " ".join(_lit(p) if isinstance(p, str) else f"<[{p}]>" for p in control.split(text))
 
 
-def _json_island(schema: dict[str, object]) -> str:
+def _json_island(schema: JsonObject) -> str:
     given = schema.get("x-guidance") or {}
     # not an object: left as it is, for llguidance to refuse (a 400, as outside a frame)
     s = {**schema, "x-guidance": {**JSON_OPTIONS, **given} if isinstance(given, dict) else given}
@@ -193,12 +194,12 @@ def _json_island(schema: dict[str, object]) -> str:
 MAX_STRING = 256  # a raw string parameter without maxLength: bounded, as JSON numbers are
 
 
-def _string(schema: dict[str, object]) -> str:
+def _string(schema: JsonObject) -> str:
     """A raw (unquoted) string parameter: its enum, else text without ``<`` (the frames'
     markup starts with it) of at most maxLength characters."""
     enum = schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
-        return "(" + " | ".join(_lit(e) or '""' for e in enum) + ")"
+        return "(" + " | ".join(_lit(str(e)) or '""' for e in enum) + ")"
     n = schema.get("maxLength")
     n = n if isinstance(n, int) and 0 <= n < MAX_STRING else MAX_STRING
     return f"/[^<]{{0,{n}}}/"
@@ -236,7 +237,7 @@ def grammar(f: Frame, tools: list[Tool], control: ControlTokens = NO_CONTROL) ->
     return f"start: call\n{rule}\n"
 
 
-def text_of(f: Frame, name: str, args: dict[str, object]) -> str:
+def text_of(f: Frame, name: str, args: JsonObject) -> str:
     """The text the grammar of ``f`` produces for this call (what the template renders for
     it, when the frame is right: the tests compare the two)."""
     if not f.params:

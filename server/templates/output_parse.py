@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..json_value import JsonObject
 from .jsonscan import WS, CallReader
 
 
@@ -74,7 +75,7 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as the model wrote it
 
-    def as_openai(self) -> dict[str, object]:
+    def as_openai(self) -> JsonObject:
         return {
             "id": self.id,
             "type": "function",

@@ -17,6 +17,7 @@ import ast
 import json
 from collections.abc import Callable
 
+from ..json_value import JsonObject, JsonValue
 from ..schemas.json_body import MAX_DEPTH, json_depth, loads_bounded
 from .families import Family
 from .jsonscan import WS
@@ -25,7 +26,7 @@ from .output_parse import CallDelta, Delta, SteppedParser, new_call_id, partial_
 MAX_REGION = 1 << 20  # a region longer than this is content: bounded work on any output
 
 
-def _json_value(text: str) -> object:
+def _json_value(text: str) -> JsonValue:
     """A parameter value: JSON when it reads as JSON (of a bounded depth), else the text as a
     string."""
     try:
@@ -34,9 +35,9 @@ def _json_value(text: str) -> object:
         return text
 
 
-def _params(fam: Family, body: str) -> dict[str, object]:
+def _params(fam: Family, body: str) -> JsonObject:
     assert fam.param is not None
-    out: dict[str, object] = {}
+    out: JsonObject = {}
     for m in fam.param.finditer(body):
         g = m.groupdict()
         value = g["value"]
@@ -65,7 +66,7 @@ def _from_json(fam: Family, body: str) -> list[tuple[str, object]]:
             calls.extend(it.items())
             continue
         inner = it.get("function")
-        fn: dict[str, object] = inner if isinstance(inner, dict) else it
+        fn: JsonObject = inner if isinstance(inner, dict) else it
         name = fn.get(fam.name_key) or fn.get("name")
         args = fn.get(fam.args_key, fn.get("arguments", fn.get("parameters", {})))
         if not isinstance(name, str):
@@ -87,7 +88,7 @@ def _from_python(body: str) -> list[tuple[str, object]]:
     return calls
 
 
-def _from_gemma(body: str) -> dict[str, object]:
+def _from_gemma(body: str) -> JsonObject:
     """Gemma 4's ``{k:<|"|>text<|"|>,n:2}``: strings quoted by ``<|"|>``, keys bare."""
     parts = body.split('<|"|>')
     out = []

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 from ..constrained.limits import ShapeError, check_schema_shape
 from ..constrained.worker import limits
+from ..json_value import JsonObject, JsonValue
 from .output_parse import ToolFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-EMPTY_PARAMETERS: dict[str, object] = {"type": "object", "properties": {}}
+EMPTY_PARAMETERS: JsonObject = {"type": "object", "properties": {}}
 
 
 class ToolSpecError(ValueError):
@@ -22,11 +23,11 @@ class ToolSpecError(ValueError):
 class Tool:
     name: str
     description: str
-    parameters: dict[str, object]
+    parameters: JsonObject
 
-    def as_openai(self) -> dict[str, object]:
+    def as_openai(self) -> JsonObject:
         """The Hugging Face / OpenAI form templates take: ``{"type": "function", ...}``."""
-        fn: dict[str, object] = {"name": self.name}
+        fn: JsonObject = {"name": self.name}
         if self.description:
             fn["description"] = self.description
         fn["parameters"] = self.parameters
@@ -53,7 +54,7 @@ class ToolSpec:
         return bool(self.tools) and self.choice in ("required", "function")
 
 
-def _tool(raw: object, i: int) -> Tool:
+def _tool(raw: JsonValue, i: int) -> Tool:
     where = f"tools[{i}]"
     if not isinstance(raw, dict):
         raise ToolSpecError(f"{where} must be an object")
@@ -78,7 +79,7 @@ def _tool(raw: object, i: int) -> Tool:
     return Tool(name, desc, params)
 
 
-def _choice(raw: object, names: set[str]) -> tuple[str, str]:
+def _choice(raw: JsonValue, names: set[str]) -> tuple[str, str]:
     if raw is None:
         return "auto", ""
     if isinstance(raw, str):
@@ -98,7 +99,7 @@ def _choice(raw: object, names: set[str]) -> tuple[str, str]:
     return "function", name
 
 
-def tool_spec(tools: object, tool_choice: object, parallel: object) -> ToolSpec:
+def tool_spec(tools: JsonValue, tool_choice: JsonValue, parallel: JsonValue) -> ToolSpec:
     """The checked tool fields; ToolSpecError names the offending field."""
     if tools is None:
         tools = []
@@ -128,7 +129,7 @@ def tool_spec(tools: object, tool_choice: object, parallel: object) -> ToolSpec:
 # ---- forcing a call -------------------------------------------------------------------
 
 
-def _call_schema(tool: Tool, args_key: str) -> dict[str, object]:
+def _call_schema(tool: Tool, args_key: str) -> JsonObject:
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, args_key: tool.parameters},
@@ -137,15 +138,15 @@ def _call_schema(tool: Tool, args_key: str) -> dict[str, object]:
     }
 
 
-def _one_of(schemas: list[dict[str, object]]) -> dict[str, object]:
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+def _one_of(schemas: list[JsonObject]) -> JsonObject:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": [*schemas]}
 
 
 @dataclass(frozen=True)
 class CallConstraint:
     """A JSON schema with the literal text around it: what decoding is held to."""
 
-    schema: dict[str, object]
+    schema: JsonObject
     prefix: str = ""
     suffix: str = ""
 
@@ -159,11 +160,11 @@ def forced_call(spec: ToolSpec, fmt: ToolFormat) -> CallConstraint:
     tools = [t for t in spec.tools if spec.choice != "function" or t.name == spec.forced_name]
     args_key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
     call = _one_of([_call_schema(t, args_key) for t in tools])
-    array: dict[str, object] = {"type": "array", "items": call, "minItems": 1}
+    array: JsonObject = {"type": "array", "items": call, "minItems": 1}
     if not spec.parallel:
         array["maxItems"] = 1
     if fmt is ToolFormat.GENERIC:
-        schema = {
+        schema: JsonObject = {
             "type": "object",
             "properties": {"tool_calls": array},
             "required": ["tool_calls"],

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from ..cancel import checkpoint
+from ..json_value import JsonValue
 from ..schemas.json_body import TooDeep, loads_bounded
 from .chat_template import ChatMessage, ChatTemplate, TemplateError
 from .families import detect_family
@@ -66,7 +67,7 @@ _PROBE_TOOL = {
 }
 
 
-def _probe(arguments: object) -> list[ChatMessage]:
+def _probe(arguments: JsonValue) -> list[ChatMessage]:
     """A conversation with one call (``arguments``: as the template gets them) and its
     result, rendered to learn how a template writes calls."""
     call = {"name": "probe_fn", "arguments": arguments}
@@ -147,7 +148,7 @@ def _text(v: object) -> str:
     return v if isinstance(v, str) else ""
 
 
-def _arguments(raw: object) -> object:
+def _arguments(raw: JsonValue) -> JsonValue:
     """A call's arguments as templates take them: the JSON object OpenAI sends as a string
     (templates ``tojson`` it), or the string itself when it is not JSON. TemplateError (a
     client's: 400) when it nests deeper than the bodies this server reads (the template's

@@ -197,7 +197,10 @@ class DiskHit:
 
     @property
     def tokens(self) -> list[int]:
-        return self.entry.tokens if self.entry is not None else self.pending.tokens  # type: ignore[union-attr]
+        if self.entry is not None:
+            return self.entry.tokens
+        assert self.pending is not None  # one of the two is set
+        return self.pending.tokens
 
 
 @dataclass

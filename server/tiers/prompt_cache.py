@@ -40,9 +40,9 @@ class SaveOutcome(NamedTuple):
     evicted: int = 0
 
 
-class LoadChoice(NamedTuple):
-    # mypy: the field shadows tuple.index (rename it in the prefix index rewrite)
-    index: int  # type: ignore[assignment]
+@dataclass(frozen=True, slots=True)
+class LoadChoice:
+    index: int
     n_lcp: int
     f_keep: float
     f_sim: float
@@ -255,7 +255,8 @@ class PromptCache:
             e = state.read()
         except MemoryError:
             return
-        self.on_evict(e)  # type: ignore[misc]
+        if self.on_evict is not None:  # always, from its callers
+            self.on_evict(e)
 
     def _evict_oldest(self, why: str) -> None:
         e = self._drop(0)

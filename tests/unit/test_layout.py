@@ -23,11 +23,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # plans read without loading llama.cpp; the byte-bounded LRU map (no server imports); the
     # bounded GGUF header reader (pure Python: the router reads projector headers with it);
     # a request preparation's cooperative cancellation (the templates, libmtmd's image
-    # decoding and the preparation pools all check it)
+    # decoding and the preparation pools all check it); the JSON value types
     (
         "server.types",
         "server.lru",
         "server.cancel",
+        "server.json_value",
         "server.llama.ggml_types",
         "server.llama.state_bytes",
         "server.llama.gguf_header",
@@ -370,7 +371,12 @@ def test_settings_and_the_entry_point_sit_at_the_ends():
     """``server.settings`` (every layer reads it) imports only the leaves; only the entry
     point ``python -m server`` imports ``server.cli``."""
     g = _folder_graph()
-    leaves = {"server.types", "server.lru", "server.llama"}  # server.llama: ggml_types only
+    leaves = {
+        "server.types",
+        "server.lru",
+        "server.json_value",
+        "server.llama",
+    }  # server.llama: ggml_types only
     assert g["server.settings"] <= leaves, g["server.settings"]
     flags = _graph()["server.settings.flags"] | _graph()["server.settings.config"]
     assert {d for d in flags if d.startswith("server.llama")} <= {"server.llama.ggml_types"}
