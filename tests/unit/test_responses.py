@@ -98,6 +98,15 @@ def test_reasoning_effort() -> None:
         ({"input": [{"foo": 1}]}, "Cannot determine type of 'item'"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "input_file"),
         ({"input": "x", "tools": {}}, "'tools' must be an array of objects"),
+        (
+            {
+                "input": [
+                    {"role": "assistant", "content": "a", "tool_calls": "x"},
+                    {"type": "function_call", "arguments": "{}", "call_id": "c", "name": "f"},
+                ]
+            },
+            "'tool_calls' must be a list",
+        ),
     ],
 )
 def test_llama_server_errors(body: dict, message: str) -> None:
