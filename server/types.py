@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, NewType, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -21,6 +21,9 @@ import numpy as np
 
 # Sequence state bytes live in one buffer (a ctypes array or a bytearray), never a list.
 StateBuf = ctypes.Array | bytearray
+# A LoRA adapter loaded off the engine thread, opaque above the llama package: only the
+# backend that loaded it (LlamaBackend.load_adapter) reads it, in attach_adapter.
+AdapterHandle = NewType("AdapterHandle", object)
 
 _task_ids = itertools.count(1)
 

@@ -28,7 +28,7 @@ from ..slot.slot import Slot
 from ..slot.stats import EngineStats
 from ..tiers import file_io, slot_file, tenancy
 from ..tiers.saved import Extras, InSlot, SavedState
-from ..types import Checkpoint
+from ..types import AdapterHandle, Checkpoint
 from . import disk_glue, ram
 
 if TYPE_CHECKING:
@@ -404,3 +404,26 @@ class SaveIdleSlots:
         n = sum(ram.save(host.store, cache, s) for s in host.store.slots if s.idle)
         cache.update()
         return SlotsCached(n)
+
+
+# ---- adapters ---------------------------------------------------------------------------
+
+
+class AdapterAttacher(Protocol):
+    """The model's side of attaching a run-time LoRA adapter (LlamaBackend)."""
+
+    def attach_adapter(self, handle: AdapterHandle) -> int: ...
+
+
+@dataclass(frozen=True)
+class AttachAdapter:
+    """Give an adapter loaded off the engine thread (``handle``) its id, between two steps:
+    the decodes' adapter scales index the ids, so the list changes under no decode. The
+    file was checked and loaded before (service/lora_runtime.py). Result: the new id."""
+
+    backend: AdapterAttacher
+    handle: AdapterHandle
+    slot: int = field(default=-1, init=False)
+
+    def run(self, host: Host) -> int:
+        return self.backend.attach_adapter(self.handle)

@@ -32,7 +32,6 @@ from ..speculative.spec_step import Speculation
 from ..tiers.disk import DiskTier
 from ..tiers.prompt_cache import PromptCache
 from ..types import Event, FinishReason, Task, TaskError
-from . import ram
 from .cache_reuse import CacheReuse
 from .commands import Command
 from .embed import EmbedEvent, EmbedQueue, EmbedTask
@@ -119,7 +118,7 @@ class Engine:
         self.scheduler.speed = self.sharing.speed  # one estimate, fed each step by sharing
         self.reuse = CacheReuse(self.b, self.store, self.stats, self.opts)
         self.executor = Executor(
-            self.b, self.store, self.spec, self.stats, self.par, self._free_idle_kv, self.reuse
+            self.b, self.store, self.spec, self.stats, self.par, cache, self.reuse
         )
         self.updater = Updater(self.b, self.stats, self._send, lambda: self.shifts)
         self.preemption = Preemption()
@@ -145,7 +144,7 @@ class Engine:
 
     @cache.setter
     def cache(self, cache: PromptCache | None) -> None:
-        self.placer.cache = self.runner.cache = cache
+        self.placer.cache = self.runner.cache = self.executor.cache = cache
 
     @property
     def disk(self) -> DiskTier | None:
@@ -452,16 +451,6 @@ class Engine:
         """Tokens the run may still generate (-1: no limit but the context)."""
         limit = run.task.gen.max_tokens
         return -1 if limit < 0 else limit - run.n_decoded
-
-    def _free_idle_kv(self) -> bool:
-        """Clear idle slots' sequences to make KV room (unified mode), saving them to the RAM
-        cache first when there is one. True if any was freed."""
-        freed = False
-        for s in self.slots:
-            if s.idle and s.tokens:
-                ram.evict_idle(self.store, self.cache, s)
-                freed = True
-        return freed
 
     def _fail_everything(self, message: str) -> None:
         self._flush()

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 from ..kv.store import SlotStore
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotRun
 from ..slot.stats import EngineStats
 from ..speculative.spec_step import DraftDropError, Speculation
+from ..tiers.prompt_cache import PromptCache
 from ..types import FinishReason, PromptImage, TokenLogprob, TokenMatcher
+from . import ram
 from .cache_reuse import CacheReuse
 from .sampling_paths import ConstraintDeadEnd, ParallelSampling
 from .step_plan import Ended, SlotOutput, SlotWork, StepOutputs, StepPlan
@@ -41,10 +42,10 @@ class Executor:
         spec: Speculation,
         stats: EngineStats,
         par: ParallelSampling,
-        free_idle_kv: Callable[[], bool],
+        cache: PromptCache | None,
         reuse: CacheReuse | None = None,
     ) -> None:
-        """``free_idle_kv()``: clear idle slots' KV (saving them first); whether any was.
+        """``cache``: where idle slots' KV goes before it is freed for room (None: dropped).
         ``reuse``: moves parked --cache-reuse chunks in (a plan with ``SlotWork.reuse``)."""
         self.b = backend
         self.reuse = reuse
@@ -52,7 +53,17 @@ class Executor:
         self.spec = spec
         self.stats = stats
         self.par = par
-        self.free_idle_kv = free_idle_kv
+        self.cache = cache
+
+    def free_idle_kv(self) -> bool:
+        """Clear idle slots' sequences to make KV room (unified mode), saving them to the RAM
+        cache first when there is one. True if any was freed."""
+        freed = False
+        for s in self.store.slots:
+            if s.idle and s.tokens:
+                ram.evict_idle(self.store, self.cache, s)
+                freed = True
+        return freed
 
     def execute(self, plan: StepPlan) -> StepOutputs:
         """Carry out ``plan``; see the module docstring. The plan may shrink on a retry."""

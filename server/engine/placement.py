@@ -6,8 +6,9 @@ what it holds goes to the RAM cache first, the best cached state (one walk of th
 down the prefix index serves the RAM and the disk tier) is restored into it, the slot keeps
 the reusable prefix of its KV (a cut, or a resume at a checkpoint), takes the longest prefix
 another sequence holds (prefix sharing) or waits for one being computed, and the run starts.
-A failure fails its task only. ``place`` changes no memory itself: it yields the operations
-(engine/step_plan.py) that ``Runner.drive`` carries out, and reads each outcome.
+A failure fails its task only. ``place`` changes no memory and writes no tier itself: it
+yields the operations (engine/step_plan.py) that ``Runner.drive`` carries out, and reads
+each outcome; it reads the RAM cache only for its prefix index.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from ..slot.stats import EngineStats
 from ..speculative.spec_step import Speculation
 from ..tiers.prompt_cache import PromptCache
 from ..types import Task, TaskError
-from . import ram
 from .cache_reuse import CacheReuse
 from .options import EngineOptions
 from .preempt import Preemption
@@ -42,6 +42,7 @@ from .step_plan import (
     Placement,
     Restore,
     ResumeAt,
+    SaveIdle,
 )
 
 log = logging.getLogger("server.engine.engine")
@@ -115,13 +116,12 @@ class Placer:
         if self.cache is None or not choice.update_cache:
             return n_lcp
         if choice.save_first:
-            ram.save(self.store, self.cache, slot)
+            yield SaveIdle(slot)
         # one walk of the prompt down the prefix index serves both tiers (taken here: after
         # the save above, as the load rule expects)
         loaded = yield Restore(slot, task.prompt, task.tenant, match.tiers())  # RAM, then disk
         if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
             n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
-        self.cache.update()
         return n_lcp
 
     def _resume(self, slot: Slot, task: Task, probe: list[int], choice: SlotChoice) -> Ops[None]:
@@ -131,10 +131,9 @@ class Placer:
         assert self.preemption is not None  # only a preempted task has a probe
         if self.cache is not None:
             if choice.save_first:
-                ram.save(self.store, self.cache, slot)
+                yield SaveIdle(slot)
             match = self.sharing.locator.match(task.tenant, probe, self.cache.index)
             yield Restore(slot, probe, task.tenant, match.tiers())
-            self.cache.update()
         own = slot.tenant == task.tenant
         plan = plan_reuse(
             slot.tokens,

@@ -2,7 +2,7 @@
 
 A step's decisions touch nothing. Admission (``Placer.place``), prefix sharing's waiters
 (``PrefixSharing.resolve_waiters``) and embeddings (``EmbedQueue.step``) are generators that
-yield typed operations (engine/step_plan.py: restore, cut, resume at a checkpoint, park chunks,
+yield typed operations (engine/step_plan.py: save an idle slot, restore, cut, resume at a checkpoint, park chunks,
 copy a prefix, cache or evict idle slots, clear, decode embeddings); ``drive`` runs each and
 sends its outcome back as the value of the ``yield``, so the next decision reads it (no
 callbacks). The batch itself (``StepPlan``: shifts, checkpoints, drafts, moved chunks, the
@@ -40,6 +40,7 @@ from .step_plan import (
     ParkChunks,
     Restore,
     ResumeAt,
+    SaveIdle,
     SaveRun,
     StepOutputs,
     StepPlan,
@@ -96,7 +97,10 @@ class Runner:
             log.debug("slot %d: shared %d of %d from slot %d", op.dst.id, got, op.n, op.src.id)
             return got
         if isinstance(op, Restore):
-            return self._restore(op)
+            loaded = self._restore(op)
+            assert self.cache is not None  # a Restore is planned only with a RAM cache
+            self.cache.update()  # the RAM cache back within its limits
+            return loaded
         if isinstance(op, ResumeAt):
             c = op.slot.checkpoints[op.index]
             n_past = store.resume_at_checkpoint(op.slot, op.index)
@@ -113,6 +117,8 @@ class Runner:
         if isinstance(op, EvictIdle):
             ram.evict_idle(store, self.cache, op.slot)
             return 0
+        if isinstance(op, SaveIdle):
+            return self.cache is not None and ram.save(store, self.cache, op.slot)
         if isinstance(op, SaveRun):
             return self.cache is not None and ram.save_run(store, self.cache, op.slot)
         if isinstance(op, Clear):

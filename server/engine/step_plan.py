@@ -3,7 +3,7 @@ reports back to ``update``, and the memory operations the other decisions yield.
 
 Only the runner (engine/runner.py) changes llama.cpp memory or decodes. A step admits
 waiting tasks (``Scheduler.admit -> Admission``; ``Placer.place`` yields the operations that
-start them: restores, cuts, checkpoint resumes, parked chunks, prefix copies), lets sharing
+start them: saves of the slots they overwrite, restores, cuts, checkpoint resumes, parked chunks, prefix copies), lets sharing
 waiters whose prefix is ready copy it, embeds, then decodes one batch in three phases
 (ARCHITECTURE §3):
 - ``schedule() -> StepPlan`` decides, touching nothing: per slot, which tokens go into the
@@ -168,7 +168,8 @@ class StepOutputs:
 @dataclass(frozen=True, slots=True)
 class Restore:
     """Restore the best RAM-cache entry for ``prompt``, else the disk tier's, into ``slot``
-    (``match``: the prompt's walk down the prefix index). Outcome: whether one was loaded."""
+    (``match``: the prompt's walk down the prefix index), then evict the RAM cache back
+    within its limits. Outcome: whether one was loaded."""
 
     slot: Slot
     prompt: list[int]
@@ -226,6 +227,14 @@ class EvictIdle:
 
 
 @dataclass(frozen=True, slots=True)
+class SaveIdle:
+    """An idle ``slot`` about to lose most of what it holds (a placement's ``save_first``)
+    keeps its state in the RAM cache first. Outcome: whether the cache took it."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
 class SaveRun:
     """--scheduling-policy priority: keep a running ``slot``'s whole state in the RAM cache
     (its run is about to be preempted). Outcome: whether the cache holds it now (saved, or
@@ -255,6 +264,7 @@ MemoryOp = (
     | CopyPrefix
     | CacheIdle
     | EvictIdle
+    | SaveIdle
     | SaveRun
     | Clear
     | EmbedDecode

@@ -17,6 +17,7 @@ import llama_cpp as L
 import numpy as np
 
 from ..types import (
+    AdapterHandle,
     CompilerFactory,
     FimTokens,
     SamplingParams,
@@ -542,11 +543,11 @@ class LlamaBackend(SeqMemory):
         """Check an open adapter file before anything loads it; its size (LoraAdapters.check_fd)."""
         return self.lora.check_fd(fd)
 
-    def load_adapter(self, fd: int) -> object:
+    def load_adapter(self, fd: int) -> AdapterHandle:
         """Load a LoRA adapter from an open file, off the engine thread (LoraAdapters.load_fd)."""
-        return self.lora.load_fd(fd)
+        return AdapterHandle(self.lora.load_fd(fd))
 
-    def attach_adapter(self, handle: object) -> int:
+    def attach_adapter(self, handle: AdapterHandle) -> int:
         """Give a loaded adapter its id; engine thread only (LoraAdapters.attach)."""
         assert isinstance(handle, ctypes._Pointer)  # load_adapter's result
         return self.lora.attach(handle)

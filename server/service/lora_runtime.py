@@ -37,8 +37,10 @@ import os
 import stat
 from typing import Protocol, runtime_checkable
 
+from ..engine.commands import AttachAdapter
 from ..json_value import JsonObject, JsonValue
 from ..schemas.errors import APIError
+from ..types import AdapterHandle
 from .state import ServerState
 
 MAX_NAME = 128
@@ -51,9 +53,9 @@ class AdapterLoading(Protocol):
 
     def check_adapter(self, fd: int) -> int: ...
 
-    def load_adapter(self, fd: int) -> object: ...
+    def load_adapter(self, fd: int) -> AdapterHandle: ...
 
-    def attach_adapter(self, handle: object) -> int: ...
+    def attach_adapter(self, handle: AdapterHandle) -> int: ...
 
 
 def _enabled(st: ServerState) -> str:
@@ -150,7 +152,9 @@ def _checked_copy(b: AdapterLoading, fd: int) -> tuple[int, str]:
     return private_copy(fd, size)
 
 
-def _prepare(st: ServerState, b: AdapterLoading, root: str, real: str) -> tuple[str, object]:
+def _prepare(
+    st: ServerState, b: AdapterLoading, root: str, real: str
+) -> tuple[str, AdapterHandle | None]:
     """Worker thread: open, check, copy and hash, and load the copy when these bytes are
     new; (digest, handle or None when an adapter of these bytes exists)."""
     fd = open_checked(root, real)
@@ -197,7 +201,8 @@ async def load(st: ServerState, body: JsonObject) -> str:
         if old is not None:
             reg.revive(old, real, name)
         else:
-            new_id = await asyncio.wrap_future(engine.call(lambda e: b.attach_adapter(handle)))
+            assert handle is not None  # None only for bytes registered (runtime_busy held)
+            new_id = await asyncio.wrap_future(engine.submit_command(AttachAdapter(b, handle)))
             reg.add_runtime(new_id, real, digest, name)
     finally:
         reg.runtime_busy = False

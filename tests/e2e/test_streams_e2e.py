@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from server.router.stream_routes import MAP_MAX
+from server.router.conv_map import MAP_MAX
 
 from .conftest import ServerProc, gemma_path
 

@@ -161,3 +161,55 @@ def test_the_engine_drives_decisions_through_the_runner():
     for decision in ("self.placer.place(", "self.sharing.resolve_waiters()", "self.embed.step()"):
         assert f"self.runner.drive({decision}" in src, decision
     assert "self.executor.execute(" not in src and "self.executor.settle_ended(" not in src
+
+
+# the glue that writes the RAM cache and the disk tier (saves, takes, evictions, spills)
+TIER_GLUE = {"ram", "disk_glue"}
+TIER_WRITES = {"put", "take", "update", "save", "save_run", "evict_idle", "spill"}
+
+
+def _tier_writes(path: Path) -> list[str]:
+    """The tier glue ``path`` imports and the cache writes it calls (``x.cache.put(...)``)."""
+    tree = ast.parse(path.read_text())
+    found = [
+        f"imports {a.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+        if a.name in TIER_GLUE
+    ]
+    for node in ast.walk(tree):
+        f = node.func if isinstance(node, ast.Call) else None
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr in TIER_WRITES
+            and isinstance(f.value, ast.Attribute)
+            and f.value.attr in {"cache", "disk"}
+        ):
+            found.append(f"{f.value.attr}.{f.attr}() line {node.lineno}")
+    return found
+
+
+def test_the_decisions_write_no_tier():
+    # a save before a slot is overwritten, the evictions after a restore: runner operations
+    files = {p.stem: p for d in ENGINE_SIDE for p in (SERVER / d).glob("*.py")}
+    writes = {m: _tier_writes(files[m]) for m in DECIDE}
+    assert writes == {m: [] for m in DECIDE}
+    assert _tier_writes(files["runner"])  # the rule sees the runner's
+
+
+def test_the_http_side_asks_the_engine_through_typed_commands():
+    # Engine.call runs any function on the engine thread: the commands' mechanism and the
+    # tests', never a route's or a service's (a lambda there could touch memory unseen)
+    callers = [
+        f"{p.relative_to(SERVER)}:{node.lineno}"
+        for p in SERVER.rglob("*.py")
+        if p != SERVER / "engine" / "engine.py"
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "call"
+        and isinstance(node.func.value, ast.Name | ast.Attribute)
+        and "engine" in ast.unparse(node.func.value)
+    ]
+    assert callers == []
