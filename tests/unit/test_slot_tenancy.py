@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from server.kv.file_plan import parse_after_state
 from server.protocols import slots as slots_route
 from server.service.state import tenant_of
 from server.settings.config import Settings
@@ -71,7 +72,7 @@ def test_a_slot_file_records_its_tenant_after_its_appendices(tmp_path):
     size = _write(tmp_path / "s.bin", "key:abc/salt:00ff", [ck])
     p = sf.read_file(tmp_path / "s.bin", 100, 1000, 0, 1)
     assert p.tenant == "key:abc/salt:00ff" and p.end == size - 12 - len("key:abc/salt:00ff")
-    app = slots_route.parse_after_state(p, p.state_off + 8 + 64, None)
+    app = parse_after_state(p, p.state_off + 8 + 64, None)
     assert [c.n_tokens for c in app.checkpoints] == [3] and app.warnings == []
     _write(tmp_path / "e.bin", "")
     assert sf.read_file(tmp_path / "e.bin", 100, 1000, 0, 1).tenant == ""
