@@ -45,7 +45,7 @@ from ..prefix.reuse import ReuseChunk, iter_chunks, select_chunks
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotRun, SlotState
 from ..slot.stats import EngineStats
-from ..types import Task, lcp
+from ..types import Task
 from .options import EngineOptions
 
 log = logging.getLogger("server.engine.engine")
@@ -100,17 +100,10 @@ class CacheReuse:
         if not self.available or self.owner is not None or len(slot.tokens) <= n_past + n_min:
             return []
         prompt = task.prompt[:-1]  # the last prompt token is always computed
-        shared = self._shared_bound(slot)
+        shared = self.store.shared_until(slot)
         found = iter_chunks(slot.tokens, prompt, n_min, start=n_past)
         mine = (c for c in found if c.cache_start >= shared)
         return select_chunks(mine, n_past, GAPPED_MIN, MOST_CHUNKS, one_run=self.windowed)
-
-    def _shared_bound(self, slot: Slot) -> int:
-        """Cached positions below this may be cells another slot shares (unified KV)."""
-        if not self.b.kv_unified:
-            return 0
-        others = (lcp(s.tokens, slot.tokens) for s in self.store.slots if s is not slot)
-        return max(others, default=0)
 
     def park(self, slot: Slot, chunks: list[ReuseChunk], n_past: int) -> int:
         """Step 1 (before the run starts): returns the tokens the slot kept (``n_past``, or 0
