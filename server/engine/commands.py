@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from ..engine_api import CacheView, IntegrityReport, SlotSnapshot
 from ..json_value import JsonObject
 from ..kv.file_plan import RestorePlan, saved_state
 from ..kv.store import SlotStore
@@ -56,6 +57,7 @@ class Host(Protocol):
     @property
     def disk(self) -> DiskTier | None: ...
     def check_integrity(self) -> list[str]: ...
+    def draft_shared(self, slot: Slot) -> int: ...
 
 
 class Command(Protocol[R_co]):
@@ -309,13 +311,35 @@ class CountSlotFile:
 
 
 @dataclass(frozen=True)
-class CacheView:
-    """What GET /cache shows: the RAM cache's and the disk tier's descriptions (``disk``:
-    ``{"enabled": False}`` without one) and --cache-idle-slots."""
+class DescribeSlots:
+    """Every slot as one snapshot made between two steps (GET /slots): read from the event
+    loop instead, one slot's fields could straddle a step. Cheap: counts and references,
+    no token lists copied."""
 
-    ram: JsonObject
-    disk: JsonObject
-    idle_slots: bool
+    slot: int = field(default=-1, init=False)
+
+    def run(self, host: Host) -> list[SlotSnapshot]:
+        return [_slot_view(s, host.draft_shared(s)) for s in host.store.slots]
+
+
+def _slot_view(s: Slot, draft_tokens: int) -> SlotSnapshot:
+    run = s.run  # the running task's, or the last one's when idle
+    ckpts = tuple(s.checkpoints)
+    return SlotSnapshot(
+        id=s.id,
+        n_ctx=s.n_ctx,
+        state=s.state.value,
+        task=s.task,
+        owner=tenancy.owner(s.tenant),
+        n_tokens=len(s.tokens),
+        n_prompt=run.n_prompt if run is not None else 0,
+        n_cached=run.n_cached if run is not None else 0,
+        n_processed=run.n_processed if run is not None else 0,
+        n_decoded=run.n_decoded if run is not None else 0,
+        checkpoint_tokens=tuple(c.n_tokens for c in ckpts),
+        checkpoint_bytes=sum(c.nbytes for c in ckpts),
+        draft_tokens=draft_tokens,
+    )
 
 
 @dataclass(frozen=True)
@@ -338,15 +362,6 @@ class DescribeCache:
             if self.owner is not None:
                 disk = {k: v for k, v in disk.items() if k not in ("n_pending", "pending_bytes")}
         return CacheView(host.cache.describe(self.owner), disk, self.idle_slots)
-
-
-@dataclass(frozen=True)
-class IntegrityReport:
-    problems: list[str]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine_api import EmbedResult, too_large
 from ..kv.store import SlotStore
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotState
@@ -33,16 +34,6 @@ from .step_plan import Clear, EmbedDecode, EvictIdle, Ops
 log = logging.getLogger("server.engine.embed")
 
 _ids = itertools.count(1)
-
-
-@dataclass
-class EmbedResult:
-    """One prompt's embeddings: one pooled row (pooling rank: the scores), or with pooling
-    none one row per prompt token. Not normalized."""
-
-    index: int
-    vectors: np.ndarray  # float32, shape (rows, width)
-    n_tokens: int
 
 
 EmbedEvent = EmbedResult | TaskError
@@ -179,14 +170,6 @@ class EmbedQueue:
             return self.b.embedding_rows(p.row, len(p.task.tokens))
         vec = self.b.embedding_of_seq(p.slot.id)
         return None if vec is None else vec.reshape(1, -1)
-
-
-def too_large(n_tokens: int, n_ubatch: int) -> str:
-    """llama-server's message for a prompt that does not fit one physical batch."""
-    return (
-        f"input ({n_tokens} tokens) is too large to process. increase the physical batch "
-        f"size (current batch size: {n_ubatch})"
-    )
 
 
 def _decode_error(ret: int) -> str:

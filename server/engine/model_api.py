@@ -1,39 +1,17 @@
-"""What the HTTP side (front end, service, routes) needs of the loaded model, beyond the
-engine's ``Backend``: its tokenizer (``Tokenizer``) and what it reports about itself
-(``ModelBackend``). ``server.llama.backend.LlamaBackend`` implements both (checked by
-``server.http.app``'s ``_conforms``); the unit tests' fake implements what they use.
-
-Tokenizer calls may come from any thread (worker threads tokenize requests); they read
-only the vocabulary, never the context."""
+"""What the service layer and the app need of the loaded model, beyond the engine's
+``Backend``: its tokenizer (``server.engine_api.Tokenizer``, a leaf the routes read) and
+what it reports about itself (``ModelBackend``). ``server.llama.backend.LlamaBackend``
+implements both (checked by ``server.http.app``'s ``_conforms``); the unit tests' fake
+implements what they use."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from ..engine_api import Tokenizer
 from ..kv.draft_kv import DraftMemory
 from ..slot.backend_api import Backend
 from ..types import FimTokens, VocabCompiler
-
-
-class Tokenizer(Protocol):
-    """The model's vocabulary as the front end tokenizes and detokenizes with it."""
-
-    n_vocab: int
-    bos_id: int
-    bos_text: str  # "" when the vocabulary has no BOS
-    eos_text: str
-
-    @property
-    def add_bos(self) -> bool: ...
-
-    def tokenize(
-        self, text: str, add_special: bool = True, parse_special: bool = True
-    ) -> list[int]: ...
-    def token_to_piece(self, token: int, special: bool = False) -> bytes: ...
-    def detokenize(self, tokens: list[int]) -> str: ...
-    def eog_tokens(self) -> tuple[int, ...]:
-        """Every end-of-generation token (``ignore_eos`` bans them)."""
-        ...
 
 
 class ModelBackend(Backend, Tokenizer, Protocol):

@@ -1,15 +1,13 @@
 """GET /cache: the RAM prompt cache's entries, totals and limits; GET /debug/integrity.
 
-Both read the engine's caches through engine commands (server/engine/commands.py), run
-between two steps on the engine thread: the route never walks the caches itself."""
+Both read snapshots the engine thread makes between two steps (service/engine_views.py):
+the route never walks the caches itself."""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 
-from ..engine.commands import CheckIntegrity, DescribeCache
+from ..service import engine_views
 from ..service.state import tenant_of
 from .common import state_of
 
@@ -27,12 +25,11 @@ async def cache_info(request: Request) -> dict[str, object]:
     server-wide counters stay (/metrics has them too); the disk tier's write queue is not
     shown."""
     st = state_of(request)
-    engine = st.require_engine()
+    st.require_engine()
     owner: str | None = None
     if st.settings.cache_isolation != "none":
         owner = tenant_of(st, request, request.query_params.get("cache_salt"))
-    ask = DescribeCache(owner, engine.opts.cache_idle_slots)
-    view = await asyncio.wrap_future(engine.submit_command(ask))
+    view = await engine_views.cache(st, owner)
     if view is None:
         return {"enabled": False}
     return {"enabled": True, "idle_slots": view.idle_slots, **view.ram, "disk": view.disk}
@@ -43,6 +40,5 @@ async def integrity(request: Request) -> dict[str, object]:
     """Run the engine's and the RAM cache's integrity checks between two engine steps:
     every slot's tokens match its KV positions, checkpoints lie within them, cache bytes equal
     the sum of its entries, no entry is a prefix of another."""
-    engine = state_of(request).require_engine()
-    report = await asyncio.wrap_future(engine.submit_command(CheckIntegrity()))
+    report = await engine_views.integrity(state_of(request))
     return {"ok": report.ok, "problems": report.problems}

@@ -15,7 +15,7 @@ from typing import ParamSpec, TypedDict, TypeVar
 from fastapi import Request
 from typing_extensions import NotRequired
 
-from ..engine.model_api import Tokenizer
+from ..engine_api import Tokenizer
 from ..json_value import JsonObject
 from ..schemas.errors import error_body
 from ..service.pools import prepare_in

@@ -14,7 +14,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from ..engine.embed import EmbedResult, too_large
+from ..engine_api import EmbedResult, too_large
 from ..schemas.bodies import BaseBody
 from ..schemas.errors import APIError
 from ..settings.config import Settings

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..cancel import checkpoint
-from ..engine.model_api import Tokenizer
+from ..engine_api import Tokenizer
 from ..prompts.completion_forms import prompt_echo, split_prompts
 from ..prompts.sources import NativeSource
 from ..prompts.submissions import native_request

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.model_api import Tokenizer
+from ..engine_api import Tokenizer
 from ..prompts.chat import plan_chat
 from ..prompts.submissions import chat_request, completion_request
 from ..schemas.bodies import ChatRequest, CompletionRequest

@@ -7,65 +7,53 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from ..engine_api import SlotSnapshot
 from ..json_value import JsonObject
 from ..schemas.bodies import SlotActionBody
 from ..schemas.errors import APIError
 from ..schemas.json_body import parse_json_body
-from ..service import slot_files
+from ..service import engine_views, slot_files
 from ..service.state import ServerState, tenant_of
-from ..slot.slot import Slot
-from ..tiers import tenancy
 from .common import generation_settings, state_of
 
 router = APIRouter()
 
 
-def slot_json(st: ServerState, s: Slot, viewer: str | None = None) -> JsonObject:
+def slot_json(st: ServerState, s: SlotSnapshot, viewer: str | None = None) -> JsonObject:
     """One slot as llama-server shows it. With ``viewer`` (cache isolation on), another
     tenant's request parameters (stop strings, logit bias, seed...) are not shown."""
-    # Read without locks from the event loop: each field is a consistent snapshot of
-    # itself (the GIL), the whole object may straddle one engine step.
     task = s.task
-    run = s.run  # the running task's, or the last one's when idle
-    n_decoded = run.n_decoded if run is not None else 0
-    ckpts = list(s.checkpoints)
     return {
         "id": s.id,
         "n_ctx": s.n_ctx,
         "is_processing": task is not None,
         "id_task": task.id if task is not None else -1,
-        "state": s.state.value,
-        "n_tokens": len(s.tokens),
-        "n_prompt_tokens": run.n_prompt if run is not None else 0,
-        "n_prompt_tokens_cache": run.n_cached if run is not None else 0,
-        "n_prompt_tokens_processed": run.n_processed if run is not None else 0,
-        "n_decoded": n_decoded,
+        "state": s.state,
+        "n_tokens": s.n_tokens,
+        "n_prompt_tokens": s.n_prompt,
+        "n_prompt_tokens_cache": s.n_cached,
+        "n_prompt_tokens_processed": s.n_processed,
+        "n_decoded": s.n_decoded,
         # llama-server's shape (a one-item list); an idle slot keeps no budget of its last task
         "next_token": [
             {
                 "has_next_token": task is not None,
                 "has_new_line": False,
-                "n_remain": (task.gen.max_tokens - n_decoded)
+                "n_remain": (task.gen.max_tokens - s.n_decoded)
                 if task is not None and task.gen.max_tokens >= 0
                 else -1,
-                "n_decoded": n_decoded if task is not None else 0,
+                "n_decoded": s.n_decoded if task is not None else 0,
             }
         ],
-        "params": generation_settings(st, task)
-        if viewer is None or viewer == tenancy.owner(s.tenant)
-        else {},
+        "params": generation_settings(st, task) if viewer is None or viewer == s.owner else {},
         "checkpoints": {
-            "count": len(ckpts),
-            "bytes": sum(c.nbytes for c in ckpts),
-            "n_tokens": [c.n_tokens for c in ckpts],
+            "count": len(s.checkpoint_tokens),
+            "bytes": s.checkpoint_bytes,
+            "n_tokens": list(s.checkpoint_tokens),
         },
         # with a draft model: the tokens of the slot its sequence holds
-        **({"draft": {"n_tokens": _draft_tokens(st, s)}} if st.draft is not None else {}),
+        **({"draft": {"n_tokens": s.draft_tokens}} if st.draft is not None else {}),
     }
-
-
-def _draft_tokens(st: ServerState, s: Slot) -> int:
-    return st.engine.draft_shared(s) if st.engine is not None else 0
 
 
 @router.get("/slots")
@@ -77,12 +65,12 @@ async def list_slots(request: Request, fail_on_no_slot: int = 0) -> list[JsonObj
             "This server does not support slots endpoint. Start it without --no-slots",
             "not_supported_error",
         )
-    engine = st.require_engine()
-    if fail_on_no_slot and all(not s.idle for s in engine.slots):
+    views = await engine_views.slots(st)
+    if fail_on_no_slot and all(not s.idle for s in views):
         raise APIError(503, "no slot available", "unavailable_error")
     isolated = st.settings.cache_isolation != "none"
     viewer = tenant_of(st, request, request.query_params.get("cache_salt")) if isolated else None
-    return [slot_json(st, s, viewer) for s in engine.slots]
+    return [slot_json(st, s, viewer) for s in views]
 
 
 def _slot_id(id_slot: str, n_slots: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.model_api import Tokenizer
+from ..engine_api import Tokenizer
 from ..schemas.bodies import SamplingFields
 from ..schemas.errors import APIError
 from ..settings.config import Settings

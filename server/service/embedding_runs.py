@@ -12,9 +12,10 @@ import time
 
 from starlette.requests import Request
 
-from ..engine.embed import EmbedEvent, EmbedResult, EmbedTask
+from ..engine.embed import EmbedEvent, EmbedTask
 from ..engine.engine import EngineDead
 from ..engine.event_sink import Emitter
+from ..engine_api import EmbedResult
 from ..schemas.errors import APIError
 from ..types import TaskError
 from .sink import emitter

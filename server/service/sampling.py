@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..engine.model_api import Tokenizer
+from ..engine_api import Tokenizer
 from ..json_value import JsonObject
 from ..schemas.bodies import SamplingFields
 from ..schemas.errors import APIError

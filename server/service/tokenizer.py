@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..cancel import checkpoint
-from ..engine.model_api import Tokenizer
+from ..engine_api import Tokenizer
 from ..templates.control_tokens import NO_CONTROL, ControlTokens
 
 CHUNK = 16 * 1024  # characters per piece (a piece holds a few hundred special tokens)

@@ -8,7 +8,8 @@ import asyncio
 
 from ..constrained import Constraint, ConstraintError, request_constraint
 from ..constrained.matcher import compile_executor
-from ..engine.model_api import ModelBackend, Tokenizer
+from ..engine.model_api import ModelBackend
+from ..engine_api import Tokenizer
 from ..json_value import JsonValue
 from ..schemas.errors import APIError
 from ..types import TokenConstraint

@@ -17,9 +17,9 @@ from server.engine.commands import (
     CheckIntegrity,
     CountSlotFile,
     DescribeCache,
+    DescribeSlots,
     EraseSlot,
     Failed,
-    IntegrityReport,
     Refused,
     RestoreSlot,
     SaveSlot,
@@ -31,6 +31,7 @@ from server.engine.commands import (
     StateLoaded,
 )
 from server.engine.engine import Engine, EngineDead, EngineOptions
+from server.engine_api import IntegrityReport
 from server.kv.file_plan import parse_after_state, plan_restore
 from server.protocols import slots as slots_route
 from server.settings.config import Settings
@@ -317,6 +318,26 @@ def test_the_cache_view_is_made_on_the_engine_thread_and_cut_to_its_owner(alive,
     assert "n_pending" not in a.disk  # another tenant's saves would show in the queue
     e2, _ = engine_of()
     assert do(e2, DescribeCache()) is None  # no RAM cache: {"enabled": false}
+
+
+def test_the_slots_snapshot_is_made_between_steps_with_exact_counts(alive):
+    """GET /slots' snapshot (issue 57: routes never read the engine's slots): made by the
+    engine's step, one consistent moment; each slot's counts are its last run's."""
+    e, _ = engine_of()
+    fill(e, 0, tenant=A)
+    asked = e.submit_command(DescribeSlots())
+    assert not asked.done()  # nothing is read until the engine thread's next step
+    zero, one = drive(e, asked)
+    assert (zero.id, zero.state, zero.task, zero.owner) == (0, "idle", None, A)
+    assert (zero.n_prompt, zero.n_cached, zero.n_processed, zero.n_decoded) == (100, 0, 100, 1)
+    assert zero.n_tokens == len(e.slots[0].tokens) and zero.idle
+    assert zero.checkpoint_tokens == tuple(c.n_tokens for c in e.slots[0].checkpoints)
+    assert (one.n_tokens, one.n_prompt, one.owner) == (0, 0, "")  # never ran
+    fill(e, 0, prompt=PROMPT[:60], tenant=A)  # a prefix of what slot 0 holds: reused
+    again, run = do(e, DescribeSlots())[0], e.slots[0].live
+    assert (again.n_prompt, again.n_cached + again.n_processed) == (60, 60)
+    assert (again.n_cached, again.n_processed) == (run.n_cached, run.n_processed)
+    assert again.n_cached > 0
 
 
 def _wait(engine: Engine) -> None:

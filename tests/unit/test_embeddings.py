@@ -9,8 +9,9 @@ import base64
 import numpy as np
 import pytest
 
-from server.engine.embed import EmbedResult, EmbedTask
+from server.engine.embed import EmbedTask
 from server.engine.engine import Engine, EngineOptions
+from server.engine_api import EmbedResult
 from server.protocols.embedding_shapes import (
     EmbeddingRequest,
     RerankParts,

@@ -8,7 +8,8 @@ import typing
 
 import pytest
 
-from server.engine.model_api import DraftModel, ModelBackend, Tokenizer
+from server.engine.model_api import DraftModel, ModelBackend
+from server.engine_api import Tokenizer
 from server.llama.backend import LlamaBackend
 from server.llama.draft import DraftContext
 from server.schemas.errors import APIError

@@ -53,7 +53,7 @@ def test_the_count_sees_annotations_not_comments(tmp_path):
 # may only shrink. Measured over server/ before issue 57 (this file's counter): 152 bare
 # ``object`` annotations, 209 ``dict[str, object]``, 23 ``type: ignore``; each is now at most
 # half of that. JSON is ``server.json_value``'s JsonValue / JsonObject / BodyJson.
-WEAK_BUDGET = {"object": 68, "dict[str, object]": 97, "cast": 0, "type: ignore": 11}
+WEAK_BUDGET = {"object": 64, "dict[str, object]": 91, "cast": 0, "type: ignore": 11}
 
 
 def _is_object(n: ast.AST | None) -> bool:
