@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..kv.store import SlotStore
-from ..prefix.prefix_index import Match
+from ..prefix.prefix_index import Match, SlotBaseline
 from ..slot.slot import Slot
 from ..tiers.disk import DiskHit, DiskTier
 from ..tiers.disk_files import BadFile, DiskEntry, EntryChanged
@@ -42,13 +42,16 @@ def load(
     slot: Slot,
     prompt: list[int],
     tenant: str,
+    held: SlotBaseline | None = None,
     match: Match | None = None,
 ) -> bool:
     """Restore ``tenant``'s best disk entry for ``prompt`` into ``slot``; True when one was
     loaded (the slot then holds the entry's tokens and checkpoints). A failure forgets the
     entry; a refused state leaves the slot empty, a file that could not be read leaves the
-    slot as it was. ``match``: the prompt's walk down the prefix index (the RAM lookup's)."""
-    hit = disk.find(prompt, tenant, slot.tokens, own=slot.tenant == tenant, match=match)
+    slot as it was. ``held``: what the slot holds of the prompt, which the entry must beat
+    (default: nothing, as an empty slot); ``match``: the prompt's walk down the prefix index
+    (the RAM lookup's)."""
+    hit = disk.find(prompt, tenant, held or SlotBaseline(), match)
     return hit is not None and load_hit(store, disk, slot, hit, tenant)
 
 

@@ -19,6 +19,7 @@ from ..kv import images
 from ..kv.locator import Match
 from ..kv.policy import CheckpointView, ReusePlan, SlotChoice, plan_reuse
 from ..kv.store import SlotStore
+from ..prefix.prefix_index import SlotBaseline
 from ..prefix.reuse import ReuseChunk
 from ..slot.backend_api import Backend
 from ..slot.reasoning_budget import BudgetTracker
@@ -119,7 +120,8 @@ class Placer:
             yield SaveIdle(slot)
         # one walk of the prompt down the prefix index serves both tiers (taken here: after
         # the save above, as the load rule expects)
-        loaded = yield Restore(slot, task.prompt, task.tenant, match.tiers())  # RAM, then disk
+        held = SlotBaseline(match.held[slot.id], len(slot.tokens))
+        loaded = yield Restore(slot, task.prompt, task.tenant, match.tiers(), held)  # RAM, disk
         if loaded or (n_lcp is not None and n_lcp > len(slot.tokens)):
             n_lcp = None  # recomputed: a restore, or a failed one that emptied the slot
         return n_lcp
@@ -133,7 +135,8 @@ class Placer:
             if choice.save_first:
                 yield SaveIdle(slot)
             match = self.sharing.locator.match(task.tenant, probe, self.cache.index)
-            yield Restore(slot, probe, task.tenant, match.tiers())
+            held = SlotBaseline(match.held[slot.id], len(slot.tokens))
+            yield Restore(slot, probe, task.tenant, match.tiers(), held)
         own = slot.tenant == task.tenant
         plan = plan_reuse(
             slot.tokens,

@@ -8,7 +8,7 @@ true.
 from __future__ import annotations
 
 from ..kv.store import SlotStore
-from ..prefix.prefix_index import Match
+from ..prefix.prefix_index import Match, SlotBaseline
 from ..slot.slot import Slot
 from ..tiers.prompt_cache import LoadChoice, PromptCache
 from ..tiers.tenancy import is_private
@@ -34,27 +34,11 @@ def save_run(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
     return out.saved or out.reason == "covered"
 
 
-def load(
-    store: SlotStore,
-    cache: PromptCache,
-    slot: Slot,
-    prompt: list[int],
-    tenant: str = "",
-    match: Match | None = None,
-) -> bool:
-    """Restore ``tenant``'s best cache entry for ``prompt`` into ``slot``; True when one was
-    loaded (the slot's tokens are then that tenant's). ``match``: the prompt's walk down
-    the prefix index, when the caller has one (it serves the disk tier's lookup too)."""
-    choice = find(cache, slot, prompt, tenant, match)
-    return choice is not None and take(store, cache, slot, choice)
-
-
-def find(
-    cache: PromptCache, slot: Slot, prompt: list[int], tenant: str, match: Match | None
-) -> LoadChoice | None:
-    """``tenant``'s best cache entry for ``prompt`` on ``slot`` (ARCHITECTURE §7's rule); a miss
-    is counted."""
-    choice = cache.find(slot.tokens, prompt, tenant, own=slot.tenant == tenant, match=match)
+def find(cache: PromptCache, match: Match | None, held: SlotBaseline) -> LoadChoice | None:
+    """The best cache entry for the prompt ``match`` walked (ARCHITECTURE §7's rule) that
+    beats what the slot already ``held``; a miss is counted (no match: the cache has no
+    index of its own to walk, a miss too)."""
+    choice = cache.find(match, held) if match is not None else None
     if choice is None:
         cache.counters.misses += 1
     return choice

@@ -135,11 +135,11 @@ class Runner:
         token."""
         assert self.cache is not None
         s, prompt, tenant = op.slot, op.prompt, op.tenant
-        choice = ram.find(self.cache, s, prompt, tenant, op.match)
+        choice = ram.find(self.cache, op.match, op.held)
         if choice is not None and not self._serves(self.cache.entries[choice.index], choice.n_lcp):
             choice = None
         if self.disk is not None and (choice is None or choice.n_lcp < len(prompt) - 1):
-            hit = self.disk.find(prompt, tenant, s.tokens, own=s.tenant == tenant, match=op.match)
+            hit = self.disk.find(prompt, tenant, op.held, op.match)
             if hit is not None and not self._serves(hit.pending or hit.entry, hit.n_lcp):
                 hit = None
             if hit is not None and (choice is None or hit.n_lcp > choice.n_lcp):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..kv.policy import SlotChoice
-from ..prefix.prefix_index import Match
+from ..prefix.prefix_index import Match, SlotBaseline
 from ..prefix.reuse import ReuseChunk
 from ..slot.slot import Slot
 from ..types import FinishReason, PromptImage, Task, TaskError, TokenLogprob
@@ -168,13 +168,15 @@ class StepOutputs:
 @dataclass(frozen=True, slots=True)
 class Restore:
     """Restore the best RAM-cache entry for ``prompt``, else the disk tier's, into ``slot``
-    (``match``: the prompt's walk down the prefix index), then evict the RAM cache back
-    within its limits. Outcome: whether one was loaded."""
+    (``match``: the prompt's walk down the prefix index; ``held``: what the slot holds of
+    it, the locator's ``Match.held``, which an entry must beat), then evict the RAM cache
+    back within its limits. Outcome: whether one was loaded."""
 
     slot: Slot
     prompt: list[int]
     tenant: str
     match: Match | None
+    held: SlotBaseline
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ import bisect
 import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from .items import PromptItem, common_prefix
 
@@ -154,6 +154,19 @@ class _Node:
         self.aggs: dict[str, _Agg] = {}
 
 
+class SlotBaseline(NamedTuple):
+    """The state of the slot being loaded into, which a tier's entry must beat (ARCHITECTURE
+    §7): how many items of the prompt it holds (``n_shared``; 0 when it holds another
+    tenant's tokens: the locator's ``Match.held``) and how many it holds in all."""
+
+    n_shared: int = 0
+    n_tokens: int = 0
+
+    @property
+    def f_keep(self) -> float:
+        return self.n_shared / self.n_tokens if self.n_tokens else -1.0
+
+
 # One tier's records of one subtree, snapshot: their orders, and (holder, length) pairs
 Records = tuple[tuple[tuple, ...], tuple[tuple[Held, int], ...]]
 
@@ -168,6 +181,12 @@ class Match:
     index: PrefixIndex
     n_prompt: int
     points: list[tuple[int, dict[str, Records]]]
+
+    def beating(self, tiers: Iterable[str], slot: SlotBaseline) -> Hit | None:
+        """``best`` starting from the slot's own state."""
+        if self.n_prompt == 0:
+            return None
+        return self.best(tiers, slot.f_keep, slot.n_shared / self.n_prompt)
 
     def best(self, tiers: Iterable[str], best_keep: float, best_sim: float) -> Hit | None:
         """ARCHITECTURE §7's load rule over ``tiers`` (scanned together, in their holders'

@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from ..prefix.prefix_index import Held, Match, PrefixIndex
-from ..types import lcp
+from ..prefix.prefix_index import Held, Match, PrefixIndex, SlotBaseline
 from . import tenancy
 from .disk_files import (
     NAME_RE,
@@ -509,28 +508,20 @@ class DiskTier:
     # ---- lookups (engine thread) --------------------------------------------------
 
     def find(
-        self,
-        prompt: list[int],
-        tenant: str,
-        slot_tokens: list[int],
-        own: bool,
-        match: Match | None = None,
+        self, prompt: list[int], tenant: str, slot: SlotBaseline, match: Match | None = None
     ) -> DiskHit | None:
-        """The best entry of ``tenant`` for ``prompt`` that beats the slot's own state (when
-        ``own``), in the queue or on disk; on a miss when the directory may have changed,
-        the scanner is asked for a scan, waited for at most ``sync_scan_s`` (never a listing
-        on this thread), and the index looked at again. Counts a miss; hits are counted by
+        """The best entry of ``tenant`` for ``prompt`` that beats ``slot``'s own state, in
+        the queue or on disk; on a miss when the directory may have changed, the scanner is
+        asked for a scan, waited for at most ``sync_scan_s`` (never a listing on this
+        thread), and the index looked at again. Counts a miss; hits are counted by
         ``loaded``. ``match``: the prompt already walked down the prefix index for
         ``tenant`` (the RAM cache's walk, when the tiers share one index)."""
         if not prompt:
             return None
         t0 = time.perf_counter()
-        n = lcp(slot_tokens, prompt) if own else 0
-        keep = n / len(slot_tokens) if slot_tokens else -1.0
-        sim = n / len(prompt)
-        hit = self._find(prompt, tenant, keep, sim, match)
+        hit = self._find(prompt, tenant, slot, match)
         if hit is None and self._stale() and self._refresh():
-            hit = self._find(prompt, tenant, keep, sim)
+            hit = self._find(prompt, tenant, slot)  # the scan changed the tree: walk again
         ms = (time.perf_counter() - t0) * 1e3
         with self._lock:
             self.counters.misses += hit is None
@@ -561,14 +552,15 @@ class DiskTier:
             return False
 
     def _find(
-        self, prompt: list[int], tenant: str, keep: float, sim: float, match: Match | None = None
+        self, prompt: list[int], tenant: str, slot: SlotBaseline, match: Match | None = None
     ) -> DiskHit | None:
-        """One walk of the prompt down the prefix index, then the rule over the files and
-        the queue together (files first, by (mtime, name), then the queue in order)."""
+        """One walk of the prompt down the prefix index (none when ``match`` is this
+        index's), then the rule over the files and the queue together (files first, by
+        (mtime, name), then the queue in order)."""
         with self._lock:
             if match is None or match.index is not self.index.tree:
                 match = self.index.tree.match(tenant, prompt)
-            hit = match.best((DiskHeld.TIER, QueuedHeld.TIER), keep, sim)
+            hit = match.beating((DiskHeld.TIER, QueuedHeld.TIER), slot)
         if hit is None:
             return None
         if isinstance(hit.held, QueuedHeld):

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from ..prefix.prefix_index import Held, Match, PrefixIndex
-from ..types import Checkpoint, StateBuf, lcp
+from ..prefix.prefix_index import Held, Match, PrefixIndex, SlotBaseline
+from ..types import Checkpoint, StateBuf
 from . import tenancy
 from .saved import InSlot, SavedState
 
@@ -267,33 +267,19 @@ class PromptCache:
 
     # ---- load ---------------------------------------------------------------------
 
-    def find(
-        self,
-        slot_tokens: Sequence[int],
-        prompt: Sequence[int],
-        tenant: str = "",
-        own: bool = True,
-        match: Match | None = None,
-    ) -> LoadChoice | None:
-        """The entry of ``tenant`` that beats the slot's own state (when ``own``: the slot
-        holds this tenant's tokens) on both f_keep and f_sim, if any: the first such entry
-        in insertion order, then each later one beating that, as a scan would take them.
-
-        An entry sharing less than a quarter of itself with the prompt is never taken
-        ("don't trash large prompts"). ``match``: the prompt already walked down this
-        cache's index for ``tenant`` (one walk serves every tier; ignored if another
-        index's).
-        """
-        if not prompt:
-            return None
-        n = lcp(slot_tokens, prompt) if own else 0
-        best_keep = n / len(slot_tokens) if slot_tokens else -1.0
-        if match is None or match.index is not self.index:
-            match = self.index.match(tenant, prompt)
-        hit = match.best((RamHeld.TIER,), best_keep, n / len(prompt))
+    def find(self, match: Match, slot: SlotBaseline) -> LoadChoice | None:
+        """The entry of the prompt's key (``match``: the prompt walked down this cache's
+        index, the locator's ``Match.tiers()``) that beats ``slot``'s own state on both
+        f_keep and f_sim, if any: the first such entry in insertion order, then each later
+        one beating that, as a scan would take them. An entry sharing less than a quarter of
+        itself with the prompt is never taken ("don't trash large prompts")."""
+        if match.index is not self.index:
+            raise ValueError("a match of another index")
+        hit = match.beating((RamHeld.TIER,), slot)
         if hit is None:
             return None
-        return LoadChoice(self._position(hit.held), hit.n_lcp, hit.f_keep, hit.n_lcp / len(prompt))
+        f_sim = hit.n_lcp / match.n_prompt
+        return LoadChoice(self._position(hit.held), hit.n_lcp, hit.f_keep, f_sim)
 
     def take(self, choice: LoadChoice, restore: Callable[[SavedState], bool]) -> SavedState | None:
         """Restore the chosen entry with ``restore`` (target and draft: both or neither).

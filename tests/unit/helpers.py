@@ -8,10 +8,11 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from server.engine.engine import Engine, EngineOptions
+from server.prefix.prefix_index import SlotBaseline
 from server.schemas import errors
 from server.service.state import ServerState
 from server.settings.config import Settings
-from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
+from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk, lcp
 from tests.fake_backend import FakeBackend
 
 
@@ -102,3 +103,11 @@ def route_client(
             yield c
     finally:
         engine.stop()
+
+
+def ram_find(cache: Any, slot_tokens: list[int], prompt: list[int], tenant: str = "") -> Any:
+    """``PromptCache.find`` as the runner asks it: the prompt walked down the cache's index,
+    and the state of a slot of ``tenant`` holding ``slot_tokens`` (what it holds of the
+    prompt: the locator's answer, computed here)."""
+    held = SlotBaseline(lcp(slot_tokens, prompt), len(slot_tokens))
+    return cache.find(cache.index.match(tenant, prompt), held)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from server.prefix.prefix_index import SlotBaseline
 from server.tiers import slot_file
 from server.tiers.disk import DiskIndex, DiskTier
 from server.tiers.disk_files import (
@@ -195,16 +196,16 @@ def test_queued_entries_are_found_before_they_are_written(tmp_path):
     t.dir.mkdir(exist_ok=True)
     e = entry(range(1, 60), "k")
     assert t.put(e)
-    hit = t.find(list(range(1, 70)), "k", [], own=True)
+    hit = t.find(list(range(1, 70)), "k", SlotBaseline())
     assert hit is not None and hit.pending is e and hit.n_lcp == 59
-    assert t.find(list(range(1, 70)), "other", [], own=True) is None
+    assert t.find(list(range(1, 70)), "other", SlotBaseline()) is None
     assert t.counters.misses == 1
 
 
 def test_a_replica_sees_files_another_one_wrote_and_forgets_evicted_ones(tmp_path):
     a, b = tier(tmp_path), tier(tmp_path, rescan_s=0.0)
     written(a, entry(range(1, 40), "k"))
-    hit = b.find(list(range(1, 45)), "k", [], own=True)  # miss, rescan, hit
+    hit = b.find(list(range(1, 45)), "k", SlotBaseline())  # miss, rescan, hit
     assert hit is not None and hit.entry is not None and hit.n_lcp == 39
     assert hit.entry.name == a.index.entries[0].name
     os.unlink(tmp_path / hit.entry.name)  # evicted by the other replica
@@ -217,10 +218,10 @@ def test_misses_rescan_only_when_the_directory_changed(tmp_path):
     a, t = tier(tmp_path), tier(tmp_path, rescan_s=60.0)
     scans = t.counters.scans
     for _ in range(5):
-        assert t.find([1, 2, 3], "", [], own=True) is None
+        assert t.find([1, 2, 3], "", SlotBaseline()) is None
     assert t.counters.scans == scans and t.counters.misses == 5  # unchanged: no listing
     written(a, entry([1, 2, 3]))  # another replica renames a file in: the mtime moves
-    hit = t.find([1, 2, 3, 4], "", [], own=True)
+    hit = t.find([1, 2, 3, 4], "", SlotBaseline())
     assert hit is not None and hit.entry is not None and t.counters.scans == scans + 1
     a.close(), t.close()
 
@@ -350,11 +351,11 @@ def test_a_file_larger_than_the_tier_evicts_nothing(tmp_path):
 def test_refused_state_is_forgotten_and_not_indexed_again(tmp_path):
     (tmp_path / _name(1)).write_bytes(_good((1, 2, 3)))
     t = tier(tmp_path, rescan_s=0.0)
-    hit = t.find([1, 2, 3, 4], "", [], own=True)
+    hit = t.find([1, 2, 3, 4], "", SlotBaseline())
     assert hit is not None and hit.entry is not None
     t.failed(hit, "state refused", refuse=True)
     assert t.index.entries == [] and t.counters.load_failures == 1
-    assert t.find([1, 2, 3, 4], "", [], own=True) is None  # rescanned, still refused
+    assert t.find([1, 2, 3, 4], "", SlotBaseline()) is None  # rescanned, still refused
     assert t.counters.bad_files == 1
     t.close()
 

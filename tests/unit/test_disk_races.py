@@ -15,6 +15,7 @@ import pytest
 
 from server.engine import disk_glue
 from server.kv.store import Restored
+from server.prefix.prefix_index import SlotBaseline
 from server.tiers import disk as disk_mod
 from server.tiers import disk_files, slot_file
 from server.tiers.disk import DiskTier
@@ -201,7 +202,7 @@ def test_junk_files_are_ignored_unread_and_never_listed_by_lookups(tmp_path, mon
     for i in range(5):  # misses, each after the directory changed: all listings elsewhere
         written(other, entry([100 + i] * 3))
         (tmp_path / f"more-{i}.bin").write_bytes(b"x")
-        hit = t.find([100 + i] * 3 + [5], "", [], own=True)
+        hit = t.find([100 + i] * 3 + [5], "", SlotBaseline())
         assert hit is not None and hit.entry is not None and hit.n_lcp == 3
     assert calls.listdir and threading.current_thread().name not in calls.listdir
     assert not any(n.startswith(("junk-", "more-")) for n in calls.lstat)  # never examined
@@ -215,13 +216,13 @@ def test_a_slow_scan_is_not_waited_for_and_catches_up_off_the_lookup(tmp_path):
     written(a, entry([1, 2, 3]))
     t._last_scan_s = 1.0  # as if the last listing took a second: the lookup must not wait
     t0 = time.monotonic()
-    assert t.find([1, 2, 3, 4], "", [], own=True) is None
+    assert t.find([1, 2, 3, 4], "", SlotBaseline()) is None
     assert time.monotonic() - t0 < 0.15 and t.counters.misses == 1
     deadline = time.monotonic() + 10
     while not t.index.entries and time.monotonic() < deadline:
         time.sleep(0.01)  # the scanner it asked for indexes the file meanwhile
     assert [e.tokens for e in t.index.entries] == [[1, 2, 3]]
-    hit = t.find([1, 2, 3, 4], "", [], own=True)
+    hit = t.find([1, 2, 3, 4], "", SlotBaseline())
     assert hit is not None and hit.n_lcp == 3
     a.close(), t.close()
 

@@ -22,10 +22,10 @@ ALLOWED = {
     "server/kv/locator.py": "the locator: every holder's match",
     "server/prefix/prefix_index.py": "the index: walks its own tree (the entries' matcher)",
     "server/prefix/items.py": "defines the item matcher",
-    # the tiers' own rule, for callers that bring no match (find(..., match=None)) and
-    # the slot's own baseline (f_keep/f_sim of the slot being loaded into)
-    "server/tiers/prompt_cache.py": "RAM tier's find: own baseline, walk when no match given",
-    "server/tiers/disk.py": "disk tier's find: own baseline, walk when no match given",
+    # the tiers read the locator's Match (the slot's own state as Match.held, the entries
+    # as Match.tiers()); the disk tier walks its own tree again after a rescan changed it,
+    # or when its index is not the one the match walked (a tier of its own)
+    "server/tiers/disk.py": "disk tier: walks its own tree after a rescan",
     # not prompt lookups: the draft model's KV against the target's tokens
     "server/kv/draft_kv.py": "draft KV bookkeeping",
     # the cells a slot may share with another in unified KV (shared_until), which a

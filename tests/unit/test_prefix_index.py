@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
-from server.prefix.prefix_index import Held, PrefixIndex
+from server.prefix.prefix_index import Held, PrefixIndex, SlotBaseline
 from server.types import lcp
 
 
@@ -237,11 +237,14 @@ def test_ram_and_disk_share_one_index_without_seeing_each_other(tmp_path):
     assert disk.put(SavedState([1, 2, 3, 4, 5, 6, 7], bytearray(10), tenant="k"))
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     m = ix.match("k", prompt)
-    assert ram.find([], prompt, "k", match=m).n_lcp == 4
-    hit = disk.find(prompt, "k", [], own=True, match=m)  # the queued entry beats the file
+    assert ram.find(m, SlotBaseline()).n_lcp == 4
+    hit = disk.find(prompt, "k", SlotBaseline(), m)  # the queued entry beats the file
     assert hit.pending is not None and hit.n_lcp == 7
     assert disk.index.find(prompt, "k", -1.0, 0.0)[1] == 6  # files alone
-    assert ram.find([], prompt, "j") is None and disk.find(prompt, "j", [], own=True) is None
+    assert (
+        ram.find(ix.match("j", prompt), SlotBaseline()) is None
+        and disk.find(prompt, "j", SlotBaseline()) is None
+    )
     assert ram.save([1, 2], 10, lambda: bytearray(10), tenant="k").reason == "covered"
     assert ram.check_integrity() == [] and disk.check_integrity() == []
     assert disk.index.remove("f") is not None and ram.check_integrity() == []

@@ -2,6 +2,7 @@
 
 from server.tiers.prompt_cache import PromptCache
 from server.types import Checkpoint
+from tests.unit.helpers import ram_find
 
 
 def save(c: PromptCache, tokens, size=100, ckpts=()):
@@ -79,22 +80,22 @@ def test_load_takes_entry_improving_both_keep_and_sim():
     save(c, [1, 2, 3, 4, 5, 6, 7, 8])  # lcp 6 with the prompt: keep .75, sim .6
     save(c, [1, 2, 9])  # lcp 2: keep .67, sim .2
     prompt = [1, 2, 3, 4, 5, 6, 0, 0, 0, 0]
-    ch = c.find([], prompt)
+    ch = ram_find(c, [], prompt)
     assert (ch.index, ch.n_lcp) == (0, 6)
     # a slot holding a better prefix already: nothing improves on it
-    assert c.find([1, 2, 3, 4, 5, 6, 0], prompt) is None
+    assert ram_find(c, [1, 2, 3, 4, 5, 6, 0], prompt) is None
 
 
 def test_load_never_takes_an_entry_with_f_keep_below_quarter():
     c = PromptCache(-1, 0)
     save(c, [1] + list(range(100, 110)))  # lcp 1 of 11: f_keep 0.09
-    assert c.find([], [1, 2, 3]) is None
+    assert ram_find(c, [], [1, 2, 3]) is None
 
 
 def test_take_removes_entry_and_failed_restore_keeps_it():
     c = PromptCache(-1, 0)
     save(c, [1, 2, 3])
-    ch = c.find([], [1, 2, 3, 4])
+    ch = ram_find(c, [], [1, 2, 3, 4])
     assert c.take(ch, lambda e: False) is None
     assert toks(c) == [[1, 2, 3]] and c.counters.load_failures == 1
     e = c.take(ch, lambda e: True)
