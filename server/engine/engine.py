@@ -302,27 +302,38 @@ class Engine:
         end of this step (the engine thread passes False and flushes when it goes idle).
         """
         t0 = time.perf_counter()
+        self._take_in()  # ended runs settled; the inbox, the commands, the cancellations
+        self._admit()  # waiting tasks placed on slots (the runner does their memory work)
+        decoded = False
+        try:
+            decoded = self._embed_step() | self._batch_step()  # both run: embeddings first
+            if decoded:
+                self.stats.on_step(time.perf_counter() - t0)
+        finally:
+            self._settle(flush or not decoded)  # no decode ahead to piggyback on: flush
+        return decoded
+
+    def _take_in(self) -> None:
+        """What happened since the last step: runs that ended settle (their draft catch-up,
+        their parked chunks), queued tasks and commands come in, cancelled tasks go."""
         self.runner.settle_ended(self.updater.ended)
         self._drain_inbox()
         self._run_ops()
         self._reap_cancelled()
         self.runner.reap_reuse()  # a run that ended (a client that left) parks nothing now
-        self._admit()
-        # placement too: waiters whose shared prefix is ready copy it
-        self.runner.drive(self.sharing.resolve_waiters())
-        decoded = False
-        try:
-            embedded = self.runner.drive(self.embed.step()) if self.embed.waiting else False
-            decoded = self._batch_step() or embedded
-            if decoded:
-                self.stats.on_step(time.perf_counter() - t0)
-        finally:
-            self.runner.reap_reuse()
-            if self.kv_watch is not None:
-                self.kv_watch.sync(self.slots)
-            if flush or not decoded:  # no decode ahead to piggyback on
-                self._flush()
-        return decoded
+
+    def _embed_step(self) -> bool:
+        """Waiting embedding prompts decoded (engine/embed.py); whether any was."""
+        return self.runner.drive(self.embed.step()) if self.embed.waiting else False
+
+    def _settle(self, flush: bool) -> None:
+        """After the decode, whatever happened in it: parked chunks reaped, the KV watcher
+        told, and with ``flush`` the step's events delivered."""
+        self.runner.reap_reuse()
+        if self.kv_watch is not None:
+            self.kv_watch.sync(self.slots)
+        if flush:
+            self._flush()
 
     def _send(self, task: Task, ev: Event) -> None:
         """Queue an event for its task; see ``_flush`` for when it is delivered."""
@@ -376,9 +387,13 @@ class Engine:
 
     def _admit(self) -> None:
         """Admission: ``admit`` decides where the waiting tasks go, ``place`` starts them
-        (the memory side: cache restores, cuts, sharing)."""
-        if not self.waiting:
-            return
+        (the memory side: cache restores, cuts, sharing); then the tasks waiting for a
+        shared prefix that is ready copy it."""
+        if self.waiting:
+            self._place_waiting()
+        self.runner.drive(self.sharing.resolve_waiters())
+
+    def _place_waiting(self) -> None:
         now = self.clock()
         rule = self.opts.priority
         if rule.on:
