@@ -41,10 +41,11 @@ from collections.abc import Callable
 from server.kv.locator import Locator
 from server.prefix.block_index import BlockIndex
 from server.slot.slot import Slot
+from server.task import GenParams, SamplingParams, Task
 from server.tiers.disk import DiskTier
 from server.tiers.disk_files import DiskEntry, FileCheck
 from server.tiers.prompt_cache import PromptCache, RamHeld
-from server.types import GenParams, SamplingParams, Task, lcp
+from server.types import lcp
 
 SYSTEM = 2000  # tokens of the shared system prompt
 TAIL = (200, 400)  # each entry's own tail

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from server.engine.engine import Engine, EngineOptions
 from server.llama.backend import LlamaBatch
-from server.types import GenParams, SamplingParams, Task
+from server.task import GenParams, SamplingParams, Task
 from tests.fake_backend import FakeBackend, FakeSampler
 
 

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from .json_value import JsonObject
-from .types import Task
+from .task import Task
 
 
 class Tokenizer(Protocol):

@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from types import FrameType
 
-from server.types import CacheCells, SamplingParams, TokenLogprob
+from server.task import SamplingParams, TokenLogprob
+from server.types import CacheCells
 
 EOG = 999
 

@@ -45,7 +45,7 @@ from ..prefix.reuse import ReuseChunk, iter_chunks, select_chunks
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotRun, SlotState
 from ..slot.stats import EngineStats
-from ..types import Task
+from ..task import Task
 from .options import EngineOptions
 
 log = logging.getLogger("server.engine.engine")

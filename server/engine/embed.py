@@ -28,7 +28,7 @@ from ..engine_api import EmbedResult, too_large
 from ..kv.store import SlotStore
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotState
-from ..types import TaskError
+from ..task import TaskError
 from .step_plan import Clear, EmbedDecode, EvictIdle, Ops
 
 log = logging.getLogger("server.engine.embed")

@@ -29,9 +29,9 @@ from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotRun, SlotState
 from ..slot.stats import EngineStats
 from ..speculative.spec_step import Speculation
+from ..task import Event, FinishReason, Task, TaskError
 from ..tiers.disk import DiskTier
 from ..tiers.prompt_cache import PromptCache
-from ..types import Event, FinishReason, Task, TaskError
 from .cache_reuse import CacheReuse
 from .commands import Command
 from .embed import EmbedEvent, EmbedQueue, EmbedTask

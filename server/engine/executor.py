@@ -15,13 +15,15 @@ from __future__ import annotations
 import logging
 import time
 
+from ..image_types import PromptImage
 from ..kv.store import SlotStore
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotRun
 from ..slot.stats import EngineStats
 from ..speculative.spec_step import DraftDropError, Speculation
+from ..task import FinishReason, TokenLogprob
 from ..tiers.prompt_cache import PromptCache
-from ..types import FinishReason, PromptImage, TokenLogprob, TokenMatcher
+from ..types import TokenMatcher
 from . import ram
 from .cache_reuse import CacheReuse
 from .sampling_paths import ConstraintDeadEnd, ParallelSampling

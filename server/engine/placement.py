@@ -26,8 +26,8 @@ from ..slot.reasoning_budget import BudgetTracker
 from ..slot.slot import Slot, SlotRun
 from ..slot.stats import EngineStats
 from ..speculative.spec_step import Speculation
+from ..task import Task, TaskError
 from ..tiers.prompt_cache import PromptCache
-from ..types import Task, TaskError
 from .cache_reuse import CacheReuse
 from .options import EngineOptions
 from .preempt import Preemption

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..slot.sequence import RunCounts
 from ..slot.slot import Slot, SlotRun, SlotState
-from ..types import Task
+from ..task import Task
 from .priority import PriorityRule, RunView, victims
 from .step_plan import Ops, SaveRun
 

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..types import Task
+from ..task import Task
 
 POLICIES = ("fcfs", "priority")
 # the default aging step: one priority level per this many seconds waited

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from ..types import Task
+from ..task import Task
 
 
 class ConstraintDeadEnd(RuntimeError):

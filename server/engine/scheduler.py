@@ -24,7 +24,7 @@ from ..prefix.reuse import due_chunks
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotState
 from ..speculative.spec_step import Speculation
-from ..types import Task
+from ..task import Task
 from .adapter_turns import AdapterTurns
 from .options import EngineOptions
 from .step_plan import Admission, Placement, SlotWork, StepPlan

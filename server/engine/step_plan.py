@@ -22,11 +22,12 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from ..image_types import PromptImage
 from ..kv.policy import SlotChoice
 from ..prefix.prefix_index import Match, SlotBaseline
 from ..prefix.reuse import ReuseChunk
 from ..slot.slot import Slot
-from ..types import FinishReason, PromptImage, Task, TaskError, TokenLogprob
+from ..task import FinishReason, Task, TaskError, TokenLogprob
 
 
 @dataclass(frozen=True)

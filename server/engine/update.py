@@ -14,7 +14,7 @@ from collections.abc import Callable
 from ..slot.backend_api import Backend
 from ..slot.slot import Slot, SlotRun, SlotState
 from ..slot.stats import EngineStats
-from ..types import (
+from ..task import (
     Event,
     FinishReason,
     PromptProgress,

@@ -21,6 +21,7 @@ from ..constrained.limits import ConstraintLimits
 from ..engine.commands import SaveIdleSlots, SpillToDisk
 from ..engine.engine import Engine, EngineOptions
 from ..engine.priority import PriorityRule
+from ..image_types import ImageProjector
 from ..protocols import (
     anthropic,
     apply_template,
@@ -52,7 +53,6 @@ from ..templates.chat_template import pick_template
 from ..tiers.disk import DiskTier
 from ..tiers.disk_files import FileCheck
 from ..tiers.prompt_cache import MiB, PromptCache
-from ..types import ImageProjector
 from . import kv_setup
 from .cors import Cors, CorsPolicy, effective_origins
 from .metrics import ServerMetrics

@@ -1,5 +1,5 @@
 """Where a prompt's images are (issue 42): the scheduler's and the placement's questions
-about ``Task.images`` (server.types.PromptImage), each a scan of a request's few images.
+about ``Task.images`` (server.image_types.PromptImage), each a scan of a request's few images.
 
 A prompt holds an image as ``n_tokens`` placeholder entries (``types.image_placeholders``),
 one per KV position, so the slot store's invariant (one entry per position) holds with
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..types import PromptImage
+from ..image_types import PromptImage
 
 
 def at(images: Sequence[PromptImage], pos: int) -> PromptImage | None:

@@ -33,7 +33,7 @@ import struct
 import threading
 from collections.abc import Sequence
 
-from ..types import IMAGE_NAMES
+from ..image_types import IMAGE_NAMES
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3

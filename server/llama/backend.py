@@ -16,15 +16,8 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
-from ..types import (
-    AdapterHandle,
-    CompilerFactory,
-    FimTokens,
-    SamplingParams,
-    TokenLogprob,
-    TokenMatcher,
-    VocabCompiler,
-)
+from ..task import SamplingParams, TokenLogprob
+from ..types import AdapterHandle, CompilerFactory, FimTokens, TokenMatcher, VocabCompiler
 from .chain import ChainEnv, build_chain
 from .greedy import GreedyBias
 from .logits import check_pick, check_row

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import llama_cpp as L
 
-from ..types import SamplingParams
+from ..task import SamplingParams
 
 # accepting a token changes these stages (they remember recent tokens, or mirostat's mu)
 STATEFUL = frozenset({"penalties", "dry", "mirostat", "adaptive_p"})

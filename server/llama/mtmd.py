@@ -2,7 +2,7 @@
 
 ``Projector`` loads a projector file (``--mmproj``) against the text model and turns a
 rendered prompt holding media markers plus the images' bytes into ``Piece``s: runs of text
-tokens and ``EncodedImage``s (server.types: the image's identity and embeddings). Decoding the
+tokens and ``EncodedImage``s (server.image_types: the image's identity and embeddings). Decoding the
 bytes (stb_image inside libmtmd), tokenizing and CLIP-encoding run on the caller's thread
 (the prep pools' media lane, never the event loop or the engine thread), one at a time per
 projector (an mtmd context is not thread-safe; ``lock``), with the caller's ``between``
@@ -54,8 +54,8 @@ import llama_cpp as L
 import numpy as np
 from llama_cpp import mtmd_cpp as M
 
+from ..image_types import EncodedImage, MediaError
 from ..lru import SizedLRU
-from ..types import EncodedImage, MediaError
 from .mtmd_text import TextTokens
 from .own_thread import run_on_own_thread
 

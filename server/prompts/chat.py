@@ -13,6 +13,7 @@ import re
 
 from ..cancel import checkpoint
 from ..constrained import Constraint
+from ..image_types import MediaError, PromptImage, image_placeholders
 from ..media import media_scope
 from ..media.image_inputs import NO_IMAGES, MediaInput, MediaLimits
 from ..schemas.bodies import ChatRequest, ContentPart
@@ -35,7 +36,6 @@ from ..templates.chat_template import (
 from ..templates.control_tokens import NO_CONTROL
 from ..templates.tool_fields import ToolSpecError
 from ..templates.tools_prompt import prepare
-from ..types import MediaError, PromptImage, image_placeholders
 
 
 def _parts(parts: list[ContentPart], media: MediaInput | None, where: str) -> str:
@@ -208,7 +208,7 @@ def _named(e: MediaError, wheres: list[str]) -> str:
 
 def _flatten(st: ServerState, text: str, images: list[bytes], wheres: list[str]) -> Prompt:
     """The projector's pieces of ``text`` as one token list, each image as its
-    placeholders (server.types.image_placeholders) and a PromptImage. 400 for an image the
+    placeholders (server.image_types.image_placeholders) and a PromptImage. 400 for an image the
     projector refuses, or one larger than a ubatch when its tokens attend both ways
     (llama.cpp would abort)."""
     assert st.projector is not None

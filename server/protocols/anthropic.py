@@ -22,9 +22,9 @@ from ..schemas.errors import APIError, anthropic_error_body
 from ..service.state import ServerState, tenant_of
 from ..service.submit import submit
 from ..service.tasks import TaskGroup
+from ..task import Event, PromptProgress, TaskError, TaskResult, TextChunk
 from ..templates.chat_plan import ChatPlan
 from ..templates.output_parse import Delta, Message, parse_message
-from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
 from .anthropic_mapping import (
     AnthropicInputError,
     content_blocks,

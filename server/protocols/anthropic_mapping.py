@@ -29,8 +29,8 @@ from ..schemas.anthropic_bodies import (
 )
 from ..schemas.bodies import SamplingFields
 from ..schemas.json_body import loads_bounded
+from ..task import FinishReason, TaskResult
 from ..templates.output_parse import Message
-from ..types import FinishReason, TaskResult
 
 # Claude Code stamps its system prompt with a per-request hash ("cch=ab12f;"), which would
 # end every cached prefix there; llama-server blanks it the same way (its PR 21793).

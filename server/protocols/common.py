@@ -22,7 +22,7 @@ from ..service.pools import prepare_in
 from ..service.sampling import default_sampling
 from ..service.state import ServerState, media_scope_of, tenant_of
 from ..service.tasks import TaskGroup
-from ..types import Event, SamplingParams, Task, TaskError, TokenLogprob
+from ..task import Event, SamplingParams, Task, TaskError, TokenLogprob
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -25,7 +25,7 @@ from ..service.submit import PromptSource, submit
 from ..service.tasks import TaskGroup
 from ..service.tokenizer import tokenize as tokenize_text
 from ..service.validation import check_tokens
-from ..types import (
+from ..task import (
     Event,
     FinishReason,
     PromptProgress,

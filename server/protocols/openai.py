@@ -24,9 +24,9 @@ from ..service.submit import submit
 from ..service.tasks import TaskGroup
 from ..service.usage import finish_reason, merged_timings, usage_of
 from ..settings.config import csv_list
+from ..task import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from ..templates.chat_plan import ChatPlan, deltas_of, message_of
 from ..templates.output_parse import Delta, Message, parse_message
-from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk, TokenLogprob
 from .common import (
     SSE_DONE,
     Frame,

@@ -19,9 +19,9 @@ from ..schemas.errors import APIError
 from ..service.state import ServerState, tenant_of
 from ..service.submit import submit
 from ..service.tasks import TaskGroup
+from ..task import Event, PromptProgress, TaskError, TaskResult, TextChunk
 from ..templates.chat_plan import ChatPlan
 from ..templates.output_parse import Delta, Message, ToolCall, parse_message
-from ..types import Event, PromptProgress, TaskError, TaskResult, TextChunk
 from .common import Frame, json_str, prep, sse_batches, sse_error, sse_named, state_of
 from .responses_mapping import (
     ResponsesInputError,

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from ..json_value import JsonObject, JsonValue
-from ..types import sampler_order
+from ..task import sampler_order
 
 MAX_BREAKERS = 64  # DRY sequence breakers per request
 MAX_BREAKER_CHARS = 256

@@ -14,8 +14,8 @@ from ..engine_api import Tokenizer
 from ..schemas.bodies import SamplingFields
 from ..schemas.errors import APIError
 from ..settings.config import Settings
+from ..task import ReasoningBudget
 from ..templates.reasoning_tags import ReasoningTags
-from ..types import ReasoningBudget
 
 
 def _never() -> bool:

@@ -17,7 +17,7 @@ from ..engine.engine import EngineDead
 from ..engine.event_sink import Emitter
 from ..engine_api import EmbedResult
 from ..schemas.errors import APIError
-from ..types import TaskError
+from ..task import TaskError
 from .sink import emitter
 from .state import ServerState
 from .tasks import until_disconnected

@@ -8,7 +8,7 @@ from ..json_value import JsonObject
 from ..schemas.bodies import SamplingFields
 from ..schemas.errors import APIError
 from ..settings.config import Settings
-from ..types import SamplingParams, sampler_order
+from ..task import SamplingParams, sampler_order
 
 SAMPLING_FIELDS = (
     "temperature",

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from ..engine.engine import Engine
 from ..engine.model_api import DraftModel, ModelBackend
+from ..image_types import ImageProjector
 from ..kv_events.kv_events import KVEvents
 from ..kv_events.kv_publisher import KVPublisher
 from ..kv_events.kv_watch import SlotWatcher
@@ -21,7 +22,6 @@ from ..settings.config import Settings
 from ..templates.chat_template import ChatTemplate
 from ..tiers import tenancy
 from ..tiers.prompt_cache import PromptCache
-from ..types import ImageProjector
 from .adapters import AdapterRegistry
 from .stream_buffers import StreamLimits, StreamRegistry
 

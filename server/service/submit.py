@@ -14,10 +14,11 @@ from starlette.requests import Request
 from ..constrained import Constraint
 from ..engine.engine import Engine
 from ..engine.model_api import ModelBackend
+from ..image_types import PromptImage
 from ..schemas.bodies import SamplingFields
 from ..schemas.errors import APIError
+from ..task import GenParams, ReasoningBudget
 from ..tiers import tenancy
-from ..types import GenParams, PromptImage, ReasoningBudget
 from .adapters import AdapterChoice
 from .budget import BudgetAsk
 from .pools import prepare_in
@@ -33,7 +34,7 @@ class Prompt(NamedTuple):
 
     tokens: list[int]
     user_start: int = -1  # token index of the last user turn (-1: unknown, or not chat)
-    # the images among ``tokens`` (their placeholders there; server.types.PromptImage)
+    # the images among ``tokens`` (their placeholders there; server.image_types.PromptImage)
     images: tuple[PromptImage, ...] = ()
 
 

@@ -13,17 +13,9 @@ from functools import partial
 from starlette.requests import Request
 
 from ..engine.engine import Engine, EngineDead
+from ..image_types import PromptImage
 from ..schemas.errors import APIError
-from ..types import (
-    Event,
-    GenParams,
-    PromptImage,
-    SamplingParams,
-    Task,
-    TaskError,
-    TaskResult,
-    TextChunk,
-)
+from ..task import Event, GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
 from .sink import emitter
 
 log = logging.getLogger("server.service")

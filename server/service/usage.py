@@ -4,7 +4,7 @@ llama-server Timings over several choices."""
 from __future__ import annotations
 
 from ..json_value import JsonObject
-from ..types import FinishReason, TaskResult, Timings
+from ..task import FinishReason, TaskResult, Timings
 
 
 def merged_timings(results: list[TaskResult]) -> Timings:

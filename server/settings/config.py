@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..types import sampler_order
+from ..task import sampler_order
 from .flags import (
     ANY,
     BOOL,
@@ -293,7 +293,7 @@ class Settings(BaseModel):
     @field_validator("samplers", "sampler_seq")
     @classmethod
     def _order(cls, v: str | None, info: ValidationInfo) -> str | None:
-        """A sampler order llama-server takes (``server.types.sampler_order``)."""
+        """A sampler order llama-server takes (``server.task.sampler_order``)."""
         if v is not None:
             sampler_order(v.split(";") if info.field_name == "samplers" else v)
         return v

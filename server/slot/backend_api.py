@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..task import SamplingParams, TokenLogprob
 from ..tiers.saved import FileBuf
-from ..types import CacheCells, SamplingParams, StateBuf, TokenLogprob, TokenMatcher
+from ..types import CacheCells, StateBuf, TokenMatcher
 
 
 class SamplerHandle(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ..types import ReasoningBudget
+from ..task import ReasoningBudget
 
 
 class BudgetTracker:

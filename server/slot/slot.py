@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..prefix.reuse import ReuseChunk
-from ..types import Checkpoint, Task, TokenLogprob, TokenMatcher
+from ..task import Task, TokenLogprob
+from ..types import Checkpoint, TokenMatcher
 from .backend_api import SamplerHandle
 from .reasoning_budget import BudgetTracker
 from .sequence import Sequence

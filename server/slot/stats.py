@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..types import FinishReason, TaskResult
+from ..task import FinishReason, TaskResult
 
 # distinct priorities counted apart in the metrics; the rest under "other" (a client's
 # integer must not grow the label set without bound)

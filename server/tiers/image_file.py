@@ -25,7 +25,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..types import IMAGE_NAMES, ImageSpan, image_placeholders
+from ..image_types import IMAGE_NAMES, ImageSpan, image_placeholders
 
 SIMG_MAGIC = 0x474D4953  # 'SIMG'
 VERSION = 1

@@ -9,7 +9,7 @@ import pytest
 
 from server.http.app import default_model_path
 from server.llama.backend import LlamaBackend, ModelOptions
-from server.types import SamplingParams
+from server.task import SamplingParams
 
 from .conftest import long_text
 

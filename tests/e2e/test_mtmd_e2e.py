@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from server.http.app import default_model_path
+from server.image_types import EncodedImage, MediaError
 from server.llama.backend import LlamaBackend, ModelOptions
 from server.llama.mtmd import Projector, ProjectorOptions
 from server.prompts.chat import image_prompt
 from server.service.state import ServerState
 from server.settings.config import Settings
-from server.types import EncodedImage, MediaError
 from tests.mmproj_gen import N_IMAGE_TOKENS, pixels, png, write_gemma3_mmproj
 
 

@@ -12,7 +12,8 @@ from server.prefix.prefix_index import SlotBaseline
 from server.schemas import errors
 from server.service.state import ServerState
 from server.settings.config import Settings
-from server.types import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk, lcp
+from server.task import GenParams, SamplingParams, Task, TaskError, TaskResult, TextChunk
+from server.types import lcp
 from tests.fake_backend import FakeBackend
 
 

@@ -19,8 +19,8 @@ from server.protocols.vertex import request_format
 from server.schemas.anthropic_bodies import CountTokensRequest, MessagesRequest
 from server.schemas.bodies import ChatRequest
 from server.schemas.errors import anthropic_error_body, anthropic_path, error_body_for
+from server.task import FinishReason, TaskResult, Timings
 from server.templates.output_parse import Message, ToolCall
-from server.types import FinishReason, TaskResult, Timings
 
 
 def body(**kw) -> MessagesRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from server.engine import sampling_paths as sampling
-from server.types import SamplingParams
+from server.task import SamplingParams
 from tests.unit.helpers import make_engine, run, task
 
 

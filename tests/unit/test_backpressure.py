@@ -11,7 +11,7 @@ import weakref
 
 from server.schemas.errors import APIError
 from server.service.tasks import DISCONNECT_POLL_S, MAX_BACKLOG, TaskGroup
-from server.types import GenParams, SamplingParams, TaskResult
+from server.task import GenParams, SamplingParams, TaskResult
 
 from .helpers import make_engine
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from server.engine.cache_reuse import GAPPED_MIN, MOST_CHUNKS
 from server.engine.engine import Engine, EngineOptions
 from server.slot.slot import SlotState
-from server.types import Task
+from server.task import Task
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import run, task
 

@@ -35,12 +35,12 @@ from server.engine_api import IntegrityReport
 from server.kv.file_plan import parse_after_state, plan_restore
 from server.protocols import slots as slots_route
 from server.settings.config import Settings
+from server.task import FinishReason
 from server.tiers import slot_file as sf
 from server.tiers import tenancy
 from server.tiers.disk import DiskTier
 from server.tiers.prompt_cache import PromptCache
 from server.tiers.saved import InBuffer, InSlot, SavedState
-from server.types import FinishReason
 
 from .helpers import route_client, run, task
 from .test_disk_cache import CHECK

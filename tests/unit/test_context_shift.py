@@ -9,7 +9,7 @@ import pytest
 from server.engine.engine import Engine, EngineOptions
 from server.kv.store import shift_span
 from server.slot.speculative import SPEC_DRAFT, SpecConfig
-from server.types import FinishReason
+from server.task import FinishReason
 from tests.fake_backend import FakeBackend, FakeDraft, next_token
 from tests.unit.helpers import make_engine, run, task
 

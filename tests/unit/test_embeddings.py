@@ -30,7 +30,7 @@ from server.protocols.embedding_shapes import (
 )
 from server.schemas.errors import APIError
 from server.settings.config import parse_settings
-from server.types import TaskError
+from server.task import TaskError
 from tests.fake_backend import FakeBackend
 from tests.unit.helpers import Collector, task
 

@@ -1,5 +1,5 @@
 from server.slot.slot import SlotState
-from server.types import FinishReason
+from server.task import FinishReason
 from tests.fake_backend import EOG
 
 from .helpers import make_engine, run, task
@@ -239,7 +239,7 @@ def test_max_tokens_zero_processes_the_prompt_only():
 
 
 def test_stream_chunks_carry_each_token_once_even_when_text_is_held():
-    from server.types import TextChunk
+    from server.task import TextChunk
 
     e, b = make_engine()
     b.scripts[5] = [0, 1, 2, 3, 4]  # "abcde"; "c" is held as a prefix of "cx", then released

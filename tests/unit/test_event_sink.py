@@ -11,7 +11,7 @@ from pathlib import Path
 
 from server.engine.event_sink import Delivery, Emitter, EventSink
 from server.service.sink import LoopSink, emitter, loop_sink
-from server.types import Event, GenParams, SamplingParams, Task, TaskResult, TextChunk
+from server.task import Event, GenParams, SamplingParams, Task, TaskResult, TextChunk
 from tests.unit.helpers import make_engine, run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.engine.engine import Engine, EngineOptions
-from server.types import FinishReason, SamplingParams
+from server.task import FinishReason, SamplingParams
 
 from .helpers import run, task
 from .test_constrained_engine import ConstrainedFake, SeqMatcher

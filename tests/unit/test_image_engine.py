@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from server.image_types import EncodedImage, PromptImage, image_placeholders
 from server.kv import images
 from server.tiers.prompt_cache import PromptCache
-from server.types import EncodedImage, PromptImage, image_placeholders
 from tests.fake_backend import RUNNER
 from tests.unit.helpers import make_engine, run, task
 

@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
+from server.image_types import IMAGE_NAMES, ImageSpan, image_placeholders
 from server.tiers import image_file
-from server.types import IMAGE_NAMES, ImageSpan, image_placeholders
 
 KEY = b"k" * 16
 

@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # decoding and the preparation pools all check it); the JSON value types
     (
         "server.types",
+        "server.image_types",
         "server.lru",
         "server.cancel",
         "server.json_value",
@@ -33,6 +34,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "server.llama.state_bytes",
         "server.llama.gguf_header",
     ),
+    # one request as the engine runs it: Task, its sampling and generation settings, the
+    # events it gets back (its images are the leaves' image_types)
+    ("server.task",),
     # what the HTTP side knows of the engine: the tokenizer protocol, the snapshots the
     # engine thread makes (slots, caches, integrity) and an embedding's result
     ("server.engine_api",),
@@ -190,7 +194,7 @@ def _upward(g: dict[str, set[str]]) -> list[str]:
 
 def test_graph_sees_the_packages_imports():
     g = _graph()
-    assert "server.types" in g["server.engine.engine"]
+    assert "server.task" in g["server.engine.engine"]
     assert "server.engine.ram" in g["server.engine.runner"]  # from . import disk_glue, ram
     assert "server.templates.output_parse" in g["server.protocols.responses_mapping"]
     assert "server.schemas.errors" in g["server.http.app"]  # from ..schemas import errors
@@ -371,11 +375,14 @@ def test_no_folder_imports_a_folder_that_imports_it_back():
 
 
 def test_settings_and_the_entry_point_sit_at_the_ends():
-    """``server.settings`` (every layer reads it) imports only the leaves; only the entry
-    point ``python -m server`` imports ``server.cli``."""
+    """``server.settings`` (every layer reads it) imports only the leaves (and a request's
+    types, for the sampler order); only the entry point ``python -m server`` imports
+    ``server.cli``."""
     g = _folder_graph()
     leaves = {
         "server.types",
+        "server.image_types",
+        "server.task",
         "server.lru",
         "server.json_value",
         "server.llama",

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from server.engine import sampling_paths as sampling
-from server.types import FinishReason, TaskError
+from server.task import FinishReason, TaskError
 
 from .helpers import make_engine, run, task
 

@@ -7,8 +7,8 @@ import itertools
 
 from server.engine.priority import MAX_PREEMPTIONS, PriorityRule, RunView, pick_victim, victims
 from server.slot.slot import SlotState
+from server.task import TaskResult
 from server.tiers.prompt_cache import PromptCache
-from server.types import TaskResult
 
 from .helpers import make_engine, run, task
 

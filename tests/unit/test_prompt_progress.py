@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.types import PromptProgress, TaskResult, TextChunk
+from server.task import PromptProgress, TaskResult, TextChunk
 
 from .helpers import make_engine, run, task
 

@@ -10,10 +10,10 @@ import pytest
 from server.protocols.responses import _ResponseStream
 from server.protocols.responses_mapping import ResponsesInputError, output_items, to_chat_body
 from server.schemas.bodies import ChatRequest
+from server.task import FinishReason, PromptProgress, TaskResult, TextChunk, Timings
 from server.templates.chat_plan import plan_chat
 from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 from server.templates.output_parse import Message, ToolCall
-from server.types import FinishReason, PromptProgress, TaskResult, TextChunk, Timings
 
 
 def test_text_input_with_instructions() -> None:

@@ -12,8 +12,7 @@ from server.schemas.errors import APIError
 from server.service.budget import budget_ask
 from server.settings.config import Settings
 from server.slot.reasoning_budget import BudgetTracker
-from server.templates.reasoning_tags import ReasoningTags, reasoning_tags
-from server.types import (
+from server.task import (
     DEFAULT_SAMPLERS,
     GenParams,
     ReasoningBudget,
@@ -21,6 +20,7 @@ from server.types import (
     Task,
     sampler_order,
 )
+from server.templates.reasoning_tags import ReasoningTags, reasoning_tags
 
 
 def test_sampler_order_forms():

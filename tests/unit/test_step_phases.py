@@ -15,7 +15,7 @@ from server.kv.share_cost import StepSpeed
 from server.kv.store import shift_span
 from server.slot.slot import Slot, SlotState
 from server.slot.speculative import SPEC_DRAFT, SpecConfig
-from server.types import FinishReason, TaskError, TaskResult, TextChunk
+from server.task import FinishReason, TaskError, TaskResult, TextChunk
 from tests.fake_backend import EOG, FakeBackend, FakeDraft
 
 from .helpers import make_engine, run, task

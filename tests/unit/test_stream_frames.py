@@ -15,9 +15,7 @@ from server.protocols import anthropic, common, native, openai, responses
 from server.protocols import responses_mapping as api_responses
 from server.protocols.common import Frame, json_ints, json_str, sse
 from server.service.tasks import COALESCE_AFTER, coalesced, merge_text
-from server.templates.chat_plan import plan_chat
-from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
-from server.types import (
+from server.task import (
     FinishReason,
     PromptProgress,
     TaskError,
@@ -26,6 +24,8 @@ from server.types import (
     Timings,
     TokenLogprob,
 )
+from server.templates.chat_plan import plan_chat
+from server.templates.chat_template import BUILTIN_TEMPLATES, ChatTemplate
 from tests.tool_cases import TEST_TOOL
 
 TEXTS = [
