@@ -118,7 +118,11 @@ class EmbedQueue:
         tokens goes to the RAM cache first (when there is one): its prefix is not lost."""
         slots = self.store.slots
         # a slot that a waiting task will copy a prefix from this step is not lent
-        held = {s.run.wait_src for s in slots if s.state is SlotState.WAIT and s.run is not None}
+        held = {
+            s.run.wait.src
+            for s in slots
+            if s.state is SlotState.WAIT and s.run is not None and s.run.wait is not None
+        }
         idle = sorted(
             (s for s in slots if s.idle and s.id not in held),
             key=lambda s: (bool(s.tokens), s.last_used),

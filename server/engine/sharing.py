@@ -26,7 +26,7 @@ from typing import NamedTuple
 from ..kv.locator import Locator, Match
 from ..kv.share_cost import PrefillQueue, StepSpeed, queue_of, wait_pays
 from ..kv.store import SlotStore
-from ..slot.slot import Slot, SlotState
+from ..slot.slot import ShareWait, Slot, SlotState
 from ..slot.stats import EngineStats
 from .step_plan import CopyPrefix, Ops
 
@@ -113,8 +113,7 @@ class PrefixSharing:
             log.debug("slot %d: computes itself rather than wait for slot %d", dst.id, s.id)
             return False
         dst.state = SlotState.WAIT
-        run = dst.live
-        run.wait_src, run.wait_task, run.wait_target = src.slot, s.live.task.id, src.n_tokens
+        dst.live.wait = ShareWait(src.slot, s.live.task.id, src.n_tokens)
         s.live.share_marks.add(src.n_tokens)  # the source ends a chunk there
         log.debug("slot %d: waits for slot %d to reach %d tokens", dst.id, src.slot, src.n_tokens)
         return True
@@ -129,23 +128,22 @@ class PrefixSharing:
         for w in self.store.slots:
             if w.state is not SlotState.WAIT:
                 continue
-            run = w.live
-            src = self.store.slots[run.wait_src]
+            wait = w.live.wait
+            assert wait is not None  # a slot in WAIT has a run that waits for something
+            src = self.store.slots[wait.src]
             computing = (
-                src.task is not None
-                and src.task.id == run.wait_task
-                and src.state is SlotState.PREFILL
+                src.task is not None and src.task.id == wait.task and src.state is SlotState.PREFILL
             )
-            if computing and len(src.tokens) < run.wait_target:
+            if computing and len(src.tokens) < wait.target:
                 if q is None:
                     q = self._queue()
-                sole = not self._mark_shared(src, w)
-                if wait_pays(self.speed, q, src, w, run.wait_target, sole):
+                sole = not self._mark_shared(src, w, wait)
+                if wait_pays(self.speed, q, src, w, wait.target, sole):
                     continue
                 self.stats.prefix_waits_abandoned += 1
                 log.debug("slot %d: stops waiting for slot %d", w.id, src.id)
                 if sole:
-                    src.live.share_marks.discard(run.wait_target)
+                    src.live.share_marks.discard(wait.target)
                 q = None  # the queue changed: this slot computes more itself
             yield from self._start(w, again=not computing)
 
@@ -154,6 +152,7 @@ class PrefixSharing:
         ``again`` (its source went away) it may wait on another computing slot instead."""
         task = w.live.task
         w.state = SlotState.PREFILL
+        w.live.wait = None
         match = self.locator.match(task.tenant, task.prompt)  # one lookup serves both sources
         held = self.held_source(w, task.prompt, len(w.tokens), task.tenant, match)
         if held is not None:
@@ -164,14 +163,10 @@ class PrefixSharing:
             if other is not None:
                 self.wait_on(w, other)
 
-    def _mark_shared(self, src: Slot, w: Slot) -> bool:
-        """Whether another waiter needs ``src`` to end a chunk at ``w``'s target."""
-        key = (src.id, src.live.task.id, w.live.wait_target)
-        waits = (
-            (o.live.wait_src, o.live.wait_task, o.live.wait_target)
-            for o in self.store.slots
-            if o is not w and o.state is SlotState.WAIT
-        )
+    def _mark_shared(self, src: Slot, w: Slot, wait: ShareWait) -> bool:
+        """Whether another waiter needs ``src`` to end a chunk at ``w``'s target (``wait``)."""
+        key = ShareWait(src.id, src.live.task.id, wait.target)
+        waits = (o.live.wait for o in self.store.slots if o is not w and o.state is SlotState.WAIT)
         return key in waits
 
     def _queue(self) -> PrefillQueue:

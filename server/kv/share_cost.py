@@ -80,8 +80,8 @@ def queue_of(slots: Sequence[Slot], n_batch: int, n_ubatch: int = 0) -> PrefillQ
             n_gen += 1
         elif s.state in (SlotState.PREFILL, SlotState.WAIT) and s.run is not None:
             done = len(s.tokens)
-            if s.state is SlotState.WAIT:
-                done = max(done, s.run.wait_target)
+            if s.state is SlotState.WAIT and s.run.wait is not None:
+                done = max(done, s.run.wait.target)
             work.append((s.run.t_start, len(s.run.task.prompt) - done))
     work.sort()
     room = n_batch - n_gen

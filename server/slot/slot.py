@@ -6,6 +6,7 @@ import collections
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..prefix.reuse import ReuseChunk
 from ..task import Task, TokenLogprob
@@ -22,6 +23,16 @@ class SlotState(enum.Enum):
     WAIT = "wait"  # holds a task; waits for another slot to compute a shared prefix
     PREFILL = "prefill"
     GENERATE = "generate"
+
+
+class ShareWait(NamedTuple):
+    """What a waiting run (its slot in ``SlotState.WAIT``) waits for: slot ``src``'s
+    prefill of task ``task`` to reach ``target`` tokens, which it then copies
+    (engine/sharing.py)."""
+
+    src: int
+    task: int
+    target: int
 
 
 @dataclass
@@ -44,10 +55,8 @@ class SlotRun:
     out_text: list[str] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
-    # prefix sharing: the slot and task this one waits on, and the prefix length it waits for
-    wait_src: int = -1
-    wait_task: int = -1
-    wait_target: int = 0
+    # prefix sharing: what this run waits for while its slot is in WAIT (None otherwise)
+    wait: ShareWait | None = None
     share_marks: set[int] = field(default_factory=set)  # waiters' targets: end chunks there
     # --cache-reuse: parked chunks not moved in yet, in prompt order (engine/cache_reuse.py)
     reuse: collections.deque[ReuseChunk] = field(default_factory=collections.deque)

@@ -415,7 +415,7 @@ def test_routes_refuse_without_the_flags() -> None:
 
 
 def test_engine_never_lends_a_waiting_tasks_prefix_source() -> None:
-    from server.slot.slot import SlotState
+    from server.slot.slot import ShareWait, SlotState
 
     e, b = _engine(n_seq=3)
     t, c = task([1, 2, 3, 4], max_tokens=2)
@@ -426,7 +426,8 @@ def test_engine_never_lends_a_waiting_tasks_prefix_source() -> None:
     waiter = next(s for s in e.slots if s is not src)
     t2, _ = task([1, 2, 3, 4, 5], max_tokens=2)
     waiter.start(t2, 0)
-    waiter.state, waiter.run.wait_src = SlotState.WAIT, src.id  # copies from src next step
+    waiter.state = SlotState.WAIT  # copies from src next step
+    waiter.live.wait = ShareWait(src.id, -1, len(src.tokens))
     e._drain_inbox()
     cols = _embed(e, [[6, 7], [8, 9]])
     e._drain_inbox()
