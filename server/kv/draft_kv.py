@@ -51,6 +51,11 @@ class DraftKV:
     def n_held(self, slot: Slot) -> int:
         return len(self.held[slot.id])
 
+    def shared(self, slot: Slot) -> int:
+        """How many of the slot's tokens the draft sequence holds (a draft not reconciled
+        yet may hold others beyond them)."""
+        return lcp(self.held[slot.id], slot.tokens)
+
     # ---- meeting the slot ----------------------------------------------------------------
 
     def reconcile(self, slot: Slot) -> int:
@@ -107,7 +112,7 @@ class DraftKV:
     def resume(self, slot: Slot, c: Checkpoint) -> None:
         """The target resumed at checkpoint ``c`` (it holds c.n_tokens tokens): the draft
         follows with its own data when it holds that prefix, else is cut to it."""
-        n = lcp(self.held[slot.id], slot.tokens)
+        n = self.shared(slot)
         if c.data_dft and n >= c.n_tokens:
             if self.d.state_set(slot.id, bytearray(c.data_dft), partial=True) > 0:
                 self._cut(slot.id, c.n_tokens)

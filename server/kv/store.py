@@ -102,7 +102,7 @@ class SlotStore:
     def draft_shared(self, slot: Slot) -> int:
         """How many of the slot's tokens its draft sequence holds (0 without a draft model;
         a draft not reconciled yet may hold others beyond them)."""
-        return lcp(self.dft.held[slot.id], slot.tokens) if self.dft is not None else 0
+        return self.dft.shared(slot) if self.dft is not None else 0
 
     # ---- cutting and clearing -----------------------------------------------------
 

@@ -30,7 +30,7 @@ ALLOWED = {
     "server/kv/draft_kv.py": "draft KV bookkeeping",
     # the cells a slot may share with another in unified KV (shared_until), which a
     # context shift and --cache-reuse's chunk moves must leave in place
-    "server/kv/store.py": "draft KV bookkeeping; the slots' shared cells",
+    "server/kv/store.py": "the slots' shared cells (shared_until)",
 }
 
 
