@@ -200,7 +200,8 @@ class Scheduler:
         if self.ckpt.enabled and refill is None:
             n_start = run.n_cached
             end = min(end, self.ckpt.chunk_end(cur, len(prompt), task.user_start, n_start))
-            checkpoint = self.ckpt.wants(cur, len(prompt), task.user_start, s.checkpoints, n_start)
+            have = s.checkpoints
+            checkpoint = self.ckpt.wants(cur, len(prompt), task.user_start, have, n_start, marks)
         return SlotWork(
             s,
             prompt[cur:end],

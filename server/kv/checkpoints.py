@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from ..types import Checkpoint
@@ -57,9 +58,17 @@ class CheckpointPolicy:
         return n_prompt
 
     def wants(
-        self, cur: int, n_prompt: int, user_start: int, have: list[Checkpoint], n_start: int = 0
+        self,
+        cur: int,
+        n_prompt: int,
+        user_start: int,
+        have: list[Checkpoint],
+        n_start: int = 0,
+        branches: Collection[int] = (),
     ) -> bool:
-        """Whether to checkpoint a slot that holds ``cur`` prompt tokens before its next chunk."""
+        """Whether to checkpoint a slot that holds ``cur`` prompt tokens before its next chunk.
+        ``branches``: where other prompts branch off this one (prefix sharing's waiters copy
+        up to there)."""
         if not self.applies(n_prompt) or cur <= 0 or cur >= n_prompt:
             return False
         if have and have[-1].n_tokens == cur:
@@ -67,6 +76,11 @@ class CheckpointPolicy:
         if cur in self.boundaries(n_prompt, user_start, n_start):
             return True
         last = have[-1].n_tokens if have else 0
+        # where this prompt branched off what the slot held (a reused or copied prefix), or
+        # where others branch off it: the next prompt that shares the prefix branches there
+        # too, and once the window behind it slid away only a checkpoint serves that cut
+        if (cur == n_start or cur in branches) and cur - last > SHORT_TAIL:
+            return True
         return cur - last >= self.min_step
 
     def wants_at_prompt_end(self, n_prompt: int, have: list[Checkpoint]) -> bool:

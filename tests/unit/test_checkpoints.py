@@ -83,6 +83,49 @@ def test_without_checkpoints_a_cut_behind_the_window_is_recomputed():
     assert (c2.result.timings.cache_n, c2.result.timings.prompt_n) == (0, 900)
 
 
+def test_a_prompt_that_branched_off_a_reused_prefix_checkpoints_the_branch():
+    """A shared head, then three short tails on one slot (a system prompt and questions,
+    workload 3's shape). The first prompt's checkpoints near its end lie past the branch
+    point (600): the second, reusing 600 through the window, takes one there before its own
+    tail, so the third, after the window slid far past 600, resumes there instead of
+    recomputing from the one n_ubatch before the first prompt's end (481)."""
+    e, b = swa_engine()
+    head = list(range(1, 601))
+    timings, kept = [], []
+    for tail, n_out in (([7] * 13, 1), ([8] * 13, 150), ([9] * 13, 2)):
+        t, c = task(head + tail, max_tokens=n_out, id_slot=0)
+        run(e, t)
+        timings.append((c.result.timings.cache_n, c.result.timings.prompt_n))
+        kept.append([x.n_tokens for x in e.slots[0].checkpoints])
+    assert timings == [(0, 613), (600, 13), (600, 13)]
+    assert kept[0] == [481, 609]  # 613 - 4 - n_ubatch, 613 - 4 (the end one comes with the answer)
+    assert kept[1] == [481, 600, 613]  # the branch point, then the prompt's end
+    assert e.stats.checkpoints_restored == 1  # the third resumed at 600
+    # a branch within SHORT_TAIL of the newest checkpoint below it takes none
+    p = CheckpointPolicy(enabled=True, n_ubatch=128)
+    assert p.wants(600, 613, -1, [_ck(481)], n_start=600)
+    assert not p.wants(600, 613, -1, [_ck(540)], n_start=600)
+    assert not p.wants(600, 613, -1, [_ck(481)], n_start=0)  # a cold prompt: the usual marks
+    assert p.wants(600, 613, -1, [_ck(481)], branches={600})  # a sharing waiter's target
+
+
+def test_prompts_sharing_a_head_all_checkpoint_where_they_branch():
+    """Four prompts with one 600-token head arrive together: one computes the head and the
+    others wait and copy it (prefix sharing). The source checkpoints where they branch off
+    it (its waiters' target), each waiter where it branched (the copy's end)."""
+    e, b = swa_engine(n_seq=4)
+    head = list(range(1, 601))
+    tasks = [task(head + [700 + i] * 13, max_tokens=2) for i in range(4)]
+    run(e, *(t for t, _ in tasks))
+    got = sorted(
+        (c.result.timings.cache_n, [x.n_tokens for x in e.slots[c.result.id_slot].checkpoints])
+        for _, c in tasks
+    )
+    assert got[0] == (0, [481, 600, 609, 613])  # the source: 613 - 4 - n_ubatch, 600, ...
+    assert got[1:] == [(600, [481, 600, 613])] * 3  # the waiters (481 came with the copy)
+    assert e.stats.prefix_shared_tokens == 3 * 600
+
+
 def test_cut_inside_the_window_needs_no_checkpoint():
     e, b = swa_engine(ctx_checkpoints=0)
     prompt = list(range(1, 1001))
