@@ -319,10 +319,10 @@ class DescribeSlots:
     slot: int = field(default=-1, init=False)
 
     def run(self, host: Host) -> list[SlotSnapshot]:
-        return [_slot_view(s, host.draft_shared(s)) for s in host.store.slots]
+        return [_snapshot(s, host.draft_shared(s)) for s in host.store.slots]
 
 
-def _slot_view(s: Slot, draft_tokens: int) -> SlotSnapshot:
+def _snapshot(s: Slot, draft_tokens: int) -> SlotSnapshot:
     run = s.run  # the running task's, or the last one's when idle
     ckpts = tuple(s.checkpoints)
     return SlotSnapshot(

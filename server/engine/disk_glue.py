@@ -51,7 +51,7 @@ def load(
     slot as it was. ``held``: what the slot holds of the prompt, which the entry must beat
     (default: nothing, as an empty slot); ``match``: the prompt's walk down the prefix index
     (the RAM lookup's)."""
-    hit = disk.find(prompt, tenant, held or SlotBaseline(), match)
+    hit = disk.find(prompt, tenant, SlotBaseline() if held is None else held, match)
     return hit is not None and load_hit(store, disk, slot, hit, tenant)
 
 

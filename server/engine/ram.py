@@ -34,11 +34,10 @@ def save_run(store: SlotStore, cache: PromptCache, slot: Slot) -> bool:
     return out.saved or out.reason == "covered"
 
 
-def find(cache: PromptCache, match: Match | None, held: SlotBaseline) -> LoadChoice | None:
-    """The best cache entry for the prompt ``match`` walked (ARCHITECTURE §7's rule) that
-    beats what the slot already ``held``; a miss is counted (no match: the cache has no
-    index of its own to walk, a miss too)."""
-    choice = cache.find(match, held) if match is not None else None
+def find(cache: PromptCache, match: Match, held: SlotBaseline) -> LoadChoice | None:
+    """The best cache entry for the prompt ``match`` walked down the cache's index
+    (ARCHITECTURE §7's rule) that beats what the slot already ``held``; a miss is counted."""
+    choice = cache.find(match, held)
     if choice is None:
         cache.counters.misses += 1
     return choice

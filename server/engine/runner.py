@@ -135,6 +135,7 @@ class Runner:
         token."""
         assert self.cache is not None
         s, prompt, tenant = op.slot, op.prompt, op.tenant
+        assert op.match is not None  # planned with a RAM cache: its index was walked
         choice = ram.find(self.cache, op.match, op.held)
         if choice is not None and not self._serves(self.cache.entries[choice.index], choice.n_lcp):
             choice = None
